@@ -1,0 +1,71 @@
+"""The contract every backend implements, and what it receives and returns.
+
+A backend turns prompt token ids into generated token ids. It knows nothing of chat templates, stop
+truncation or decoding: the engine renders prompts once, hands every backend the same ids and the same
+:class:`SamplingPlan`, and classifies and decodes what comes back with shared rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from engine.config.generation import GenerationOptions, StopPolicy
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a loaded backend can do; the engine validates requests against it before generating.
+
+    >>> Capabilities(name="hf", logprobs=True).supports_vlm
+    False
+    """
+
+    name: str
+    logprobs: bool = True
+    """Returns per-token top-k logprobs."""
+    supports_vlm: bool = False
+    """Accepts image inputs for the loaded model."""
+    hooks: frozenset[str] = field(default_factory=frozenset)
+    """Generation-time hooks it offers plugins (e.g. "hf_logits_processor", "vllm_logits_processor")."""
+
+
+@dataclass(frozen=True)
+class SamplingPlan:
+    """Everything a backend needs to generate, identical for every backend.
+
+    ``terminal_token_ids`` are the ids that end a row: the tokenizer's EOS ids plus ``stop.token_ids``.
+    """
+
+    options: GenerationOptions
+    stop: StopPolicy
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def terminal_token_ids(self) -> tuple[int, ...]:
+        return tuple(dict.fromkeys((*self.eos_token_ids, *self.stop.token_ids)))
+
+
+@dataclass(frozen=True)
+class BackendOutput:
+    """One row's generated ids (up to and including the one that ended it) and optional logprobs."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[dict[int, float], ...] | None = None
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A generation backend: batch in, one output per prompt out, in order."""
+
+    name: str
+    capabilities: Capabilities
+
+    def generate(self, prompts: Sequence[Sequence[int]], plan: SamplingPlan) -> list[BackendOutput]:
+        """Generate for every prompt (token ids) under ``plan``; return outputs in prompt order."""
+        ...
+
+    def close(self) -> None:
+        """Release the model and any engine resources."""
+        ...

@@ -1,0 +1,186 @@
+"""The Hugging Face transformers backend: ``model.generate`` on a left-padded batch.
+
+The model's own ``generation_config`` is replaced by an empty one at load, and every call passes a
+complete ``GenerationConfig`` built from the plan, so no checkpoint default (temperature, top_k=50,
+repetition penalty, max_length) leaks in. A finished row keeps being padded by ``generate``; the
+:class:`RowFinishRecorder` notes the step at which each row ended, so its ids are cut exactly there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from engine.backends.base import BackendOutput, Capabilities, SamplingPlan
+from engine.config import HfConfig, ModelConfig
+from engine.errors import BackendUnavailableError
+
+HOOKS = frozenset({"hf_logits_processor", "hf_stopping_criteria"})
+
+
+def _import_torch_transformers() -> tuple[Any, Any]:
+    try:
+        import torch
+        import transformers
+    except ImportError as err:
+        raise BackendUnavailableError("hf", f"{err.name} is not installed",
+                                      "pip install 'engine[hf]'") from err
+    return torch, transformers
+
+
+def resolve_device(device: str) -> str:
+    torch, _ = _import_torch_transformers()
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        from engine.errors import ConfigError
+
+        raise ConfigError("model.device", device, "needs CUDA, which this machine lacks", fix="use device: cpu")
+    return device
+
+
+class RowFinishRecorder:
+    """A stopping criterion that ends rows on terminal ids or stop strings and records when each ended.
+
+    ``lengths[row]`` is the number of generated tokens the row kept (None while it runs). Stop strings
+    count only once more than ``min_new_tokens`` tokens exist, as in vLLM.
+
+    >>> import torch
+    >>> rec = RowFinishRecorder(prompt_len=2, terminal_ids=[0], stop_criteria=None, min_new_tokens=0)
+    >>> rec(torch.tensor([[5, 5, 7], [5, 5, 0]]), None).tolist()
+    [False, True]
+    >>> rec.lengths
+    [None, 1]
+    """
+
+    def __init__(self, prompt_len: int, terminal_ids: Sequence[int], stop_criteria: Any, min_new_tokens: int):
+        import torch
+
+        self.prompt_len = prompt_len
+        self.terminal = torch.tensor(list(terminal_ids), dtype=torch.long)
+        self.stop_criteria = stop_criteria
+        self.min_new_tokens = min_new_tokens
+        self.lengths: list[int | None] = []
+
+    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        import torch
+
+        batch, total = input_ids.shape
+        if not self.lengths:
+            self.lengths = [None] * batch
+        step = total - self.prompt_len  # (batch, total): tokens generated so far = step
+        last = input_ids[:, -1]
+        done = torch.isin(last, self.terminal.to(last.device))
+        if self.stop_criteria is not None and step > self.min_new_tokens:
+            done = done | self.stop_criteria(input_ids, scores).to(done.device)
+        for row in torch.nonzero(done).flatten().tolist():
+            if self.lengths[row] is None:
+                self.lengths[row] = step
+        already = torch.tensor([n is not None for n in self.lengths], device=done.device)
+        return done | already
+
+
+class HfBackend:
+    """Generate with ``transformers``; the correctness-first default backend.
+
+    >>> from engine.backends.hf import HfBackend  # doctest: +SKIP
+    >>> backend = HfBackend(ModelConfig(path=".fixtures/smollm2-135m-instruct"), HfConfig(), tokenizer)  # doctest: +SKIP
+    """
+
+    name = "hf"
+
+    def __init__(self, model: ModelConfig, settings: HfConfig, tokenizer: Any) -> None:
+        torch, transformers = _import_torch_transformers()
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.device = resolve_device(model.device)
+        kwargs: dict[str, Any] = {"trust_remote_code": model.trust_remote_code}
+        kwargs["dtype"] = model.dtype if model.dtype == "auto" else getattr(torch, model.dtype)
+        if model.attn_implementation is not None:
+            kwargs["attn_implementation"] = model.attn_implementation
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model.path, **kwargs).to(self.device).eval()
+        self.model.generation_config = transformers.GenerationConfig()  # no checkpoint defaults leak in
+        self.capabilities = Capabilities(name="hf", logprobs=True, supports_vlm=False, hooks=HOOKS)
+
+    def close(self) -> None:
+        self.model = None
+
+    def generate(self, prompts: Sequence[Sequence[int]], plan: SamplingPlan) -> list[BackendOutput]:
+        size = self.settings.max_batch_size or max(len(prompts), 1)
+        outputs: list[BackendOutput] = []
+        for start in range(0, len(prompts), size):
+            outputs.extend(self._generate_batch(prompts[start : start + size], plan))
+        return outputs
+
+    def generation_config(self, plan: SamplingPlan) -> Any:
+        """The complete ``GenerationConfig`` for ``plan`` (nothing taken from the checkpoint)."""
+        from transformers import GenerationConfig
+
+        opts = plan.options
+        sampling: dict[str, Any] = {"do_sample": False}
+        if not opts.is_greedy:
+            sampling = {"do_sample": True, "temperature": opts.temperature, "top_p": opts.top_p,
+                        "top_k": opts.top_k or None}
+        return GenerationConfig(
+            max_new_tokens=opts.max_new_tokens,
+            min_new_tokens=opts.min_new_tokens or None,
+            repetition_penalty=opts.repetition_penalty,
+            eos_token_id=list(plan.terminal_token_ids),
+            pad_token_id=self.tokenizer.pad_token_id,
+            bos_token_id=self.tokenizer.bos_token_id,
+            return_dict_in_generate=True,
+            output_logits=opts.logprobs is not None,
+            num_beams=1,
+            **sampling,
+        )
+
+    def _left_pad(self, prompts: Sequence[Sequence[int]]) -> tuple[Any, Any]:
+        import torch
+
+        width = max(len(p) for p in prompts)
+        pad = self.tokenizer.pad_token_id
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)  # (batch, width)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            if p:
+                ids[row, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+                mask[row, width - len(p) :] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    def _generate_batch(self, prompts: Sequence[Sequence[int]], plan: SamplingPlan) -> list[BackendOutput]:
+        import torch
+        from transformers import StoppingCriteriaList, StopStringCriteria
+
+        input_ids, attention_mask = self._left_pad(prompts)
+        stop_criteria = StopStringCriteria(self.tokenizer, list(plan.stop.strings)) if plan.stop.strings else None
+        recorder = RowFinishRecorder(input_ids.shape[1], plan.terminal_token_ids, stop_criteria,
+                                     plan.options.min_new_tokens)
+        if plan.options.seed is not None:
+            torch.manual_seed(plan.options.seed)
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                      generation_config=self.generation_config(plan),
+                                      stopping_criteria=StoppingCriteriaList([recorder]))
+        generated = out.sequences[:, input_ids.shape[1] :].tolist()  # (batch, steps)
+        results = []
+        for row, ids in enumerate(generated):
+            n = recorder.lengths[row] if row < len(recorder.lengths) and recorder.lengths[row] else len(ids)
+            results.append(BackendOutput(token_ids=tuple(ids[:n]),
+                                         logprobs=self._logprobs(out.logits, row, n, ids, plan)))
+        return results
+
+    @staticmethod
+    def _logprobs(logits: Any, row: int, n: int, ids: list[int], plan: SamplingPlan) -> Any:
+        k = plan.options.logprobs
+        if k is None:
+            return None
+        import torch
+
+        per_token = []
+        for step in range(n):
+            lp = torch.log_softmax(logits[step][row].float(), dim=-1)  # (vocab,)
+            top = torch.topk(lp, k) if k else None
+            entry = {int(t): float(v) for t, v in zip(top.indices, top.values)} if top is not None else {}
+            entry[ids[step]] = float(lp[ids[step]])
+            per_token.append(entry)
+        return tuple(per_token)

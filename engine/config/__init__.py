@@ -1,0 +1,15 @@
+"""Typed, frozen, validated configuration. Start at :class:`EngineConfig`."""
+
+from engine.config.engine_config import BACKENDS, DTYPES, EngineConfig, HfConfig, ModelConfig, VllmConfig
+from engine.config.generation import GenerationOptions, StopPolicy
+
+__all__ = [
+    "BACKENDS",
+    "DTYPES",
+    "EngineConfig",
+    "GenerationOptions",
+    "HfConfig",
+    "ModelConfig",
+    "StopPolicy",
+    "VllmConfig",
+]

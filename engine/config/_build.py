@@ -1,0 +1,93 @@
+"""Turn plain mappings (parsed YAML, dicts) into frozen config dataclasses, strictly.
+
+Unknown keys fail with a "did you mean" hint; nested dataclasses are built recursively; lists become tuples
+so configs stay hashable and immutable. Range checks live in each dataclass's ``__post_init__``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from engine.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def did_you_mean(name: str, choices: typing.Iterable[str]) -> str:
+    """A hint naming the closest choice (if any) and every available one."""
+    choices = sorted(choices)
+    close = difflib.get_close_matches(name, choices, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"{hint}available: {', '.join(choices)}"
+
+
+def build(cls: type[T], data: Any, path: str) -> T:
+    """Build dataclass ``cls`` from ``data`` (a mapping or an instance), naming keys by dotted ``path``."""
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, Mapping):
+        raise ConfigError(path or cls.__name__, data, "must be a mapping", fix=f"give a mapping of {cls.__name__} keys")
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        full = f"{path}.{key}" if path else str(key)
+        if key not in fields:
+            raise ConfigError(full, value, "is not a known key", fix=did_you_mean(str(key), fields))
+        kwargs[key] = _coerce(hints[key], value, full)
+    missing = [
+        name
+        for name, f in fields.items()
+        if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        full = f"{path}.{missing[0]}" if path else missing[0]
+        raise ConfigError(full, None, "is required", fix=f"set {full}")
+    return cls(**kwargs)
+
+
+def _coerce(hint: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        non_none = [o for o in options if o is not type(None)]
+        if len(non_none) == 1:
+            return _coerce(non_none[0], value, path)
+        return value
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+        return build(hint, value, path)
+    if origin is tuple:
+        if isinstance(value, (str, bytes)) or not isinstance(value, typing.Iterable):
+            raise ConfigError(path, value, "must be a list", fix="write it as a YAML list, e.g. [a, b]")
+        return tuple(value)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def check_type(path: str, value: Any, kind: type | tuple[type, ...], what: str) -> None:
+    """Reject values of the wrong type (bools are not ints here)."""
+    if isinstance(value, bool) and kind is not bool and (kind is int or (isinstance(kind, tuple) and bool not in kind)):
+        raise ConfigError(path, value, f"must be {what}", fix=f"give {what}, not a boolean")
+    if not isinstance(value, kind):
+        raise ConfigError(path, value, f"must be {what}", fix=f"give {what}")
+
+
+def check_range(path: str, value: float, *, low: float | None = None, high: float | None = None,
+                low_open: bool = False, high_open: bool = False, fix: str | None = None) -> None:
+    """Check ``value`` lies in the interval, with a message that states exactly the interval checked."""
+    below = low is not None and (value <= low if low_open else value < low)
+    above = high is not None and (value >= high if high_open else value > high)
+    if below or above:
+        left = "(" if low_open else "["
+        right = ")" if high_open else "]"
+        lo = "-inf" if low is None else f"{low:g}"
+        hi = "inf" if high is None else f"{high:g}"
+        raise ConfigError(path, value, f"must be in {left}{lo}, {hi}{right}", fix=fix)

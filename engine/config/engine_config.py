@@ -1,0 +1,159 @@
+"""The engine's top-level configuration: one YAML file or dict, validated into frozen objects at load time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.backends.registry import REGISTRY
+from engine.config._build import build, check_range, check_type, did_you_mean
+from engine.config.generation import GenerationOptions, StopPolicy
+from engine.errors import ConfigError
+
+BACKENDS = tuple(REGISTRY)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to load and how. One tokenizer (from ``path``) serves every backend.
+
+    >>> ModelConfig(path="/models/x", dtype="float32").dtype
+    'float32'
+    >>> ModelConfig(path="/models/x", dtype="fp8")
+    Traceback (most recent call last):
+    ...
+    engine.errors.ConfigError: model.dtype must be one of auto, float32, bfloat16, float16, got 'fp8'. \
+Fix: did you mean 'float16'? available: auto, bfloat16, float16, float32.
+    """
+
+    path: str
+    """Local directory of a Hugging Face checkpoint (weights, config, tokenizer, chat template)."""
+    dtype: str = "auto"
+    """One of auto, float32, bfloat16, float16. auto: the checkpoint's dtype (float32 on CPU for vLLM)."""
+    device: str = "auto"
+    """HF backend device: auto (cuda when available, else cpu), cpu, cuda or cuda:N. vLLM picks its own."""
+    attn_implementation: str | None = None
+    """HF attention implementation (eager, sdpa, flash_attention_2, ...). None: the HF default.
+    Not applicable to vLLM, which chooses its own attention backend."""
+    trust_remote_code: bool = False
+    """Allow model code shipped inside the checkpoint."""
+    max_model_len: int | None = None
+    """Context length cap (prompt + output); vLLM sizes its KV cache by it. None: the model's own."""
+
+    def __post_init__(self) -> None:
+        check_type("model.path", self.path, str, "a path string")
+        if not self.path:
+            raise ConfigError("model.path", self.path, "must not be empty", fix="give a local model directory")
+        if self.dtype not in DTYPES:
+            raise ConfigError("model.dtype", self.dtype, f"must be one of {', '.join(DTYPES)}",
+                              fix=did_you_mean(str(self.dtype), DTYPES))
+        check_type("model.device", self.device, str, "a device string")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError("model.device", self.device, "must be auto, cpu, cuda or cuda:N",
+                              fix="use one of those device names")
+        if self.attn_implementation is not None:
+            check_type("model.attn_implementation", self.attn_implementation, str, "a string")
+        check_type("model.trust_remote_code", self.trust_remote_code, bool, "true or false")
+        if self.max_model_len is not None:
+            check_type("model.max_model_len", self.max_model_len, int, "an integer")
+            check_range("model.max_model_len", self.max_model_len, low=1)
+
+
+@dataclass(frozen=True)
+class HfConfig:
+    """Settings of the Hugging Face transformers backend."""
+
+    max_batch_size: int | None = None
+    """Most requests per ``generate`` call; larger batches are split. None: the whole batch at once."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size is not None:
+            check_type("hf.max_batch_size", self.max_batch_size, int, "an integer")
+            check_range("hf.max_batch_size", self.max_batch_size, low=1)
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    """Settings of the in-process ("colocate") vLLM backend; parallelism passes straight to ``vllm.LLM``."""
+
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may take, in (0, 1]."""
+    cpu_kv_cache_space_gib: int = 1
+    """KV-cache size on CPU hosts (sets ``VLLM_CPU_KVCACHE_SPACE`` if unset), in [1, inf)."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs (faster start, slower decode)."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor parallelism, in [1, inf)."""
+    data_parallel_size: int = 1
+    """vLLM data parallelism, in [1, inf)."""
+    max_num_seqs: int | None = None
+    """Most sequences vLLM schedules at once. None: vLLM's default."""
+
+    def __post_init__(self) -> None:
+        check_type("vllm.gpu_memory_utilization", self.gpu_memory_utilization, (int, float), "a number")
+        check_range("vllm.gpu_memory_utilization", self.gpu_memory_utilization, low=0, high=1, low_open=True)
+        check_type("vllm.cpu_kv_cache_space_gib", self.cpu_kv_cache_space_gib, int, "an integer")
+        check_range("vllm.cpu_kv_cache_space_gib", self.cpu_kv_cache_space_gib, low=1)
+        check_type("vllm.enforce_eager", self.enforce_eager, bool, "true or false")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            check_type(f"vllm.{name}", getattr(self, name), int, "an integer")
+            check_range(f"vllm.{name}", getattr(self, name), low=1)
+        if self.max_num_seqs is not None:
+            check_type("vllm.max_num_seqs", self.max_num_seqs, int, "an integer")
+            check_range("vllm.max_num_seqs", self.max_num_seqs, low=1)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, validated at load time. The backend is explicit and never changes.
+
+    >>> cfg = EngineConfig.from_dict({"backend": "hf", "model": {"path": "/m"}, "generation": {"max_new_tokens": 8}})
+    >>> cfg.backend, cfg.generation.max_new_tokens
+    ('hf', 8)
+    >>> EngineConfig.from_dict({"backend": "hf", "model": "/m", "genration": {}})
+    Traceback (most recent call last):
+    ...
+    engine.errors.ConfigError: genration is not a known key, got {}. Fix: did you mean 'generation'? \
+available: backend, generation, hf, model, stop, vllm.
+    """
+
+    backend: str
+    """Which backend runs generation: hf or vllm."""
+    model: ModelConfig
+    """The model; a bare string is taken as ``model.path``."""
+    generation: GenerationOptions = field(default_factory=GenerationOptions)
+    """Default generation options; each call may override fields."""
+    stop: StopPolicy = field(default_factory=StopPolicy)
+    """Default stop policy; each call may override it."""
+    hf: HfConfig = field(default_factory=HfConfig)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError("backend", self.backend, f"must be one of {', '.join(BACKENDS)}",
+                              fix=did_you_mean(str(self.backend), BACKENDS))
+        if self.backend == "vllm" and self.model.attn_implementation is not None:
+            raise ConfigError("model.attn_implementation", self.model.attn_implementation,
+                              "does not apply to the vllm backend",
+                              fix="remove it (vLLM picks its attention backend; see VLLM_ATTENTION_BACKEND)")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
+        """Validate a mapping (e.g. parsed YAML) into a config; unknown keys and bad values raise ConfigError."""
+        if isinstance(data, dict) and isinstance(data.get("model"), str):
+            data = {**data, "model": {"path": data["model"]}}
+        return build(cls, data, "")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> EngineConfig:
+        """Load and validate a YAML config file."""
+        import yaml
+
+        text = Path(path).read_text(encoding="utf-8")
+        data = yaml.safe_load(text)
+        if not isinstance(data, dict):
+            raise ConfigError(str(path), data, "must hold a YAML mapping at the top level",
+                              fix="start the file with keys such as 'backend:' and 'model:'")
+        return cls.from_dict(data)

@@ -1,0 +1,127 @@
+"""Generation options and stop policy: what every backend receives, identically."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from engine.config._build import build, check_range, check_type
+from engine.errors import ConfigError
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """Sampling and length options, mapped identically onto every backend.
+
+    No backend default leaks in: the HF model's ``generation_config`` and vLLM's ``SamplingParams`` defaults
+    (``max_tokens=16``) are replaced by exactly these values.
+
+    >>> opts = GenerationOptions(max_new_tokens=32)
+    >>> opts.is_greedy
+    True
+    >>> GenerationOptions(top_p=1.5)
+    Traceback (most recent call last):
+    ...
+    engine.errors.ConfigError: generation.top_p must be in (0, 1], got 1.5. Fix: use a value such as 0.9.
+    """
+
+    max_new_tokens: int = 256
+    """Most tokens generated per request, in [1, inf)."""
+    temperature: float = 0.0
+    """Sampling temperature in [0, inf); 0 means greedy decoding."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]; 1 disables it. Only with temperature > 0."""
+    top_k: int = 0
+    """Keep the k most likely tokens, in [0, inf); 0 disables it. Only with temperature > 0."""
+    seed: int | None = None
+    """Sampling seed in [0, 2**63); reproducible per backend, not across backends. None: unseeded."""
+    repetition_penalty: float = 1.0
+    """Penalty on prompt and output tokens (CTRL-style, as HF and vLLM define it), in (0, inf); 1 disables it."""
+    min_new_tokens: int = 0
+    """EOS and stop token ids are banned until this many tokens exist, in [0, max_new_tokens]."""
+    logprobs: int | None = None
+    """Return the top-k log-probabilities (of the raw model distribution) per generated token, k in
+    [0, 20]; the chosen token is always included. None: no logprobs."""
+
+    def __post_init__(self) -> None:
+        p = "generation"
+        check_type(f"{p}.max_new_tokens", self.max_new_tokens, int, "an integer")
+        check_range(f"{p}.max_new_tokens", self.max_new_tokens, low=1, fix="ask for at least one token")
+        check_type(f"{p}.temperature", self.temperature, (int, float), "a number")
+        check_range(f"{p}.temperature", self.temperature, low=0, fix="use 0 for greedy or a positive value")
+        check_type(f"{p}.top_p", self.top_p, (int, float), "a number")
+        check_range(f"{p}.top_p", self.top_p, low=0, high=1, low_open=True, fix="use a value such as 0.9")
+        check_type(f"{p}.top_k", self.top_k, int, "an integer")
+        check_range(f"{p}.top_k", self.top_k, low=0, fix="use 0 to disable top-k")
+        if self.seed is not None:
+            check_type(f"{p}.seed", self.seed, int, "an integer")
+            check_range(f"{p}.seed", self.seed, low=0, high=2**63, high_open=True)
+        check_type(f"{p}.repetition_penalty", self.repetition_penalty, (int, float), "a number")
+        check_range(f"{p}.repetition_penalty", self.repetition_penalty, low=0, low_open=True,
+                    fix="use 1.0 to disable the penalty")
+        check_type(f"{p}.min_new_tokens", self.min_new_tokens, int, "an integer")
+        check_range(f"{p}.min_new_tokens", self.min_new_tokens, low=0, high=self.max_new_tokens,
+                    fix=f"keep it at most generation.max_new_tokens ({self.max_new_tokens})")
+        if self.logprobs is not None:
+            check_type(f"{p}.logprobs", self.logprobs, int, "an integer")
+            check_range(f"{p}.logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.is_greedy and self.top_p != 1.0:
+            raise ConfigError(f"{p}.top_p", self.top_p, "has no effect with temperature 0 (greedy)",
+                              fix="set generation.temperature > 0 to sample, or leave top_p at 1.0")
+        if self.is_greedy and self.top_k != 0:
+            raise ConfigError(f"{p}.top_k", self.top_k, "has no effect with temperature 0 (greedy)",
+                              fix="set generation.temperature > 0 to sample, or leave top_k at 0")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    def merged(self, overrides: GenerationOptions | dict[str, Any] | None) -> GenerationOptions:
+        """These options with ``overrides`` (a mapping of fields, or a whole options object) applied."""
+        if overrides is None:
+            return self
+        if isinstance(overrides, GenerationOptions):
+            return overrides
+        return build(GenerationOptions, {**asdict(self), **overrides}, "generation")
+
+
+@dataclass(frozen=True)
+class StopPolicy:
+    """When generation ends besides EOS and the token budget.
+
+    Backends use their native mechanism to stop early (saving compute); the engine then cuts ``text`` at
+    the earliest occurrence of any stop string, deterministically, so ``text`` is identical on every backend.
+
+    >>> StopPolicy(strings=("\\n\\n",), token_ids=(13,)).strings
+    ('\\n\\n',)
+    >>> StopPolicy(strings=("",))
+    Traceback (most recent call last):
+    ...
+    engine.errors.ConfigError: stop.strings[0] must be a non-empty string, got ''. Fix: remove it or give text.
+    """
+
+    strings: tuple[str, ...] = ()
+    """Stop strings matched on the decoded text (special tokens skipped)."""
+    token_ids: tuple[int, ...] = ()
+    """Extra token ids that end a row (the tokenizer's EOS always does)."""
+    include_stop_str: bool = False
+    """Keep the matched stop string at the end of ``text``."""
+
+    def __post_init__(self) -> None:
+        for i, s in enumerate(self.strings):
+            if not isinstance(s, str) or not s:
+                raise ConfigError(f"stop.strings[{i}]", s, "must be a non-empty string", fix="remove it or give text")
+        for i, t in enumerate(self.token_ids):
+            check_type(f"stop.token_ids[{i}]", t, int, "an integer token id")
+            check_range(f"stop.token_ids[{i}]", t, low=0)
+        check_type("stop.include_stop_str", self.include_stop_str, bool, "true or false")
+
+    def merged(self, overrides: StopPolicy | dict[str, Any] | None) -> StopPolicy:
+        """This policy with ``overrides`` applied (a whole policy replaces it)."""
+        if overrides is None:
+            return self
+        if isinstance(overrides, StopPolicy):
+            return overrides
+        return build(StopPolicy, {**asdict(self), **overrides}, "stop")

@@ -1,0 +1,59 @@
+"""The engine's error hierarchy.
+
+Every error raised for bad input says what was wrong (the field), the value, and what to do about it.
+Catch :class:`EngineError` to catch them all.
+
+>>> from engine.errors import ConfigError
+>>> err = ConfigError("generation.top_p", 1.5, "must be in (0, 1]", fix="use a value such as 0.9")
+>>> str(err)
+'generation.top_p must be in (0, 1], got 1.5. Fix: use a value such as 0.9.'
+>>> err.field, err.value
+('generation.top_p', 1.5)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class EngineError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class _FieldError(EngineError, ValueError):
+    """An error about one named field with an offending value and a fix."""
+
+    def __init__(self, field: str, value: Any, problem: str, *, fix: str | None = None) -> None:
+        self.field = field
+        self.value = value
+        self.problem = problem
+        self.fix = fix
+        message = f"{field} {problem}, got {value!r}."
+        if fix:
+            message += f" Fix: {fix.rstrip('.')}."
+        super().__init__(message)
+
+
+class ConfigError(_FieldError):
+    """A configuration key is unknown, missing, of the wrong type, out of range, or conflicts with another."""
+
+
+class RequestError(_FieldError):
+    """A generation request is malformed (empty messages, unknown role, ...). ``field`` names the request."""
+
+
+class UnsupportedCapabilityError(EngineError):
+    """The selected backend cannot do what the request or config asks for."""
+
+
+class PluginCompatibilityError(EngineError):
+    """A plugin needs a hook or request kind the selected backend or request does not offer."""
+
+
+class BackendUnavailableError(EngineError, ImportError):
+    """A backend cannot be loaded on this machine; the message names the backend and what is missing."""
+
+    def __init__(self, backend: str, missing: str, fix: str) -> None:
+        self.backend = backend
+        self.missing = missing
+        super().__init__(f"backend {backend!r} cannot load: {missing}. Fix: {fix.rstrip('.')}.")

