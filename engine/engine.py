@@ -29,11 +29,13 @@ RequestLike = ChatRequest | Sequence[Mapping[str, Any]]
 class GenerationEngine:
     """Batch-first chat generation with one contract on every backend.
 
-    >>> from fixtures import fixture_path                                     # doctest: +SKIP
-    >>> engine = GenerationEngine({"backend": "hf", "model": str(fixture_path("smollm2-135m-instruct")),
-    ...                            "generation": {"max_new_tokens": 16}})     # doctest: +SKIP
-    >>> [r.text for r in engine.generate([[{"role": "user", "content": "Capital of France?"}]])]  # doctest: +SKIP
-    ['The capital of France is Paris.']
+    Example (needs a built model; ``python -m fixtures build``)::
+
+        from fixtures import fixture_path
+        engine = GenerationEngine({"backend": "hf", "model": str(fixture_path("smollm2-135m-instruct")),
+                                   "generation": {"max_new_tokens": 16}})
+        [r.text for r in engine.generate([[{"role": "user", "content": "What is the capital of France?"}]])]
+        # ['The capital of France is Paris.']
     """
 
     def __init__(self, config: EngineConfig | Mapping[str, Any] | str | Path) -> None:
@@ -102,7 +104,9 @@ class GenerationEngine:
         ids = list(out.token_ids)
         decode = self.tokenizer.decode
         raw_text = decode(ids, skip_special_tokens=False)
-        full_text = decode(ids, skip_special_tokens=True)
+        # A terminal stop token id belongs to no text (as in vLLM) unless the policy keeps stops.
+        ends_on_stop_id = bool(ids) and ids[-1] in plan.terminal_token_ids and not plan.stop.include_stop_str
+        full_text = decode(ids[:-1] if ends_on_stop_id else ids, skip_special_tokens=True)
         min_new = plan.options.min_new_tokens
         min_end = len(decode(ids[:min_new], skip_special_tokens=True)) if min_new else 0
         text, matched = truncate_at_stop(full_text, plan.stop.strings, include_stop=plan.stop.include_stop_str,

@@ -83,8 +83,10 @@ class RowFinishRecorder:
 class HfBackend:
     """Generate with ``transformers``; the correctness-first default backend.
 
-    >>> from engine.backends.hf import HfBackend  # doctest: +SKIP
-    >>> backend = HfBackend(ModelConfig(path=".fixtures/smollm2-135m-instruct"), HfConfig(), tokenizer)  # doctest: +SKIP
+    Usually built by ``GenerationEngine``; directly (needs a built model)::
+
+        tokenizer, info = load_tokenizer(ModelConfig(path=".fixtures/smollm2-135m-instruct"))
+        backend = HfBackend(ModelConfig(path=".fixtures/smollm2-135m-instruct"), HfConfig(), tokenizer)
     """
 
     name = "hf"
@@ -180,7 +182,7 @@ class HfBackend:
         for step in range(n):
             lp = torch.log_softmax(logits[step][row].float(), dim=-1)  # (vocab,)
             top = torch.topk(lp, k) if k else None
-            entry = {int(t): float(v) for t, v in zip(top.indices, top.values)} if top is not None else {}
+            entry = {int(t): float(v) for t, v in zip(top.indices, top.values, strict=True)} if top is not None else {}
             entry[ids[step]] = float(lp[ids[step]])
             per_token.append(entry)
         return tuple(per_token)

@@ -45,7 +45,10 @@ def prepare_environment(settings: VllmConfig) -> dict[str, str]:
 class VllmBackend:
     """Generate with an in-process ``vllm.LLM``.
 
-    >>> backend = VllmBackend(ModelConfig(path=".fixtures/smollm2-135m-instruct"), VllmConfig(), tok)  # doctest: +SKIP
+    Usually built by ``GenerationEngine``; directly (needs a built model and vLLM)::
+
+        tokenizer, info = load_tokenizer(ModelConfig(path=".fixtures/smollm2-135m-instruct"))
+        backend = VllmBackend(ModelConfig(path=".fixtures/smollm2-135m-instruct"), VllmConfig(), tokenizer)
     """
 
     name = "vllm"
@@ -80,6 +83,8 @@ class VllmBackend:
         self.capabilities = Capabilities(name="vllm", logprobs=True, supports_vlm=False, hooks=HOOKS)
 
     def close(self) -> None:
+        """Shut the engine down. Caution: vLLM keeps its parallel state per process, so closing one
+        in-process engine breaks any other still alive in the same process; close them together, last."""
         import gc
 
         self.llm = None

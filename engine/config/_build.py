@@ -21,7 +21,7 @@ T = TypeVar("T")
 def did_you_mean(name: str, choices: typing.Iterable[str]) -> str:
     """A hint naming the closest choice (if any) and every available one."""
     choices = sorted(choices)
-    close = difflib.get_close_matches(name, choices, n=1)
+    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
     hint = f"did you mean {close[0]!r}? " if close else ""
     return f"{hint}available: {', '.join(choices)}"
 

@@ -21,10 +21,10 @@ class ModelConfig:
 
     >>> ModelConfig(path="/models/x", dtype="float32").dtype
     'float32'
-    >>> ModelConfig(path="/models/x", dtype="fp8")
+    >>> ModelConfig(path="/models/x", dtype="fp16")
     Traceback (most recent call last):
     ...
-    engine.errors.ConfigError: model.dtype must be one of auto, float32, bfloat16, float16, got 'fp8'. \
+    engine.errors.ConfigError: model.dtype must be one of auto, float32, bfloat16, float16, got 'fp16'. \
 Fix: did you mean 'float16'? available: auto, bfloat16, float16, float32.
     """
 

@@ -1,0 +1,51 @@
+"""Compare two backends' outputs on the same requests; failures name the backend, request, step and values."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Divergence:
+    request: int
+    step: int
+    token_0: int | None
+    token_1: int | None
+
+
+def first_divergence(ids_0: Sequence[int], ids_1: Sequence[int]) -> int | None:
+    """Index of the first differing token (a length difference counts), or None when equal."""
+    for step, (a, b) in enumerate(zip(ids_0, ids_1, strict=False)):
+        if a != b:
+            return step
+    return None if len(ids_0) == len(ids_1) else min(len(ids_0), len(ids_1))
+
+
+def describe(results_0: Sequence[Any], results_1: Sequence[Any], *, name_0: str, name_1: str,
+             labels: Sequence[str], tokenizer: Any) -> list[str]:
+    """One line per request whose token ids differ, with both continuations from the divergence."""
+    lines = []
+    for i, (r0, r1) in enumerate(zip(results_0, results_1, strict=True)):
+        step = first_divergence(r0.token_ids, r1.token_ids)
+        if step is None:
+            continue
+        tail_0 = tokenizer.decode(list(r0.token_ids[step: step + 8]))
+        tail_1 = tokenizer.decode(list(r1.token_ids[step: step + 8]))
+        lines.append(f"request {i} ({labels[i]}): diverges at step {step}: {name_0}={tail_0!r} vs {name_1}={tail_1!r}"
+                     f"; common prefix {tokenizer.decode(list(r0.token_ids[:step]))!r}")
+    return lines
+
+
+def check_logprobs_close(*, outputs_0: Sequence[Any], outputs_1: Sequence[Any], name_0: str, name_1: str) -> None:
+    """vLLM's rule: equal up to the first divergence, where each side's token is in the other's top-k."""
+    for i, (r0, r1) in enumerate(zip(outputs_0, outputs_1, strict=True)):
+        step = first_divergence(r0.token_ids, r1.token_ids)
+        if step is None or step >= min(len(r0.token_ids), len(r1.token_ids)):
+            continue
+        t0, t1 = r0.token_ids[step], r1.token_ids[step]
+        assert t0 in r1.logprobs[step], (f"request {i} step {step}: {name_0} token {t0} not in {name_1} top-k "
+                                         f"{sorted(r1.logprobs[step])}")
+        assert t1 in r0.logprobs[step], (f"request {i} step {step}: {name_1} token {t1} not in {name_0} top-k "
+                                         f"{sorted(r0.logprobs[step])}")

@@ -1,0 +1,108 @@
+"""Conformance plumbing: one option group, engines shared per session, the backend as a parameter.
+
+Options (all under "engine conformance" in ``pytest --help``):
+``--engine-backends``, ``--engine-model``, ``--engine-vlm-model``, ``--engine-dtype``, ``--engine-device``.
+Defaults are the fixture models built by ``python -m fixtures build``. A backend that cannot run here is
+skipped with its reason printed in the summary, never silently. After each run a per-backend x per-check
+table is written to ``reports/conformance-summary.md`` (and ``.parquet`` when pandas is installed).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conformance.pool import EnginePool, PoolOptions
+from conformance.report import SummaryCollector
+from engine.config import BACKENDS, DTYPES
+
+POOL_KEY = pytest.StashKey[EnginePool]()
+
+
+def _default_model(name: str) -> str:
+    from fixtures import fixture_path
+
+    return str(fixture_path(name))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("engine conformance")
+    group.addoption("--engine-backends", default=",".join(BACKENDS),
+                    help=f"comma-separated backends to check (default: {','.join(BACKENDS)})")
+    group.addoption("--engine-model", default=None,
+                    help="text model folder (default: the smollm2-135m-instruct fixture)")
+    group.addoption("--engine-vlm-model", default=None,
+                    help="vision-language model folder (default: the tiny-qwen2-vl fixture)")
+    group.addoption("--engine-dtype", default="float32", choices=DTYPES,
+                    help="model dtype; float32 gives exact greedy parity on CPU (default: float32)")
+    group.addoption("--engine-device", default="auto",
+                    help="HF device: auto, cpu, cuda, cuda:N (default: auto)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    backends = [b.strip() for b in config.getoption("--engine-backends").split(",") if b.strip()]
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        raise pytest.UsageError(f"--engine-backends: unknown {unknown}; available: {', '.join(BACKENDS)}")
+    options = PoolOptions(
+        backends=tuple(backends),
+        model=config.getoption("--engine-model") or _default_model("smollm2-135m-instruct"),
+        vlm_model=config.getoption("--engine-vlm-model") or _default_model("tiny-qwen2-vl"),
+        dtype=config.getoption("--engine-dtype"),
+        device=config.getoption("--engine-device"),
+    )
+    config.stash[POOL_KEY] = EnginePool(options)
+    config.pluginmanager.register(SummaryCollector(Path(config.rootpath) / "reports"), "engine-summary")
+
+
+def unavailable_reason(backend: str) -> str | None:
+    """Why ``backend`` cannot run on this machine, or None when it can."""
+    needs = {"hf": ("torch", "transformers"), "vllm": ("vllm",)}[backend]
+    missing = [m for m in needs if importlib.util.find_spec(m) is None]
+    return f"{backend}: {', '.join(missing)} not installed" if missing else None
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "backend" in metafunc.fixturenames:
+        metafunc.parametrize("backend", list(metafunc.config.stash[POOL_KEY].options.backends), scope="session")
+
+
+@pytest.fixture(scope="session")
+def pool(pytestconfig: pytest.Config) -> Iterator[EnginePool]:
+    p = pytestconfig.stash[POOL_KEY]
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="session")
+def backend_names(pool: EnginePool) -> tuple[str, ...]:
+    """Every selected backend that can run here; parity checks skip (with the reason) below two."""
+    runnable = tuple(b for b in pool.options.backends if unavailable_reason(b) is None)
+    if len(runnable) < 2:
+        reasons = [unavailable_reason(b) for b in pool.options.backends]
+        pytest.skip(f"parity needs two runnable backends; have {runnable} ({'; '.join(r for r in reasons if r)})")
+    return runnable
+
+
+@pytest.fixture(scope="session")
+def engine(pool: EnginePool, backend: str) -> Any:
+    """The shared text engine of ``backend`` on ``--engine-model``."""
+    reason = unavailable_reason(backend)
+    if reason:
+        pytest.skip(reason)
+    return pool.text_engine(backend)
+
+
+@pytest.fixture(scope="session")
+def engines(pool: EnginePool, backend_names: tuple[str, ...]) -> dict[str, Any]:
+    """The shared text engine of every runnable backend, by name."""
+    return {b: pool.text_engine(b) for b in backend_names}
+
+
+@pytest.fixture(scope="session")
+def model_path(pool: EnginePool) -> Path:
+    return Path(pool.options.model)

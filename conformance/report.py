@@ -1,0 +1,70 @@
+"""The per-run conformance summary: one row per backend x check, as markdown and (with pandas) Parquet."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+OUTCOMES = ("passed", "failed", "skipped")
+
+
+def backend_of(nodeid: str) -> str:
+    match = re.search(r"\[(?:[^\]]*-)?(hf|vllm)(?:-[^\]]*)?\]", nodeid)
+    return match.group(1) if match else "cross-backend"
+
+
+def check_of(nodeid: str) -> str:
+    module = nodeid.split("::")[0].rsplit("/", 1)[-1]
+    return module.removeprefix("test_").removesuffix(".py")
+
+
+class SummaryCollector:
+    """A pytest plugin: counts outcomes per (backend, check) and writes the summary at session end."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.counts: Counter[tuple[str, str, str]] = Counter()
+        self.skip_reasons: dict[tuple[str, str], str] = {}
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        keys = sorted({(b, c) for b, c, _ in self.counts})
+        return [{"backend": b, "check": c, **{o: self.counts[(b, c, o)] for o in OUTCOMES},
+                 "skip_reason": self.skip_reasons.get((b, c), "")} for b, c in keys]
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+            outcome = "failed" if report.outcome == "failed" else report.outcome
+            key = (backend_of(report.nodeid), check_of(report.nodeid))
+            self.counts[(*key, outcome)] += 1
+            if outcome == "skipped" and isinstance(report.longrepr, tuple):
+                self.skip_reasons[key] = str(report.longrepr[2])
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if not self.rows:
+            return
+        written = self.write()
+        session.config.get_terminal_writer().line(f"conformance summary: {', '.join(map(str, written))}")
+
+    def write(self) -> list[Path]:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        rows = self.rows
+        lines = ["| backend | check | passed | failed | skipped | skip reason |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['backend']} | {r['check']} | {r['passed']} | {r['failed']} | {r['skipped']} | "
+                  f"{r['skip_reason']} |" for r in rows]
+        md = self.out_dir / "conformance-summary.md"
+        md.write_text("\n".join(lines) + "\n")
+        written = [md]
+        try:
+            import pandas as pd
+
+            pq = self.out_dir / "conformance-summary.parquet"
+            pd.DataFrame(rows).to_parquet(pq, index=False)
+            written.append(pq)
+        except ImportError:
+            pass
+        return written

@@ -1,0 +1,51 @@
+"""Loading: pad-token fallback and left padding on a tokenizer without a pad token; no checkpoint defaults leak."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from fixtures import load_prompts
+
+CHAT = [p["messages"] for p in load_prompts("chat")]
+
+# Defaults a checkpoint might ship; none may reach generation.
+POISONED_GENERATION_CONFIG = {"do_sample": True, "temperature": 1.7, "top_k": 3, "top_p": 0.5,
+                              "repetition_penalty": 1.9, "max_new_tokens": 2, "max_length": 5}
+
+
+@pytest.fixture(scope="session")
+def variant_model(model_path, tmp_path_factory):
+    """The text model with its pad token removed and a poisoned generation_config.json (weights symlinked)."""
+    out = tmp_path_factory.mktemp("variant") / "no-pad-poisoned"
+    out.mkdir()
+    for item in model_path.iterdir():
+        if item.suffix == ".safetensors":
+            os.symlink(item.resolve(), out / item.name)
+        elif item.is_file():
+            shutil.copy2(item, out / item.name)
+    cfg_path = out / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_path.read_text())
+    tok_cfg.pop("pad_token", None)
+    cfg_path.write_text(json.dumps(tok_cfg))
+    model_cfg = json.loads((out / "config.json").read_text())
+    model_cfg.pop("pad_token_id", None)
+    (out / "config.json").write_text(json.dumps(model_cfg))
+    (out / "generation_config.json").write_text(json.dumps(POISONED_GENERATION_CONFIG))
+    return out
+
+
+def test_pad_fallback_left_padding_and_no_leaked_defaults(pool, backend, engine, variant_model):
+    variant = pool.engine(backend, str(variant_model))
+    assert variant.tokenizer.pad_token_id == variant.tokenizer.eos_token_id
+    assert variant.tokenizer.padding_side == "left"
+    opts = {"max_new_tokens": 24}
+    got = variant.generate(CHAT, options=opts)
+    want = engine.generate(CHAT, options=opts)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.meta["pad_token_fallback"] is True and w.meta["pad_token_fallback"] is False
+        assert g.token_ids == w.token_ids, f"request {i}: variant (no pad, poisoned defaults) differs"
+    assert max(len(r.token_ids) for r in got) > 2, "a leaked max_new_tokens=2 would have cut every row"

@@ -1,0 +1,1 @@
+"""Contained compatibility shims, each active only where its trigger condition holds."""

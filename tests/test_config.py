@@ -1,0 +1,81 @@
+"""Config validation: unknown keys, ranges, conflicts and YAML loading fail with field, value and fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig, GenerationOptions, StopPolicy
+from engine.errors import ConfigError
+
+BASE = {"backend": "hf", "model": {"path": "/m"}}
+
+
+def cfg(**over):
+    return EngineConfig.from_dict({**BASE, **over})
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "words"),
+    [
+        ({**BASE, "backnd": "hf"}, "backnd", "did you mean 'backend'"),
+        ({**BASE, "backend": "vlm"}, "backend", "did you mean 'vllm'"),
+        ({**BASE, "generation": {"max_new_token": 3}}, "generation.max_new_token", "did you mean 'max_new_tokens'"),
+        ({**BASE, "generation": {"top_k": -1}}, "generation.top_k", "[0, inf]"),
+        ({**BASE, "generation": {"temperature": 0.5, "top_p": 0}}, "generation.top_p", "(0, 1]"),
+        ({**BASE, "generation": {"max_new_tokens": True}}, "generation.max_new_tokens", "an integer"),
+        ({**BASE, "generation": {"seed": -1}}, "generation.seed", "[0,"),
+        ({**BASE, "model": {"path": "/m", "dtype": "fp16"}}, "model.dtype", "float16"),
+        ({**BASE, "model": {"path": "/m", "device": "tpu"}}, "model.device", "cuda:N"),
+        ({**BASE, "vllm": {"gpu_memory_utilization": 1.5}}, "vllm.gpu_memory_utilization", "(0, 1]"),
+        ({**BASE, "hf": {"max_batch_size": 0}}, "hf.max_batch_size", "[1, inf]"),
+        ({**BASE, "stop": {"strings": "abc"}}, "stop.strings", "must be a list"),
+        ({"backend": "hf"}, "model", "is required"),
+        ({**BASE, "backend": "vllm", "model": {"path": "/m", "attn_implementation": "sdpa"}},
+         "model.attn_implementation", "does not apply"),
+    ],
+)
+def test_bad_config_names_field_value_and_fix(data, field, words):
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.from_dict(data)
+    assert info.value.field == field
+    assert words in str(info.value)
+    assert "Fix:" in str(info.value) or "required" in str(info.value) or "must be" in str(info.value)
+
+
+def test_greedy_conflicts_are_errors():
+    with pytest.raises(ConfigError, match="temperature 0"):
+        GenerationOptions(top_k=5)
+    GenerationOptions(temperature=0.7, top_k=5, top_p=0.9)  # fine when sampling
+
+
+def test_model_shorthand_and_defaults():
+    c = EngineConfig.from_dict({"backend": "vllm", "model": "/m"})
+    assert c.model.path == "/m" and c.generation.max_new_tokens == 256 and c.stop == StopPolicy()
+
+
+def test_configs_are_frozen():
+    c = cfg()
+    with pytest.raises(AttributeError):
+        c.backend = "vllm"  # type: ignore[misc]
+
+
+def test_merged_overrides_validate_against_the_merged_whole():
+    base = GenerationOptions(max_new_tokens=512)
+    merged = base.merged({"min_new_tokens": 300})
+    assert merged.max_new_tokens == 512 and merged.min_new_tokens == 300
+    with pytest.raises(ConfigError) as info:
+        base.merged({"min_new_tokens": 600})
+    assert info.value.field == "generation.min_new_tokens"
+    assert StopPolicy(strings=("a",)).merged({"include_stop_str": True}) == StopPolicy(strings=("a",),
+                                                                                       include_stop_str=True)
+
+
+def test_yaml_file(tmp_path):
+    path = tmp_path / "engine.yaml"
+    path.write_text("backend: hf\nmodel:\n  path: /m\n  dtype: float32\ngeneration:\n  max_new_tokens: 7\n"
+                    "stop:\n  strings: [\"\\n\\n\"]\n")
+    c = EngineConfig.from_yaml(path)
+    assert c.model.dtype == "float32" and c.generation.max_new_tokens == 7 and c.stop.strings == ("\n\n",)
+    (tmp_path / "bad.yaml").write_text("- a list\n")
+    with pytest.raises(ConfigError, match="top level"):
+        EngineConfig.from_yaml(tmp_path / "bad.yaml")

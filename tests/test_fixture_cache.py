@@ -1,0 +1,43 @@
+"""The fixture cache: keyed by content, skipped when current, rebuilt when the key changes."""
+
+from __future__ import annotations
+
+from fixtures import cache
+from fixtures.data import PROMPT_SETS, load_prompts
+
+
+def test_publish_and_key(tmp_path):
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    (staging / "weights.bin").write_bytes(b"abc")
+    target = tmp_path / "fx"
+    key = cache.compute_key(["fx", "source v1"])
+    assert not cache.is_current(target, key)
+    cache.publish(staging, target, key)
+    assert cache.is_current(target, key)
+    assert not cache.is_current(target, cache.compute_key(["fx", "source v2"]))
+    first = cache.sha256_tree(target)
+    (target / "weights.bin").write_bytes(b"abd")
+    assert cache.sha256_tree(target) != first
+
+
+def test_manifest_records(tmp_path):
+    cache.record(tmp_path, "fx", {"source_package": "pkg", "source_version": "1.0", "key": "k"})
+    manifest = cache.read_manifest(tmp_path)
+    assert manifest["fx"]["source_package"] == "pkg" and "recorded_at" in manifest["fx"]
+
+
+def test_cache_dir_is_overridable(monkeypatch, tmp_path):
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "elsewhere"))
+    assert cache.cache_dir() == (tmp_path / "elsewhere").resolve()
+
+
+def test_prompt_sets_are_well_formed():
+    for name in PROMPT_SETS:
+        records = load_prompts(name)
+        assert records, name
+        ids = [r["id"] for r in records]
+        assert len(ids) == len(set(ids)), f"{name}: duplicate ids"
+        for r in records:
+            assert r["messages"] and all({"role", "content"} <= set(m) for m in r["messages"])
+    assert len(load_prompts("chat")) == 6

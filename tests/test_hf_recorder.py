@@ -1,0 +1,32 @@
+"""The HF adapter's row-finish recorder on tiny synthetic tensors."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the HF adapter needs torch (installed by `nox -s tests`)")
+
+from engine.backends.hf import RowFinishRecorder  # noqa: E402
+
+
+class FakeStopStrings:
+    """Fires for rows whose last token is 9."""
+
+    def __call__(self, input_ids, scores):
+        return input_ids[:, -1] == 9
+
+
+def test_records_first_finish_per_row_and_keeps_finished_rows_done():
+    rec = RowFinishRecorder(prompt_len=1, terminal_ids=[2], stop_criteria=FakeStopStrings(), min_new_tokens=0)
+    assert rec(torch.tensor([[0, 5], [0, 2], [0, 5]]), None).tolist() == [False, True, False]
+    assert rec(torch.tensor([[0, 5, 9], [0, 2, 2], [0, 5, 5]]), None).tolist() == [True, True, False]
+    assert rec(torch.tensor([[0, 5, 9, 2], [0, 2, 2, 2], [0, 5, 5, 7]]), None).tolist() == [True, True, False]
+    assert rec.lengths == [2, 1, None]
+
+
+def test_stop_strings_wait_for_min_new_tokens():
+    rec = RowFinishRecorder(prompt_len=1, terminal_ids=[2], stop_criteria=FakeStopStrings(), min_new_tokens=2)
+    assert rec(torch.tensor([[0, 9]]), None).tolist() == [False]
+    assert rec(torch.tensor([[0, 9, 9]]), None).tolist() == [False]
+    assert rec(torch.tensor([[0, 9, 9, 9]]), None).tolist() == [True]
+    assert rec.lengths == [3]
