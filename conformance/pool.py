@@ -51,11 +51,6 @@ class EnginePool:
             self._raw[key] = factory()
         return self._raw[key]
 
-    def engine_tokenizer_id(self, model: str, token: str) -> int:
-        from transformers import AutoTokenizer
-
-        return int(AutoTokenizer.from_pretrained(model).convert_tokens_to_ids(token))
-
     def close(self) -> None:
         for eng in self._engines.values():
             eng.close()

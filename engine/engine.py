@@ -13,17 +13,21 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.backends import Backend, BackendOutput, SamplingPlan, backend_class
-from engine.config import EngineConfig, GenerationOptions, StopPolicy
+from engine.backends import Backend, BackendOutput, Prompt, SamplingPlan, backend_class
+from engine.config import EngineConfig, GenerationOptions, PixelBudget, StopPolicy
 from engine.errors import UnsupportedCapabilityError
-from engine.loading import load_tokenizer
+from engine.loading import load_processor, load_tokenizer
 from engine.rules.stop import finish_reason, truncate_at_stop
 from engine.templates import RenderedPrompt, render_prompt
 from engine.types import ChatRequest, GenerationResult
+from engine.vision import VisionRequest
 
 log = logging.getLogger(__name__)
 
 RequestLike = ChatRequest | Sequence[Mapping[str, Any]]
+VisionRequestLike = VisionRequest | Sequence[Mapping[str, Any]]
+OptionsLike = GenerationOptions | Mapping[str, Any] | None
+StopLike = StopPolicy | Mapping[str, Any] | None
 
 
 class GenerationEngine:
@@ -40,8 +44,10 @@ class GenerationEngine:
 
     def __init__(self, config: EngineConfig | Mapping[str, Any] | str | Path) -> None:
         self.config = self._load_config(config)
-        self.tokenizer, self.load_info = load_tokenizer(self.config.model)
-        self.backend: Backend = self._create_backend()
+        self.processor = load_processor(self.config.model)
+        self.tokenizer, self.load_info = load_tokenizer(self.config.model, self.processor)
+        self.backend: Backend = self._create_backend(self.config.backend)
+        self._fallback: Backend | None = None
 
     @staticmethod
     def _load_config(config: EngineConfig | Mapping[str, Any] | str | Path) -> EngineConfig:
@@ -51,14 +57,16 @@ class GenerationEngine:
             return EngineConfig.from_yaml(config)
         return EngineConfig.from_dict(dict(config))
 
-    def _create_backend(self) -> Backend:
-        cls = backend_class(self.config.backend)
-        settings = getattr(self.config, self.config.backend)
-        return cls(self.config.model, settings, self.tokenizer)
+    def _create_backend(self, name: str) -> Backend:
+        cls = backend_class(name)
+        settings = getattr(self.config, name)
+        return cls(self.config.model, settings, self.tokenizer, processor=self.processor)
 
     def close(self) -> None:
-        """Release the backend's model and engine."""
+        """Release the backends' models and engines."""
         self.backend.close()
+        if self._fallback is not None:
+            self._fallback.close()
 
     def __enter__(self) -> GenerationEngine:
         return self
@@ -66,41 +74,80 @@ class GenerationEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- the pipeline --------------------------------------------------------------------------------
+    # -- validation and rendering (nothing generated) --------------------------------------------------
 
-    def prepare(
-        self,
-        requests: Sequence[RequestLike],
-        *,
-        options: GenerationOptions | Mapping[str, Any] | None = None,
-        stop: StopPolicy | Mapping[str, Any] | None = None,
-    ) -> tuple[list[RenderedPrompt], SamplingPlan]:
-        """Validate everything and render prompts; nothing is generated. Raises before any generation."""
+    def _plan(self, options: OptionsLike, stop: StopLike, pixels: PixelBudget | Mapping[str, Any] | None,
+              backend: Backend) -> SamplingPlan:
         opts = self.config.generation.merged(dict(options) if isinstance(options, Mapping) else options)
         policy = self.config.stop.merged(dict(stop) if isinstance(stop, Mapping) else stop)
-        if opts.logprobs is not None and not self.backend.capabilities.logprobs:
-            raise UnsupportedCapabilityError(f"backend {self.backend.name!r} cannot return logprobs; "
+        budget = self.config.vision.merged(dict(pixels) if isinstance(pixels, Mapping) else pixels)
+        if opts.logprobs is not None and not backend.capabilities.logprobs:
+            raise UnsupportedCapabilityError(f"backend {backend.name!r} cannot return logprobs; "
                                              "set generation.logprobs to null")
+        return SamplingPlan(options=opts, stop=policy, eos_token_ids=self.load_info.eos_token_ids, pixels=budget)
+
+    def prepare(self, requests: Sequence[RequestLike], *, options: OptionsLike = None,
+                stop: StopLike = None) -> tuple[list[RenderedPrompt], SamplingPlan]:
+        """Validate text requests and options and render prompts; raises before any generation."""
+        plan = self._plan(options, stop, None, self.backend)
         checked = [ChatRequest.of(r, index=i) for i, r in enumerate(requests)]
-        rendered = [render_prompt(self.tokenizer, r.messages) for r in checked]
-        plan = SamplingPlan(options=opts, stop=policy, eos_token_ids=self.load_info.eos_token_ids)
-        return rendered, plan
+        return [render_prompt(self.tokenizer, r.messages) for r in checked], plan
 
-    def generate(
-        self,
-        requests: Sequence[RequestLike],
-        *,
-        options: GenerationOptions | Mapping[str, Any] | None = None,
-        stop: StopPolicy | Mapping[str, Any] | None = None,
-    ) -> list[GenerationResult]:
-        """Generate one result per request, in order. ``options``/``stop`` override the config's fields."""
+    def _vlm_backend(self) -> tuple[Backend, dict[str, Any] | None]:
+        """The backend that serves VLM requests, and the fallback record when it is not the configured one."""
+        if self.backend.capabilities.supports_vlm:
+            return self.backend, None
+        reason = (f"backend {self.backend.name!r} cannot serve image requests for model "
+                  f"{self.config.model.path!r} (supports_vlm is False)")
+        if self.config.fallback_backend is None:
+            raise UnsupportedCapabilityError(f"{reason}. Fix: use a backend that supports it, or set "
+                                             "fallback_backend (e.g. 'hf') to run such requests there, recorded")
+        if self._fallback is None:
+            log.warning("%s; loading fallback backend %r for them", reason, self.config.fallback_backend)
+            self._fallback = self._create_backend(self.config.fallback_backend)
+        if not self._fallback.capabilities.supports_vlm:
+            raise UnsupportedCapabilityError(f"{reason}, and fallback backend {self._fallback.name!r} cannot either")
+        log.warning("VLM requests fall back from %r to %r: %s", self.backend.name, self._fallback.name, reason)
+        return self._fallback, {"from": self.backend.name, "to": self._fallback.name, "reason": reason}
+
+    # -- generation ------------------------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[RequestLike], *, options: OptionsLike = None,
+                 stop: StopLike = None) -> list[GenerationResult]:
+        """Generate one result per text request, in order. ``options``/``stop`` override the config's fields."""
         rendered, plan = self.prepare(requests, options=options, stop=stop)
-        if not rendered:
-            return []
-        outputs = self.backend.generate([r.token_ids for r in rendered], plan)
-        return [self._result(r, o, plan) for r, o in zip(rendered, outputs, strict=True)]
+        prompts = [Prompt(token_ids=r.token_ids, text=r.text) for r in rendered]
+        return self._run(self.backend, prompts, rendered, plan, fallback=None)
 
-    def _result(self, prompt: RenderedPrompt, out: BackendOutput, plan: SamplingPlan) -> GenerationResult:
+    def generate_vlm(self, requests: Sequence[VisionRequestLike], *, options: OptionsLike = None,
+                     stop: StopLike = None, pixels: PixelBudget | Mapping[str, Any] | None = None,
+                     ) -> list[GenerationResult]:
+        """Generate for chat requests that carry exactly one image each (see :class:`VisionRequest`).
+
+        ``pixels`` overrides the configured pixel budget for this call.
+        """
+        checked = [VisionRequest.of(r, index=i) for i, r in enumerate(requests)]
+        backend, fallback = self._vlm_backend()
+        plan = self._plan(options, stop, pixels, backend)
+        if self.processor is None:
+            raise UnsupportedCapabilityError(f"model {self.config.model.path!r} is not a vision-language model")
+        rendered = [render_prompt(self.processor, r.messages, tokenizer=self.tokenizer) for r in checked]
+        prompts = [Prompt(token_ids=r.token_ids, text=r.text, image=c.image) for r, c in zip(rendered, checked,
+                                                                                             strict=True)]
+        return self._run(backend, prompts, rendered, plan, fallback=fallback)
+
+    def _run(self, backend: Backend, prompts: list[Prompt], rendered: list[RenderedPrompt], plan: SamplingPlan,
+             fallback: dict[str, Any] | None) -> list[GenerationResult]:
+        if not prompts:
+            return []
+        outputs = backend.generate(prompts, plan)
+        results = [self._result(r, o, plan, backend) for r, o in zip(rendered, outputs, strict=True)]
+        for r in results:
+            r.meta["fallback"] = fallback
+        return results
+
+    def _result(self, prompt: RenderedPrompt, out: BackendOutput, plan: SamplingPlan,
+                backend: Backend) -> GenerationResult:
         ids = list(out.token_ids)
         decode = self.tokenizer.decode
         raw_text = decode(ids, skip_special_tokens=False)
@@ -112,15 +159,13 @@ class GenerationEngine:
         text, matched = truncate_at_stop(full_text, plan.stop.strings, include_stop=plan.stop.include_stop_str,
                                          min_end=min_end)
         reason, stop_reason = finish_reason(ids, stop_token_ids=plan.terminal_token_ids, matched_stop=matched)
+        prompt_ids = out.prompt_token_ids or prompt.token_ids
         meta = {
-            "backend": self.backend.name,
+            "backend": backend.name,
             "chat_template_fallback": prompt.fallback,
             "pad_token_fallback": self.load_info.pad_token_fallback,
-            "num_prompt_tokens": len(prompt.token_ids),
+            "num_prompt_tokens": len(prompt_ids),
             "num_generated_tokens": len(ids),
         }
-        return GenerationResult(text=text, raw_text=raw_text, token_ids=tuple(ids),
-                                prompt_token_ids=prompt.token_ids, finish_reason=reason, stop_reason=stop_reason,
-                                logprobs=out.logprobs, meta=meta)
-
-
+        return GenerationResult(text=text, raw_text=raw_text, token_ids=tuple(ids), prompt_token_ids=tuple(prompt_ids),
+                                finish_reason=reason, stop_reason=stop_reason, logprobs=out.logprobs, meta=meta)

@@ -7,6 +7,7 @@ token becomes the pad token and that fallback is recorded (``LoadInfo.pad_token_
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,15 +39,43 @@ def check_model_dir(model: ModelConfig) -> Path:
     return path
 
 
-def load_tokenizer(model: ModelConfig) -> tuple[Any, LoadInfo]:
-    """Load the shared tokenizer: left padding, pad := EOS when absent (recorded)."""
+def is_vision_model(model: ModelConfig) -> bool:
+    """True when the checkpoint is a vision-language model (its config has a vision tower)."""
+    config = json.loads((check_model_dir(model) / "config.json").read_text())
+    return "vision_config" in config
+
+
+def load_processor(model: ModelConfig) -> Any:
+    """The model's multimodal processor (it owns the VLM chat template), or None for text-only models.
+
+    Where torchvision is absent (CPU hosts), :mod:`engine.compat.torchvision` is activated first.
+    """
+    if not is_vision_model(model):
+        return None
+    from engine.compat import torchvision as tv_compat
+
+    tv_compat.install()
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
+    if not hasattr(processor, "image_processor"):
+        raise ConfigError("model.path", model.path, "is a vision model whose processor has no image processor",
+                          fix="save the image processor (preprocessor_config.json) with the checkpoint")
+    return processor
+
+
+def load_tokenizer(model: ModelConfig, processor: Any = None) -> tuple[Any, LoadInfo]:
+    """Load the shared tokenizer (the processor's, for VLMs): left padding, pad := EOS when absent (recorded)."""
     path = check_model_dir(model)
     try:
         from transformers import AutoTokenizer
     except ImportError as err:
         raise BackendUnavailableError("engine", f"transformers is not installed ({err})",
                                       "pip install 'engine[hf]' (the tokenizer comes from transformers)") from err
-    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=model.trust_remote_code)
+    if processor is not None:
+        tokenizer = processor.tokenizer
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=model.trust_remote_code)
     tokenizer.padding_side = "left"
     if tokenizer.eos_token_id is None:
         raise ConfigError("model.path", model.path, "has a tokenizer without an EOS token",

@@ -66,7 +66,9 @@ def tokenize_rendered(tokenizer: Any, text: str) -> list[int]:
     return ids
 
 
-def render_prompt(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> RenderedPrompt:
-    """Render and tokenize one chat; the result is what every backend receives."""
-    text, fallback = render_text(tokenizer, messages)
-    return RenderedPrompt(text=text, token_ids=tuple(tokenize_rendered(tokenizer, text)), fallback=fallback)
+def render_prompt(renderer: Any, messages: Sequence[Mapping[str, Any]], *, tokenizer: Any = None) -> RenderedPrompt:
+    """Render one chat with ``renderer`` (a tokenizer, or a VLM processor that owns its chat template) and
+    tokenize it with ``tokenizer`` (default: the renderer); the result is what every backend receives."""
+    text, fallback = render_text(renderer, messages)
+    tok = tokenizer if tokenizer is not None else renderer
+    return RenderedPrompt(text=text, token_ids=tuple(tokenize_rendered(tok, text)), fallback=fallback)

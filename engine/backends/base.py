@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from engine.config.generation import GenerationOptions, StopPolicy
+from engine.config.vision import PixelBudget
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,19 @@ class Capabilities:
 
 
 @dataclass(frozen=True)
+class Prompt:
+    """One rendered request: the engine's token ids, the rendered text, and the image on the VLM path.
+
+    On the VLM path ``token_ids`` hold one image placeholder token; each backend's processor expands it
+    to the image's token count under the plan's pixel budget.
+    """
+
+    token_ids: tuple[int, ...]
+    text: str
+    image: Any = None
+
+
+@dataclass(frozen=True)
 class SamplingPlan:
     """Everything a backend needs to generate, identical for every backend.
 
@@ -41,6 +55,7 @@ class SamplingPlan:
     options: GenerationOptions
     stop: StopPolicy
     eos_token_ids: tuple[int, ...]
+    pixels: PixelBudget = field(default_factory=PixelBudget)
 
     @property
     def terminal_token_ids(self) -> tuple[int, ...]:
@@ -49,10 +64,14 @@ class SamplingPlan:
 
 @dataclass(frozen=True)
 class BackendOutput:
-    """One row's generated ids (up to and including the one that ended it) and optional logprobs."""
+    """One row's generated ids (up to and including the one that ended it) and optional logprobs.
+
+    ``prompt_token_ids`` is the prompt as the model saw it when the backend expanded it (VLM path).
+    """
 
     token_ids: tuple[int, ...]
     logprobs: tuple[dict[int, float], ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
 
 
 @runtime_checkable
@@ -62,8 +81,8 @@ class Backend(Protocol):
     name: str
     capabilities: Capabilities
 
-    def generate(self, prompts: Sequence[Sequence[int]], plan: SamplingPlan) -> list[BackendOutput]:
-        """Generate for every prompt (token ids) under ``plan``; return outputs in prompt order."""
+    def generate(self, prompts: Sequence[Prompt], plan: SamplingPlan) -> list[BackendOutput]:
+        """Generate for every prompt under ``plan``; return outputs in prompt order."""
         ...
 
     def close(self) -> None:

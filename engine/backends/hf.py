@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine.backends.base import BackendOutput, Capabilities, SamplingPlan
+from engine.backends.base import BackendOutput, Capabilities, Prompt, SamplingPlan
 from engine.config import HfConfig, ModelConfig
-from engine.errors import BackendUnavailableError
+from engine.errors import BackendUnavailableError, EngineError
 
 HOOKS = frozenset({"hf_logits_processor", "hf_stopping_criteria"})
 
@@ -91,23 +91,25 @@ class HfBackend:
 
     name = "hf"
 
-    def __init__(self, model: ModelConfig, settings: HfConfig, tokenizer: Any) -> None:
+    def __init__(self, model: ModelConfig, settings: HfConfig, tokenizer: Any, processor: Any = None) -> None:
         torch, transformers = _import_torch_transformers()
         self.settings = settings
         self.tokenizer = tokenizer
+        self.processor = processor
         self.device = resolve_device(model.device)
         kwargs: dict[str, Any] = {"trust_remote_code": model.trust_remote_code}
         kwargs["dtype"] = model.dtype if model.dtype == "auto" else getattr(torch, model.dtype)
         if model.attn_implementation is not None:
             kwargs["attn_implementation"] = model.attn_implementation
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(model.path, **kwargs).to(self.device).eval()
+        auto = transformers.AutoModelForImageTextToText if processor is not None else transformers.AutoModelForCausalLM
+        self.model = auto.from_pretrained(model.path, **kwargs).to(self.device).eval()
         self.model.generation_config = transformers.GenerationConfig()  # no checkpoint defaults leak in
-        self.capabilities = Capabilities(name="hf", logprobs=True, supports_vlm=False, hooks=HOOKS)
+        self.capabilities = Capabilities(name="hf", logprobs=True, supports_vlm=processor is not None, hooks=HOOKS)
 
     def close(self) -> None:
         self.model = None
 
-    def generate(self, prompts: Sequence[Sequence[int]], plan: SamplingPlan) -> list[BackendOutput]:
+    def generate(self, prompts: Sequence[Prompt], plan: SamplingPlan) -> list[BackendOutput]:
         size = self.settings.max_batch_size or max(len(prompts), 1)
         outputs: list[BackendOutput] = []
         for start in range(0, len(prompts), size):
@@ -137,6 +139,7 @@ class HfBackend:
         )
 
     def _left_pad(self, prompts: Sequence[Sequence[int]]) -> tuple[Any, Any]:
+        """(batch, width) input ids and attention mask, left-padded with the pad token."""
         import torch
 
         width = max(len(p) for p in prompts)
@@ -149,26 +152,46 @@ class HfBackend:
                 mask[row, width - len(p) :] = 1
         return ids.to(self.device), mask.to(self.device)
 
-    def _generate_batch(self, prompts: Sequence[Sequence[int]], plan: SamplingPlan) -> list[BackendOutput]:
+    def _inputs(self, prompts: Sequence[Prompt], plan: SamplingPlan) -> dict[str, Any]:
+        """Model inputs: the engine's ids left-padded, or on the VLM path the processor's expansion of them."""
+        if not any(p.image is not None for p in prompts):
+            input_ids, attention_mask = self._left_pad([p.token_ids for p in prompts])
+            return {"input_ids": input_ids, "attention_mask": attention_mask}
+        if self.processor is None:
+            raise EngineError("hf backend got an image but its model has no processor (not a VLM)")
+        images = [p.image for p in prompts if p.image is not None]
+        batch = self.processor(text=[p.text for p in prompts], images=images, padding=True, return_tensors="pt",
+                               add_special_tokens=False, **plan.pixels.as_processor_kwargs())
+        # Keep every processor output: Qwen2-VL computes its 3-D M-RoPE positions only from mm_token_type_ids.
+        image_token = getattr(self.processor, "image_token_id", None)
+        for row, p in enumerate(prompts):
+            expanded = batch["input_ids"][row][batch["attention_mask"][row].bool()].tolist()
+            if collapse_runs(expanded, image_token) != list(p.token_ids):
+                raise EngineError(f"hf processor tokenized request {row} differently from the engine's rendering; "
+                                  "the checkpoint's processor and tokenizer disagree")
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    def _generate_batch(self, prompts: Sequence[Prompt], plan: SamplingPlan) -> list[BackendOutput]:
         import torch
         from transformers import StoppingCriteriaList, StopStringCriteria
 
-        input_ids, attention_mask = self._left_pad(prompts)
+        inputs = self._inputs(prompts, plan)
+        width = inputs["input_ids"].shape[1]
         stop_criteria = StopStringCriteria(self.tokenizer, list(plan.stop.strings)) if plan.stop.strings else None
-        recorder = RowFinishRecorder(input_ids.shape[1], plan.terminal_token_ids, stop_criteria,
-                                     plan.options.min_new_tokens)
+        recorder = RowFinishRecorder(width, plan.terminal_token_ids, stop_criteria, plan.options.min_new_tokens)
         if plan.options.seed is not None:
             torch.manual_seed(plan.options.seed)
         with torch.inference_mode():
-            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                      generation_config=self.generation_config(plan),
+            out = self.model.generate(**inputs, generation_config=self.generation_config(plan),
                                       stopping_criteria=StoppingCriteriaList([recorder]))
-        generated = out.sequences[:, input_ids.shape[1] :].tolist()  # (batch, steps)
+        generated = out.sequences[:, width:].tolist()  # (batch, steps)
         results = []
         for row, ids in enumerate(generated):
             n = recorder.lengths[row] if row < len(recorder.lengths) and recorder.lengths[row] else len(ids)
+            seen = inputs["input_ids"][row][inputs["attention_mask"][row].bool()].tolist()
             results.append(BackendOutput(token_ids=tuple(ids[:n]),
-                                         logprobs=self._logprobs(out.logits, row, n, ids, plan)))
+                                         logprobs=self._logprobs(out.logits, row, n, ids, plan),
+                                         prompt_token_ids=tuple(seen)))
         return results
 
     @staticmethod
@@ -186,3 +209,17 @@ class HfBackend:
             entry[ids[step]] = float(lp[ids[step]])
             per_token.append(entry)
         return tuple(per_token)
+
+
+def collapse_runs(ids: Sequence[int], token: int | None) -> list[int]:
+    """``ids`` with every run of ``token`` collapsed to one (undoes image-placeholder expansion).
+
+    >>> collapse_runs([1, 7, 7, 7, 2, 7], 7)
+    [1, 7, 2, 7]
+    """
+    out: list[int] = []
+    for t in ids:
+        if token is not None and t == token and out and out[-1] == token:
+            continue
+        out.append(t)
+    return out

@@ -13,7 +13,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from engine.backends.base import BackendOutput, Capabilities, SamplingPlan
+from engine.backends.base import BackendOutput, Capabilities, Prompt, SamplingPlan
 from engine.config import ModelConfig, VllmConfig
 from engine.errors import BackendUnavailableError
 
@@ -53,7 +53,7 @@ class VllmBackend:
 
     name = "vllm"
 
-    def __init__(self, model: ModelConfig, settings: VllmConfig, tokenizer: Any) -> None:
+    def __init__(self, model: ModelConfig, settings: VllmConfig, tokenizer: Any, processor: Any = None) -> None:
         self.env = prepare_environment(settings)
         try:
             import vllm
@@ -78,9 +78,14 @@ class VllmBackend:
             kwargs["max_model_len"] = model.max_model_len
         if settings.max_num_seqs is not None:
             kwargs["max_num_seqs"] = settings.max_num_seqs
+        if processor is not None:
+            # The pixel budget is never set here: vLLM ignores per-request sizes once one is set at start.
+            kwargs["limit_mm_per_prompt"] = {"image": settings.limit_images_per_prompt, "video": 0}
         self.llm = vllm.LLM(**kwargs)
         self.version = vllm.__version__
-        self.capabilities = Capabilities(name="vllm", logprobs=True, supports_vlm=False, hooks=HOOKS)
+        multimodal = bool(self.llm.llm_engine.model_config.is_multimodal_model)
+        self.capabilities = Capabilities(name="vllm", logprobs=True, hooks=HOOKS,
+                                         supports_vlm=multimodal and settings.limit_images_per_prompt > 0)
 
     def close(self) -> None:
         """Shut the engine down. Caution: vLLM keeps its parallel state per process, so closing one
@@ -112,19 +117,26 @@ class VllmBackend:
             skip_special_tokens=True,
         )
 
-    def generate(self, prompts: Sequence[Sequence[int]], plan: SamplingPlan) -> list[BackendOutput]:
+    def _input(self, prompt: Prompt, plan: SamplingPlan) -> Any:
         from vllm.inputs import TokensPrompt
 
+        if prompt.image is None:
+            return TokensPrompt(prompt_token_ids=list(prompt.token_ids))
+        # One image placeholder in the ids; vLLM's processor expands it under the per-request budget.
+        return TokensPrompt(prompt_token_ids=list(prompt.token_ids), multi_modal_data={"image": prompt.image},
+                            mm_processor_kwargs=plan.pixels.as_processor_kwargs())
+
+    def generate(self, prompts: Sequence[Prompt], plan: SamplingPlan) -> list[BackendOutput]:
         if not prompts:
             return []
         params = self.sampling_params(plan)
-        inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        outs = self.llm.generate(inputs, params, use_tqdm=False)
+        outs = self.llm.generate([self._input(p, plan) for p in prompts], params, use_tqdm=False)
         results = []
         for out in outs:
             completion = out.outputs[0]
             logprobs = None
             if plan.options.logprobs is not None and completion.logprobs is not None:
                 logprobs = tuple({int(t): float(lp.logprob) for t, lp in step.items()} for step in completion.logprobs)
-            results.append(BackendOutput(token_ids=tuple(completion.token_ids), logprobs=logprobs))
+            results.append(BackendOutput(token_ids=tuple(completion.token_ids), logprobs=logprobs,
+                                         prompt_token_ids=tuple(out.prompt_token_ids or ())))
         return results

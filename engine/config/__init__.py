@@ -2,6 +2,7 @@
 
 from engine.config.engine_config import BACKENDS, DTYPES, EngineConfig, HfConfig, ModelConfig, VllmConfig
 from engine.config.generation import GenerationOptions, StopPolicy
+from engine.config.vision import PixelBudget
 
 __all__ = [
     "BACKENDS",
@@ -10,6 +11,7 @@ __all__ = [
     "GenerationOptions",
     "HfConfig",
     "ModelConfig",
+    "PixelBudget",
     "StopPolicy",
     "VllmConfig",
 ]

@@ -9,6 +9,7 @@ from typing import Any
 from engine.backends.registry import REGISTRY
 from engine.config._build import build, check_range, check_type, did_you_mean
 from engine.config.generation import GenerationOptions, StopPolicy
+from engine.config.vision import PixelBudget
 from engine.errors import ConfigError
 
 BACKENDS = tuple(REGISTRY)
@@ -90,6 +91,9 @@ class VllmConfig:
     """vLLM data parallelism, in [1, inf)."""
     max_num_seqs: int | None = None
     """Most sequences vLLM schedules at once. None: vLLM's default."""
+    limit_images_per_prompt: int = 1
+    """Images vLLM accepts per prompt for a vision-language model, in [0, 1]; 0 starts it text-only
+    (then ``supports_vlm`` is False and VLM requests fail fast or go to ``fallback_backend``)."""
 
     def __post_init__(self) -> None:
         check_type("vllm.gpu_memory_utilization", self.gpu_memory_utilization, (int, float), "a number")
@@ -103,6 +107,9 @@ class VllmConfig:
         if self.max_num_seqs is not None:
             check_type("vllm.max_num_seqs", self.max_num_seqs, int, "an integer")
             check_range("vllm.max_num_seqs", self.max_num_seqs, low=1)
+        check_type("vllm.limit_images_per_prompt", self.limit_images_per_prompt, int, "an integer")
+        check_range("vllm.limit_images_per_prompt", self.limit_images_per_prompt, low=0, high=1,
+                    fix="the engine's VLM path takes exactly one image per request")
 
 
 @dataclass(frozen=True)
@@ -116,7 +123,7 @@ class EngineConfig:
     Traceback (most recent call last):
     ...
     engine.errors.ConfigError: genration is not a known key, got {}. Fix: did you mean 'generation'? \
-available: backend, generation, hf, model, stop, vllm.
+available: backend, fallback_backend, generation, hf, model, stop, vision, vllm.
     """
 
     backend: str
@@ -129,11 +136,23 @@ available: backend, generation, hf, model, stop, vllm.
     """Default stop policy; each call may override it."""
     hf: HfConfig = field(default_factory=HfConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
+    vision: PixelBudget = field(default_factory=PixelBudget)
+    """Pixel budget for images on the VLM path (every backend applies the same one)."""
+    fallback_backend: str | None = None
+    """Where VLM requests go when ``backend`` cannot serve them (loaded lazily, on first need, and
+    recorded in each result's meta and the log). None: such requests fail fast. Never silent."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError("backend", self.backend, f"must be one of {', '.join(BACKENDS)}",
                               fix=did_you_mean(str(self.backend), BACKENDS))
+        if self.fallback_backend is not None:
+            if self.fallback_backend not in BACKENDS:
+                raise ConfigError("fallback_backend", self.fallback_backend, f"must be one of {', '.join(BACKENDS)}",
+                                  fix=did_you_mean(str(self.fallback_backend), BACKENDS))
+            if self.fallback_backend == self.backend:
+                raise ConfigError("fallback_backend", self.fallback_backend, "must differ from backend",
+                                  fix="name another backend, or remove fallback_backend")
         if self.backend == "vllm" and self.model.attn_implementation is not None:
             raise ConfigError("model.attn_implementation", self.model.attn_implementation,
                               "does not apply to the vllm backend",

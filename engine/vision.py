@@ -1,0 +1,110 @@
+"""The vision-language request: chat messages carrying exactly one image.
+
+Images ride inside message content, in the transformers convention::
+
+    [{"role": "user", "content": [{"type": "image", "image": <PIL image | path | bytes>},
+                                  {"type": "text", "text": "Describe the image."}]}]
+
+:meth:`VisionRequest.of` validates a request (exactly one image, known part types), loads the image as RGB,
+and keeps template-ready messages (image parts without their payload) for the processor's chat template.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.errors import RequestError
+from engine.types import ROLES
+
+PART_TYPES = ("text", "image")
+
+
+def load_image(value: Any, where: str) -> Any:
+    """A PIL image (RGB) from a PIL image, a file path, or encoded bytes."""
+    from PIL import Image
+
+    if isinstance(value, Image.Image):
+        image = value
+    elif isinstance(value, (str, Path)):
+        if not Path(value).is_file():
+            raise RequestError(where, str(value), "is not an image file",
+                               fix="give an existing path, bytes or a PIL image")
+        image = Image.open(value)
+    elif isinstance(value, (bytes, bytearray)):
+        try:
+            image = Image.open(io.BytesIO(value))
+        except Exception as err:
+            raise RequestError(where, f"<{len(value)} bytes>", f"could not be decoded as an image ({err})",
+                               fix="give PNG/JPEG bytes, a path or a PIL image") from err
+    else:
+        raise RequestError(where, type(value).__name__, "must be a PIL image, a path or bytes",
+                           fix="put the image under the part's 'image' key")
+    return image.convert("RGB")
+
+
+@dataclass(frozen=True)
+class VisionRequest:
+    """A chat request with exactly one image, validated.
+
+    >>> from PIL import Image
+    >>> req = VisionRequest.of([{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (8, 8))},
+    ...                                                       {"type": "text", "text": "What is this?"}]}], index=0)
+    >>> req.image.size, req.messages[0]["content"][0]
+    ((8, 8), {'type': 'image'})
+    >>> VisionRequest.of([{"role": "user", "content": "no image"}], index=4)
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: requests[4].images must count exactly one image, got 0. \
+Fix: add one {'type': 'image', 'image': ...} part (use generate() for text-only requests).
+    """
+
+    messages: tuple[Mapping[str, Any], ...]
+    image: Any
+
+    @classmethod
+    def of(cls, raw: VisionRequest | Sequence[Mapping[str, Any]], *, index: int) -> VisionRequest:
+        if isinstance(raw, VisionRequest):
+            return raw
+        where = f"requests[{index}]"
+        if isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence) or len(raw) == 0:
+            raise RequestError(f"{where}.messages", raw, "must be a non-empty list of messages",
+                               fix="give at least one user message with an image part")
+        messages: list[dict[str, Any]] = []
+        images: list[tuple[str, Any]] = []
+        for j, msg in enumerate(raw):
+            at = f"{where}.messages[{j}]"
+            if not isinstance(msg, Mapping) or msg.get("role") not in ROLES:
+                raise RequestError(f"{at}.role", msg.get("role") if isinstance(msg, Mapping) else msg,
+                                   f"must be one of {', '.join(ROLES)}", fix="use a standard chat role")
+            content = msg.get("content")
+            if isinstance(content, str):
+                messages.append(dict(msg))
+                continue
+            if not isinstance(content, Sequence) or isinstance(content, (str, bytes)):
+                raise RequestError(f"{at}.content", content, "must be a string or a list of parts",
+                                   fix="use [{'type': 'image', 'image': ...}, {'type': 'text', 'text': ...}]")
+            parts = []
+            for k, part in enumerate(content):
+                pat = f"{at}.content[{k}]"
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                if kind not in PART_TYPES:
+                    raise RequestError(f"{pat}.type", kind, f"must be one of {', '.join(PART_TYPES)}",
+                                       fix="mark each part as 'text' or 'image'")
+                if kind == "text":
+                    if not isinstance(part.get("text"), str):
+                        raise RequestError(f"{pat}.text", part.get("text"), "must be a string", fix="give the text")
+                    parts.append({"type": "text", "text": part["text"]})
+                else:
+                    images.append((f"{pat}.image", part.get("image")))
+                    parts.append({"type": "image"})
+            messages.append({**msg, "content": parts})
+        if len(images) != 1:
+            raise RequestError(f"{where}.images", len(images), "must count exactly one image",
+                               fix="add one {'type': 'image', 'image': ...} part (use generate() for text-only "
+                                   "requests)" if not images else "send one image per request")
+        (pat, value), = images
+        return cls(messages=tuple(messages), image=load_image(value, pat))
