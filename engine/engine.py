@@ -78,9 +78,9 @@ class GenerationEngine:
 
     def _plan(self, options: OptionsLike, stop: StopLike, pixels: PixelBudget | Mapping[str, Any] | None,
               backend: Backend) -> SamplingPlan:
-        opts = self.config.generation.merged(dict(options) if isinstance(options, Mapping) else options)
-        policy = self.config.stop.merged(dict(stop) if isinstance(stop, Mapping) else stop)
-        budget = self.config.vision.merged(dict(pixels) if isinstance(pixels, Mapping) else pixels)
+        opts = self.config.generation.merged(options)
+        policy = self.config.stop.merged(stop)
+        budget = self.config.vision.merged(pixels)
         if opts.logprobs is not None and not backend.capabilities.logprobs:
             raise UnsupportedCapabilityError(f"backend {backend.name!r} cannot return logprobs; "
                                              "set generation.logprobs to null")

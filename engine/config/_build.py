@@ -51,6 +51,19 @@ def build(cls: type[T], data: Any, path: str) -> T:
     return cls(**kwargs)
 
 
+def merge(base: T, overrides: Any, path: str) -> T:
+    """``base`` with ``overrides`` applied: None keeps it, an instance replaces it, a mapping overrides
+    fields and is validated together with the rest (so cross-field checks see the merged whole)."""
+    if overrides is None:
+        return base
+    if isinstance(overrides, type(base)):
+        return overrides
+    if not isinstance(overrides, Mapping):
+        raise ConfigError(path, overrides, "must be a mapping of fields or a whole config object",
+                          fix=f"pass a dict of {type(base).__name__} fields")
+    return build(type(base), {**dataclasses.asdict(base), **overrides}, path)  # type: ignore[call-overload]
+
+
 def _coerce(hint: Any, value: Any, path: str) -> Any:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from engine.config._build import build, check_range, check_type
+from engine.config._build import check_range, check_type, merge
 from engine.errors import ConfigError
 
 MAX_LOGPROBS = 20
@@ -78,13 +79,9 @@ class GenerationOptions:
     def is_greedy(self) -> bool:
         return self.temperature == 0
 
-    def merged(self, overrides: GenerationOptions | dict[str, Any] | None) -> GenerationOptions:
+    def merged(self, overrides: GenerationOptions | Mapping[str, Any] | None) -> GenerationOptions:
         """These options with ``overrides`` (a mapping of fields, or a whole options object) applied."""
-        if overrides is None:
-            return self
-        if isinstance(overrides, GenerationOptions):
-            return overrides
-        return build(GenerationOptions, {**asdict(self), **overrides}, "generation")
+        return merge(self, overrides, "generation")
 
 
 @dataclass(frozen=True)
@@ -118,10 +115,6 @@ class StopPolicy:
             check_range(f"stop.token_ids[{i}]", t, low=0)
         check_type("stop.include_stop_str", self.include_stop_str, bool, "true or false")
 
-    def merged(self, overrides: StopPolicy | dict[str, Any] | None) -> StopPolicy:
+    def merged(self, overrides: StopPolicy | Mapping[str, Any] | None) -> StopPolicy:
         """This policy with ``overrides`` applied (a whole policy replaces it)."""
-        if overrides is None:
-            return self
-        if isinstance(overrides, StopPolicy):
-            return overrides
-        return build(StopPolicy, {**asdict(self), **overrides}, "stop")
+        return merge(self, overrides, "stop")

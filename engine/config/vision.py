@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
-from engine.config._build import build, check_range, check_type
+from engine.config._build import check_range, check_type, merge
 from engine.errors import ConfigError
 
 DEFAULT_MAX_PIXELS = 786432  # the original runtime's budget
@@ -49,11 +49,7 @@ Fix: lower vision.min_pixels or raise vision.max_pixels.
 
     def merged(self, overrides: PixelBudget | Mapping[str, Any] | None) -> PixelBudget:
         """This budget with ``overrides`` applied (a whole budget replaces it)."""
-        if overrides is None:
-            return self
-        if isinstance(overrides, PixelBudget):
-            return overrides
-        return build(PixelBudget, {**asdict(self), **overrides}, "vision")
+        return merge(self, overrides, "vision")
 
     def as_processor_kwargs(self) -> dict[str, object]:
         return {"size": {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels},
