@@ -20,22 +20,23 @@ class EnginePool:
     """Lazily built, session-wide engines keyed by (backend, model path)."""
 
     options: PoolOptions
-    _engines: dict[tuple[str, str], Any] = field(default_factory=dict)
+    _engines: dict[tuple[str, str, str], Any] = field(default_factory=dict)
     _raw: dict[tuple[str, ...], Any] = field(default_factory=dict)
 
-    def config(self, backend: str, model: str) -> dict[str, Any]:
+    def config(self, backend: str, model: str, **sections: Any) -> dict[str, Any]:
         model_cfg: dict[str, Any] = {"path": model, "dtype": self.options.dtype}
         if backend == "hf":
             model_cfg["device"] = self.options.device
         return {"backend": backend, "model": model_cfg, "generation": {"max_new_tokens": 48},
-                "vllm": {"max_num_seqs": 16}}
+                "vllm": {"max_num_seqs": 16}, **sections}
 
-    def engine(self, backend: str, model: str) -> Any:
-        key = (backend, model)
+    def engine(self, backend: str, model: str, **sections: Any) -> Any:
+        """The shared engine for (backend, model, extra config sections such as repeat_terminate)."""
+        key = (backend, model, repr(sorted(sections.items())))
         if key not in self._engines:
             from engine import GenerationEngine
 
-            self._engines[key] = GenerationEngine(self.config(backend, model))
+            self._engines[key] = GenerationEngine(self.config(backend, model, **sections))
         return self._engines[key]
 
     def text_engine(self, backend: str) -> Any:

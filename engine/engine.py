@@ -60,7 +60,8 @@ class GenerationEngine:
     def _create_backend(self, name: str) -> Backend:
         cls = backend_class(name)
         settings = getattr(self.config, name)
-        return cls(self.config.model, settings, self.tokenizer, processor=self.processor)
+        return cls(self.config.model, settings, self.tokenizer, processor=self.processor,
+                   repeat_terminate=self.config.repeat_terminate)
 
     def close(self) -> None:
         """Release the backends' models and engines."""
@@ -84,7 +85,10 @@ class GenerationEngine:
         if opts.logprobs is not None and not backend.capabilities.logprobs:
             raise UnsupportedCapabilityError(f"backend {backend.name!r} cannot return logprobs; "
                                              "set generation.logprobs to null")
-        return SamplingPlan(options=opts, stop=policy, eos_token_ids=self.load_info.eos_token_ids, pixels=budget)
+        guard = self.config.repeat_terminate
+        repeat = guard.thresholds(opts.min_new_tokens) if guard.enabled else None
+        return SamplingPlan(options=opts, stop=policy, eos_token_ids=self.load_info.eos_token_ids, pixels=budget,
+                            repeat=repeat)
 
     def prepare(self, requests: Sequence[RequestLike], *, options: OptionsLike = None,
                 stop: StopLike = None) -> tuple[list[RenderedPrompt], SamplingPlan]:
@@ -160,12 +164,17 @@ class GenerationEngine:
                                          min_end=min_end)
         reason, stop_reason = finish_reason(ids, stop_token_ids=plan.terminal_token_ids, matched_stop=matched)
         prompt_ids = out.prompt_token_ids or prompt.token_ids
+        repeat_event = out.events.get("repeat_terminate")
         meta = {
             "backend": backend.name,
             "chat_template_fallback": prompt.fallback,
             "pad_token_fallback": self.load_info.pad_token_fallback,
             "num_prompt_tokens": len(prompt_ids),
             "num_generated_tokens": len(ids),
+            # Reported by the guard itself, never inferred from the finish reason.
+            "repeat_terminate_triggered": int(repeat_event is not None),
+            "repeat_terminate_index": repeat_event[1] if repeat_event else None,
+            "repeat_terminate_reason": repeat_event[0] if repeat_event else None,
         }
         return GenerationResult(text=text, raw_text=raw_text, token_ids=tuple(ids), prompt_token_ids=tuple(prompt_ids),
                                 finish_reason=reason, stop_reason=stop_reason, logprobs=out.logprobs, meta=meta)

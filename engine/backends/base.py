@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from engine.config.generation import GenerationOptions, StopPolicy
 from engine.config.vision import PixelBudget
+from engine.rules.repeat import RepeatThresholds
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class SamplingPlan:
     stop: StopPolicy
     eos_token_ids: tuple[int, ...]
     pixels: PixelBudget = field(default_factory=PixelBudget)
+    repeat: RepeatThresholds | None = None
+    """The repeat guard's thresholds when it is enabled."""
 
     @property
     def terminal_token_ids(self) -> tuple[int, ...]:
@@ -67,11 +70,13 @@ class BackendOutput:
     """One row's generated ids (up to and including the one that ended it) and optional logprobs.
 
     ``prompt_token_ids`` is the prompt as the model saw it when the backend expanded it (VLM path).
+    ``events`` are what the row's guards reported, e.g. ``{"repeat_terminate": (reason, index)}``.
     """
 
     token_ids: tuple[int, ...]
     logprobs: tuple[dict[int, float], ...] | None = None
     prompt_token_ids: tuple[int, ...] | None = None
+    events: dict[str, Any] = field(default_factory=dict)
 
 
 @runtime_checkable

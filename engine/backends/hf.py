@@ -91,7 +91,8 @@ class HfBackend:
 
     name = "hf"
 
-    def __init__(self, model: ModelConfig, settings: HfConfig, tokenizer: Any, processor: Any = None) -> None:
+    def __init__(self, model: ModelConfig, settings: HfConfig, tokenizer: Any, processor: Any = None,
+                 repeat_terminate: Any = None) -> None:
         torch, transformers = _import_torch_transformers()
         self.settings = settings
         self.tokenizer = tokenizer
@@ -173,25 +174,34 @@ class HfBackend:
 
     def _generate_batch(self, prompts: Sequence[Prompt], plan: SamplingPlan) -> list[BackendOutput]:
         import torch
-        from transformers import StoppingCriteriaList, StopStringCriteria
+        from transformers import LogitsProcessorList, StoppingCriteriaList, StopStringCriteria
+
+        from engine.backends.hf_repeat import HfRepeatTerminate
 
         inputs = self._inputs(prompts, plan)
         width = inputs["input_ids"].shape[1]
         stop_criteria = StopStringCriteria(self.tokenizer, list(plan.stop.strings)) if plan.stop.strings else None
         recorder = RowFinishRecorder(width, plan.terminal_token_ids, stop_criteria, plan.options.min_new_tokens)
+        guard = None
+        if plan.repeat is not None:
+            guard = HfRepeatTerminate(plan.repeat, prompt_len=width, eos_id=plan.eos_token_ids[0],
+                                      terminal_ids=plan.terminal_token_ids,
+                                      decode=lambda ids: self.tokenizer.decode(list(ids), skip_special_tokens=True))
         if plan.options.seed is not None:
             torch.manual_seed(plan.options.seed)
         with torch.inference_mode():
             out = self.model.generate(**inputs, generation_config=self.generation_config(plan),
-                                      stopping_criteria=StoppingCriteriaList([recorder]))
+                                      stopping_criteria=StoppingCriteriaList([recorder]),
+                                      logits_processor=LogitsProcessorList([guard] if guard else []))
         generated = out.sequences[:, width:].tolist()  # (batch, steps)
         results = []
         for row, ids in enumerate(generated):
             n = recorder.lengths[row] if row < len(recorder.lengths) and recorder.lengths[row] else len(ids)
             seen = inputs["input_ids"][row][inputs["attention_mask"][row].bool()].tolist()
+            events = {"repeat_terminate": guard.events[row]} if guard is not None and row in guard.events else {}
             results.append(BackendOutput(token_ids=tuple(ids[:n]),
                                          logprobs=self._logprobs(out.logits, row, n, ids, plan),
-                                         prompt_token_ids=tuple(seen)))
+                                         prompt_token_ids=tuple(seen), events=events))
         return results
 
     @staticmethod

@@ -53,8 +53,10 @@ class VllmBackend:
 
     name = "vllm"
 
-    def __init__(self, model: ModelConfig, settings: VllmConfig, tokenizer: Any, processor: Any = None) -> None:
+    def __init__(self, model: ModelConfig, settings: VllmConfig, tokenizer: Any, processor: Any = None,
+                 repeat_terminate: Any = None) -> None:
         self.env = prepare_environment(settings)
+        guarded = repeat_terminate is not None and repeat_terminate.enabled
         try:
             import vllm
         except ImportError as err:
@@ -78,11 +80,18 @@ class VllmBackend:
             kwargs["max_model_len"] = model.max_model_len
         if settings.max_num_seqs is not None:
             kwargs["max_num_seqs"] = settings.max_num_seqs
+        if guarded:
+            from engine.backends import vllm_repeat
+
+            vllm_repeat.check_supported()  # before the (slow) start: refuse when the interface is missing
+            kwargs["logits_processors"] = [vllm_repeat.processor_class()]
         if processor is not None:
             # The pixel budget is never set here: vLLM ignores per-request sizes once one is set at start.
             kwargs["limit_mm_per_prompt"] = {"image": settings.limit_images_per_prompt, "video": 0}
         self.llm = vllm.LLM(**kwargs)
         self.version = vllm.__version__
+        if guarded:
+            vllm_repeat.check_supported(self.llm)
         multimodal = bool(self.llm.llm_engine.model_config.is_multimodal_model)
         self.capabilities = Capabilities(name="vllm", logprobs=True, hooks=HOOKS,
                                          supports_vlm=multimodal and settings.limit_images_per_prompt > 0)
@@ -127,16 +136,32 @@ class VllmBackend:
                             mm_processor_kwargs=plan.pixels.as_processor_kwargs())
 
     def generate(self, prompts: Sequence[Prompt], plan: SamplingPlan) -> list[BackendOutput]:
+        import uuid
+
+        from engine.backends import vllm_repeat
+
         if not prompts:
             return []
-        params = self.sampling_params(plan)
+        base = self.sampling_params(plan)
+        keys = [uuid.uuid4().hex for _ in prompts]
+        if plan.repeat is not None:
+            params = []
+            for key in keys:
+                p = base.clone()
+                p.extra_args = vllm_repeat.request_args(plan.repeat, key=key, eos_id=plan.eos_token_ids[0],
+                                                        terminal_ids=plan.terminal_token_ids)
+                params.append(p)
+        else:
+            params = base
         outs = self.llm.generate([self._input(p, plan) for p in prompts], params, use_tqdm=False)
         results = []
-        for out in outs:
+        for key, out in zip(keys, outs, strict=True):
             completion = out.outputs[0]
             logprobs = None
             if plan.options.logprobs is not None and completion.logprobs is not None:
                 logprobs = tuple({int(t): float(lp.logprob) for t, lp in step.items()} for step in completion.logprobs)
+            event = vllm_repeat.EVENTS.pop(key, None)
             results.append(BackendOutput(token_ids=tuple(completion.token_ids), logprobs=logprobs,
-                                         prompt_token_ids=tuple(out.prompt_token_ids or ())))
+                                         prompt_token_ids=tuple(out.prompt_token_ids or ()),
+                                         events={"repeat_terminate": event} if event else {}))
         return results

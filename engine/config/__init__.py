@@ -2,6 +2,7 @@
 
 from engine.config.engine_config import BACKENDS, DTYPES, EngineConfig, HfConfig, ModelConfig, VllmConfig
 from engine.config.generation import GenerationOptions, StopPolicy
+from engine.config.repeat import RepeatTerminateConfig
 from engine.config.vision import PixelBudget
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "HfConfig",
     "ModelConfig",
     "PixelBudget",
+    "RepeatTerminateConfig",
     "StopPolicy",
     "VllmConfig",
 ]

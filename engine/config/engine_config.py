@@ -9,6 +9,7 @@ from typing import Any
 from engine.backends.registry import REGISTRY
 from engine.config._build import build, check_range, check_type, did_you_mean
 from engine.config.generation import GenerationOptions, StopPolicy
+from engine.config.repeat import RepeatTerminateConfig
 from engine.config.vision import PixelBudget
 from engine.errors import ConfigError
 
@@ -123,7 +124,7 @@ class EngineConfig:
     Traceback (most recent call last):
     ...
     engine.errors.ConfigError: genration is not a known key, got {}. Fix: did you mean 'generation'? \
-available: backend, fallback_backend, generation, hf, model, stop, vision, vllm.
+available: backend, fallback_backend, generation, hf, model, repeat_terminate, stop, vision, vllm.
     """
 
     backend: str
@@ -138,6 +139,8 @@ available: backend, fallback_backend, generation, hf, model, stop, vision, vllm.
     vllm: VllmConfig = field(default_factory=VllmConfig)
     vision: PixelBudget = field(default_factory=PixelBudget)
     """Pixel budget for images on the VLM path (every backend applies the same one)."""
+    repeat_terminate: RepeatTerminateConfig = field(default_factory=RepeatTerminateConfig)
+    """Repeat-aware termination guard (per-sequence EOS on degenerate repetition)."""
     fallback_backend: str | None = None
     """Where VLM requests go when ``backend`` cannot serve them (loaded lazily, on first need, and
     recorded in each result's meta and the log). None: such requests fail fast. Never silent."""

@@ -1,0 +1,112 @@
+"""Repeat-aware termination on both backends: looping rows end at the rule's index, healthy rows untouched."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from engine.errors import UnsupportedCapabilityError
+from engine.rules.repeat import RepeatThresholds, reference_fire_index
+from fixtures import fixture_path, load_prompts
+
+LOOP_GUARD = {"enabled": True, "max_consecutive_token_repeats": 4, "ngram_size": 3, "ngram_repeats": 3}
+HEALTHY_GUARD = {"enabled": True, "max_consecutive_token_repeats": 8, "ngram_size": 4, "ngram_repeats": 4}
+BUDGET = {"max_new_tokens": 40}
+# Rows the looper loops on, and rows it does not: one batch must hold both.
+MIXED = [p["messages"] for p in load_prompts("looper") + load_prompts("lists") + load_prompts("chat")[:1]]
+
+
+def thresholds(guard: dict, min_new_tokens: int = 0) -> RepeatThresholds:
+    keys = ("max_consecutive_token_repeats", "ngram_size", "ngram_repeats", "max_object_keys")
+    return RepeatThresholds(min_new_tokens=max(guard.get("min_new_tokens", 0), min_new_tokens),
+                            **{k: guard.get(k) for k in keys})
+
+
+@pytest.fixture(scope="session")
+def looper():
+    return str(fixture_path("tiny-looper"))
+
+
+def check_against_reference(free, guarded, guard, eos, decode=None):
+    """Each guarded row equals the unguarded row cut where the reference fires, plus EOS; others are untouched."""
+    fired = 0
+    for i, (f, g) in enumerate(zip(free, guarded, strict=True)):
+        index = reference_fire_index(list(f.token_ids), thresholds(guard), decode)
+        if index is None or index >= len(f.token_ids):
+            assert g.token_ids == f.token_ids, f"row {i}: a row the rule does not fire on was changed"
+            assert g.meta["repeat_terminate_triggered"] == 0 and g.meta["repeat_terminate_index"] is None
+            continue
+        fired += 1
+        assert g.token_ids == (*f.token_ids[:index], eos), f"row {i}: expected EOS at {index}, got {g.token_ids}"
+        assert (g.meta["repeat_terminate_triggered"], g.meta["repeat_terminate_index"]) == (1, index), f"row {i}"
+        assert g.finish_reason == "stop" and g.stop_reason == eos
+    return fired
+
+
+def test_looping_rows_end_at_the_same_index_on_every_backend(pool, backend_names, looper):
+    guarded = {}
+    for b in backend_names:
+        free = pool.engine(b, looper).generate(MIXED, options=BUDGET)
+        guarded[b] = pool.engine(b, looper, repeat_terminate=LOOP_GUARD).generate(MIXED, options=BUDGET)
+        eos = pool.engine(b, looper).tokenizer.eos_token_id
+        fired = check_against_reference(free, guarded[b], LOOP_GUARD, eos)
+        assert 0 < fired < len(MIXED), f"{b}: the batch must mix looping ({fired}) and healthy rows"
+    first, second = (guarded[b] for b in backend_names)
+    assert [r.token_ids for r in first] == [r.token_ids for r in second]
+    assert [r.meta["repeat_terminate_index"] for r in first] == [r.meta["repeat_terminate_index"] for r in second]
+
+
+def test_min_new_tokens_respected(pool, backend, looper):
+    guard = {**LOOP_GUARD, "min_new_tokens": 12}
+    free = pool.engine(backend, looper).generate(MIXED, options=BUDGET)
+    got = pool.engine(backend, looper, repeat_terminate=guard).generate(MIXED, options=BUDGET)
+    eos = pool.engine(backend, looper).tokenizer.eos_token_id
+    assert check_against_reference(free, got, guard, eos) > 0
+    for r in got:
+        if r.meta["repeat_terminate_triggered"]:
+            assert r.meta["repeat_terminate_index"] >= 12
+
+
+def test_healthy_smollm2_prompts_never_trigger(pool, backend, engine):
+    prompts = [p["messages"] for p in load_prompts("chat") + load_prompts("lists")]
+    opts = {"max_new_tokens": 64}
+    free = engine.generate(prompts, options=opts)
+    got = pool.engine(backend, pool.options.model, repeat_terminate=HEALTHY_GUARD).generate(prompts, options=opts)
+    assert [r.meta["repeat_terminate_triggered"] for r in got] == [0] * len(prompts)
+    assert [r.token_ids for r in got] == [r.token_ids for r in free]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("guard", "reason"),
+    [
+        # SmolLM2's real loop on "30 fruits": ".../1280/1280/..." is a 5-token n-gram repeated back to back.
+        ({"enabled": True, "ngram_size": 5, "ngram_repeats": 4}, "ngram_repeats"),
+        # Its nested "fruit1" object reaches 3 keys; the person object stops at exactly 2 (the near miss).
+        ({"enabled": True, "max_object_keys": 2}, "object_keys"),
+    ],
+    ids=["ngram", "object-keys"],
+)
+def test_real_model_loop_triggers_and_near_miss_does_not(pool, backend, engine, guard, reason):
+    by_id = {p["id"]: p["messages"] for p in load_prompts("json")}
+    prompts = [by_id["json-30-fruits"], by_id["json-person"]]
+    opts = {"max_new_tokens": 160}
+    free = engine.generate(prompts, options=opts)
+    got = pool.engine(backend, pool.options.model, repeat_terminate=guard).generate(prompts, options=opts)
+    decode = lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    eos = engine.tokenizer.eos_token_id
+    assert check_against_reference(free, got, guard, eos, decode) == 1
+    fruits, person = got
+    assert fruits.meta["repeat_terminate_reason"] == reason
+    assert person.meta["repeat_terminate_triggered"] == 0 and person.token_ids == free[1].token_ids
+
+
+def test_refuses_to_start_when_the_guard_cannot_be_activated(pool, backend_names, monkeypatch):
+    """A vLLM without the V1 logits-processor interface: the engine refuses before starting vLLM."""
+    from engine import GenerationEngine
+
+    monkeypatch.setitem(sys.modules, "vllm.v1.sample.logits_processor", None)  # import now fails
+    cfg = pool.config("vllm", pool.options.model, repeat_terminate=LOOP_GUARD)
+    with pytest.raises(UnsupportedCapabilityError, match=r"repeat_terminate.enabled.*cannot be activated"):
+        GenerationEngine(cfg)
