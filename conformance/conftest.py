@@ -106,3 +106,17 @@ def engines(pool: EnginePool, backend_names: tuple[str, ...]) -> dict[str, Any]:
 @pytest.fixture(scope="session")
 def model_path(pool: EnginePool) -> Path:
     return Path(pool.options.model)
+
+
+@pytest.fixture
+def count_backend_calls(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``calls = count_backend_calls(engine)``: from then on, ``calls`` lists each backend.generate batch size
+    (to prove that a rejected request generated nothing)."""
+
+    def install(eng: Any) -> list[int]:
+        calls: list[int] = []
+        original = eng.backend.generate
+        monkeypatch.setattr(eng.backend, "generate", lambda p, plan: calls.append(len(p)) or original(p, plan))
+        return calls
+
+    return install

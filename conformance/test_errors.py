@@ -10,16 +10,8 @@ GOOD = [{"role": "user", "content": "Hi"}]
 
 
 @pytest.fixture
-def counted(engine, monkeypatch):
-    calls = []
-    original = engine.backend.generate
-
-    def counting(prompts, plan):
-        calls.append(len(prompts))
-        return original(prompts, plan)
-
-    monkeypatch.setattr(engine.backend, "generate", counting)
-    return engine, calls
+def counted(engine, count_backend_calls):
+    return engine, count_backend_calls(engine)
 
 
 @pytest.mark.parametrize(

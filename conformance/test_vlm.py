@@ -79,11 +79,8 @@ def test_config_budget_equals_call_budget(vlm_engines, images):
 
 
 @pytest.fixture
-def counted_vlm(vlm_engine, monkeypatch):
-    calls = []
-    original = vlm_engine.backend.generate
-    monkeypatch.setattr(vlm_engine.backend, "generate", lambda p, plan: calls.append(len(p)) or original(p, plan))
-    return vlm_engine, calls
+def counted(vlm_engine, count_backend_calls):
+    return vlm_engine, count_backend_calls(vlm_engine)
 
 
 @pytest.mark.parametrize("count", [0, 2])

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from engine.backends import Backend, BackendOutput, Prompt, SamplingPlan, backend_class
 from engine.config import EngineConfig, GenerationOptions, PixelBudget, StopPolicy
-from engine.errors import UnsupportedCapabilityError
+from engine.errors import PluginCompatibilityError, UnsupportedCapabilityError
 from engine.loading import load_processor, load_tokenizer
+from engine.plugins import POST_DECODE, Plugin, PluginContext, create_plugin
+from engine.rules.base import RuleSpec
 from engine.rules.stop import finish_reason, truncate_at_stop
 from engine.templates import RenderedPrompt, render_prompt
 from engine.types import ChatRequest, GenerationResult
@@ -28,6 +31,8 @@ RequestLike = ChatRequest | Sequence[Mapping[str, Any]]
 VisionRequestLike = VisionRequest | Sequence[Mapping[str, Any]]
 OptionsLike = GenerationOptions | Mapping[str, Any] | None
 StopLike = StopPolicy | Mapping[str, Any] | None
+PluginsLike = Sequence[Plugin | Mapping[str, Any]] | None
+SENTENCE_ENDS = (".", "!", "?")
 
 
 class GenerationEngine:
@@ -46,8 +51,15 @@ class GenerationEngine:
         self.config = self._load_config(config)
         self.processor = load_processor(self.config.model)
         self.tokenizer, self.load_info = load_tokenizer(self.config.model, self.processor)
+        self.plugins = self._plugins(None)
+        # Engine-wide plugins are checked against the hooks the backend declares before it starts ...
+        declared = backend_class(self.config.backend).declared_hooks
+        self._check_plugins(self.plugins, self.config.backend, declared, kinds=None)
         self.backend: Backend = self._create_backend(self.config.backend)
+        # ... and against what it really offers once started (e.g. vLLM's model runner).
+        self._check_plugins(self.plugins, self.backend.name, self.backend.capabilities.hooks, kinds=None)
         self._fallback: Backend | None = None
+        self._context: PluginContext | None = None
 
     @staticmethod
     def _load_config(config: EngineConfig | Mapping[str, Any] | str | Path) -> EngineConfig:
@@ -75,10 +87,43 @@ class GenerationEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- plugins -----------------------------------------------------------------------------------------
+
+    def _plugins(self, plugins: PluginsLike) -> list[Plugin]:
+        """Per-call plugins replace the engine's when given; None keeps the engine's."""
+        specs = self.config.plugins if plugins is None else plugins
+        return [create_plugin(p, index=i) for i, p in enumerate(specs)]
+
+    @staticmethod
+    def _check_plugins(plugins: list[Plugin], backend: str, hooks: frozenset[str], kinds: str | None) -> None:
+        """Every hook and request kind a plugin needs must exist; raises before any generation."""
+        for plugin in plugins:
+            if kinds is not None and kinds not in plugin.request_kinds:
+                raise PluginCompatibilityError(
+                    f"plugin {plugin.name!r} does not support {kinds} requests (it supports "
+                    f"{', '.join(sorted(plugin.request_kinds))}). Fix: drop it for these requests")
+            missing = sorted(plugin.hooks(backend) - hooks - {POST_DECODE})
+            if missing:
+                raise PluginCompatibilityError(
+                    f"plugin {plugin.name!r} needs {', '.join(missing)}, which backend {backend!r} does not "
+                    f"offer (it offers: {', '.join(sorted(hooks)) or 'none'}). "
+                    "Fix: use another backend, another plugin setting, or drop the plugin")
+
+    def _plugin_context(self, plugins: Sequence[Plugin]) -> PluginContext:
+        """Tokenizer facts for plugins; the vocabulary scan for sentence ends runs once, when first needed."""
+        wants_ends = any(p.needs_sentence_ends for p in plugins)
+        if self._context is None or (wants_ends and not self._context.sentence_end_ids):
+            ends: tuple[int, ...] = ()
+            if wants_ends:
+                decode = self.tokenizer.decode
+                ends = tuple(i for i in range(len(self.tokenizer)) if decode([i]).rstrip().endswith(SENTENCE_ENDS))
+            self._context = PluginContext(eos_token_id=self.load_info.eos_token_ids[0], sentence_end_ids=ends)
+        return self._context
+
     # -- validation and rendering (nothing generated) --------------------------------------------------
 
     def _plan(self, options: OptionsLike, stop: StopLike, pixels: PixelBudget | Mapping[str, Any] | None,
-              backend: Backend) -> SamplingPlan:
+              backend: Backend, plugins: Sequence[Plugin] = ()) -> SamplingPlan:
         opts = self.config.generation.merged(options)
         policy = self.config.stop.merged(stop)
         budget = self.config.vision.merged(pixels)
@@ -86,14 +131,22 @@ class GenerationEngine:
             raise UnsupportedCapabilityError(f"backend {backend.name!r} cannot return logprobs; "
                                              "set generation.logprobs to null")
         guard = self.config.repeat_terminate
-        repeat = guard.thresholds(opts.min_new_tokens) if guard.enabled else None
+        rules: list[RuleSpec] = []
+        if guard.enabled:
+            rules.append(RuleSpec("engine.rules.repeat:RepeatRule",
+                                  {"thresholds": asdict(guard.thresholds(opts.min_new_tokens))}))
+        if plugins:
+            ctx = self._plugin_context(plugins)
+            rules += [spec for p in plugins if (spec := p.rule_spec(backend.name, ctx)) is not None]
         return SamplingPlan(options=opts, stop=policy, eos_token_ids=self.load_info.eos_token_ids, pixels=budget,
-                            repeat=repeat)
+                            rules=tuple(rules))
 
-    def prepare(self, requests: Sequence[RequestLike], *, options: OptionsLike = None,
-                stop: StopLike = None) -> tuple[list[RenderedPrompt], SamplingPlan]:
-        """Validate text requests and options and render prompts; raises before any generation."""
-        plan = self._plan(options, stop, None, self.backend)
+    def prepare(self, requests: Sequence[RequestLike], *, options: OptionsLike = None, stop: StopLike = None,
+                plugins: PluginsLike = None) -> tuple[list[RenderedPrompt], SamplingPlan]:
+        """Validate text requests, options and plugins and render prompts; raises before any generation."""
+        active = self._plugins(plugins)
+        self._check_plugins(active, self.backend.name, self.backend.capabilities.hooks, kinds="text")
+        plan = self._plan(options, stop, None, self.backend, active)
         checked = [ChatRequest.of(r, index=i) for i, r in enumerate(requests)]
         return [render_prompt(self.tokenizer, r.messages) for r in checked], plan
 
@@ -116,42 +169,45 @@ class GenerationEngine:
 
     # -- generation ------------------------------------------------------------------------------------
 
-    def generate(self, requests: Sequence[RequestLike], *, options: OptionsLike = None,
-                 stop: StopLike = None) -> list[GenerationResult]:
-        """Generate one result per text request, in order. ``options``/``stop`` override the config's fields."""
-        rendered, plan = self.prepare(requests, options=options, stop=stop)
+    def generate(self, requests: Sequence[RequestLike], *, options: OptionsLike = None, stop: StopLike = None,
+                 plugins: PluginsLike = None) -> list[GenerationResult]:
+        """Generate one result per text request, in order. ``options``/``stop`` override the config's fields;
+        ``plugins`` (a list of ``{name: ..., <params>}``) replaces the engine's plugins for this call."""
+        rendered, plan = self.prepare(requests, options=options, stop=stop, plugins=plugins)
         prompts = [Prompt(token_ids=r.token_ids, text=r.text) for r in rendered]
-        return self._run(self.backend, prompts, rendered, plan, fallback=None)
+        return self._run(self.backend, prompts, rendered, plan, fallback=None, plugins=self._plugins(plugins))
 
     def generate_vlm(self, requests: Sequence[VisionRequestLike], *, options: OptionsLike = None,
                      stop: StopLike = None, pixels: PixelBudget | Mapping[str, Any] | None = None,
-                     ) -> list[GenerationResult]:
+                     plugins: PluginsLike = None) -> list[GenerationResult]:
         """Generate for chat requests that carry exactly one image each (see :class:`VisionRequest`).
 
         ``pixels`` overrides the configured pixel budget for this call.
         """
         checked = [VisionRequest.of(r, index=i) for i, r in enumerate(requests)]
         backend, fallback = self._vlm_backend()
-        plan = self._plan(options, stop, pixels, backend)
+        active = self._plugins(plugins)
+        self._check_plugins(active, backend.name, backend.capabilities.hooks, kinds="vlm")
+        plan = self._plan(options, stop, pixels, backend, active)
         if self.processor is None:
             raise UnsupportedCapabilityError(f"model {self.config.model.path!r} is not a vision-language model")
         rendered = [render_prompt(self.processor, r.messages, tokenizer=self.tokenizer) for r in checked]
         prompts = [Prompt(token_ids=r.token_ids, text=r.text, image=c.image) for r, c in zip(rendered, checked,
                                                                                              strict=True)]
-        return self._run(backend, prompts, rendered, plan, fallback=fallback)
+        return self._run(backend, prompts, rendered, plan, fallback=fallback, plugins=active)
 
     def _run(self, backend: Backend, prompts: list[Prompt], rendered: list[RenderedPrompt], plan: SamplingPlan,
-             fallback: dict[str, Any] | None) -> list[GenerationResult]:
+             fallback: dict[str, Any] | None, plugins: list[Plugin]) -> list[GenerationResult]:
         if not prompts:
             return []
         outputs = backend.generate(prompts, plan)
-        results = [self._result(r, o, plan, backend) for r, o in zip(rendered, outputs, strict=True)]
+        results = [self._result(r, o, plan, backend, plugins) for r, o in zip(rendered, outputs, strict=True)]
         for r in results:
             r.meta["fallback"] = fallback
         return results
 
-    def _result(self, prompt: RenderedPrompt, out: BackendOutput, plan: SamplingPlan,
-                backend: Backend) -> GenerationResult:
+    def _result(self, prompt: RenderedPrompt, out: BackendOutput, plan: SamplingPlan, backend: Backend,
+                plugins: list[Plugin]) -> GenerationResult:
         ids = list(out.token_ids)
         decode = self.tokenizer.decode
         raw_text = decode(ids, skip_special_tokens=False)
@@ -163,6 +219,8 @@ class GenerationEngine:
         text, matched = truncate_at_stop(full_text, plan.stop.strings, include_stop=plan.stop.include_stop_str,
                                          min_end=min_end)
         reason, stop_reason = finish_reason(ids, stop_token_ids=plan.terminal_token_ids, matched_stop=matched)
+        for plugin in plugins:  # post-decode steps, in order, after stop truncation; raw_text is never touched
+            text = plugin.post_decode(text)
         prompt_ids = out.prompt_token_ids or prompt.token_ids
         repeat_event = out.events.get("repeat_terminate")
         meta = {
@@ -175,6 +233,9 @@ class GenerationEngine:
             "repeat_terminate_triggered": int(repeat_event is not None),
             "repeat_terminate_index": repeat_event[1] if repeat_event else None,
             "repeat_terminate_reason": repeat_event[0] if repeat_event else None,
+            "plugins": [p.name for p in plugins],
         }
+        for plugin in plugins:
+            meta.update(plugin.result_meta(generated_text=full_text, text=text, events=out.events))
         return GenerationResult(text=text, raw_text=raw_text, token_ids=tuple(ids), prompt_token_ids=tuple(prompt_ids),
                                 finish_reason=reason, stop_reason=stop_reason, logprobs=out.logprobs, meta=meta)

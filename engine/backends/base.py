@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from engine.config.generation import GenerationOptions, StopPolicy
 from engine.config.vision import PixelBudget
-from engine.rules.repeat import RepeatThresholds
+from engine.rules.base import RuleSpec
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,8 @@ class SamplingPlan:
     stop: StopPolicy
     eos_token_ids: tuple[int, ...]
     pixels: PixelBudget = field(default_factory=PixelBudget)
-    repeat: RepeatThresholds | None = None
-    """The repeat guard's thresholds when it is enabled."""
+    rules: tuple[RuleSpec, ...] = ()
+    """Generation-time row rules (the repeat guard, plugins), applied per row by each backend's adapter."""
 
     @property
     def terminal_token_ids(self) -> tuple[int, ...]:
@@ -84,6 +84,8 @@ class Backend(Protocol):
     """A generation backend: batch in, one output per prompt out, in order."""
 
     name: str
+    declared_hooks: frozenset[str]
+    """Hooks the backend offers when everything works (checked before it starts)."""
     capabilities: Capabilities
 
     def generate(self, prompts: Sequence[Prompt], plan: SamplingPlan) -> list[BackendOutput]:

@@ -40,10 +40,13 @@ def resolve_device(device: str) -> str:
 
 
 class RowFinishRecorder:
-    """A stopping criterion that ends rows on terminal ids or stop strings and records when each ended.
+    """A stopping criterion that ends rows on terminal ids, stop strings or stopping-criteria row rules, and
+    records when each ended.
 
     ``lengths[row]`` is the number of generated tokens the row kept (None while it runs). Stop strings
-    count only once more than ``min_new_tokens`` tokens exist, as in vLLM.
+    count only once more than ``min_new_tokens`` tokens exist, as in vLLM. ``rule_sets`` (one per row) are
+    the rules plugged in through the "hf_stopping_criteria" hook: a row stops right after the token that
+    makes its rules demand an end (no EOS appended).
 
     >>> import torch
     >>> rec = RowFinishRecorder(prompt_len=2, terminal_ids=[0], stop_criteria=None, min_new_tokens=0)
@@ -53,17 +56,21 @@ class RowFinishRecorder:
     [None, 1]
     """
 
-    def __init__(self, prompt_len: int, terminal_ids: Sequence[int], stop_criteria: Any, min_new_tokens: int):
+    def __init__(self, prompt_len: int, terminal_ids: Sequence[int], stop_criteria: Any, min_new_tokens: int,
+                 rule_sets: list[Any] | None = None):
         import torch
 
         self.prompt_len = prompt_len
         self.terminal = torch.tensor(list(terminal_ids), dtype=torch.long)
         self.stop_criteria = stop_criteria
         self.min_new_tokens = min_new_tokens
+        self.rule_sets = rule_sets or []
         self.lengths: list[int | None] = []
 
     def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
         import torch
+
+        from engine.backends.hf_rules import feed_new_tokens
 
         batch, total = input_ids.shape
         if not self.lengths:
@@ -73,6 +80,10 @@ class RowFinishRecorder:
         done = torch.isin(last, self.terminal.to(last.device))
         if self.stop_criteria is not None and step > self.min_new_tokens:
             done = done | self.stop_criteria(input_ids, scores).to(done.device)
+        if self.rule_sets:
+            feed_new_tokens(self.rule_sets, input_ids, self.prompt_len)
+            ended = torch.tensor([rs.decision().force_eos for rs in self.rule_sets], device=done.device)
+            done = done | ended
         for row in torch.nonzero(done).flatten().tolist():
             if self.lengths[row] is None:
                 self.lengths[row] = step
@@ -90,6 +101,7 @@ class HfBackend:
     """
 
     name = "hf"
+    declared_hooks = HOOKS
 
     def __init__(self, model: ModelConfig, settings: HfConfig, tokenizer: Any, processor: Any = None,
                  repeat_terminate: Any = None) -> None:
@@ -139,6 +151,9 @@ class HfBackend:
             **sampling,
         )
 
+    def _decode_skip_special(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
     def _left_pad(self, prompts: Sequence[Sequence[int]]) -> tuple[Any, Any]:
         """(batch, width) input ids and attention mask, left-padded with the pad token."""
         import torch
@@ -176,29 +191,36 @@ class HfBackend:
         import torch
         from transformers import LogitsProcessorList, StoppingCriteriaList, StopStringCriteria
 
-        from engine.backends.hf_repeat import HfRepeatTerminate
+        from engine.backends.hf_rules import HfRowRules, rule_sets
 
         inputs = self._inputs(prompts, plan)
         width = inputs["input_ids"].shape[1]
+        decode = self._decode_skip_special
+        stop_specs = [s for s in plan.rules if s.hf_hook == "stopping_criteria"]
+        logit_specs = [s for s in plan.rules if s.hf_hook == "logits_processor"]
+        stop_sets = rule_sets(stop_specs, len(prompts), terminal_ids=plan.terminal_token_ids, decode=decode)
         stop_criteria = StopStringCriteria(self.tokenizer, list(plan.stop.strings)) if plan.stop.strings else None
-        recorder = RowFinishRecorder(width, plan.terminal_token_ids, stop_criteria, plan.options.min_new_tokens)
-        guard = None
-        if plan.repeat is not None:
-            guard = HfRepeatTerminate(plan.repeat, prompt_len=width, eos_id=plan.eos_token_ids[0],
-                                      terminal_ids=plan.terminal_token_ids,
-                                      decode=lambda ids: self.tokenizer.decode(list(ids), skip_special_tokens=True))
+        recorder = RowFinishRecorder(width, plan.terminal_token_ids, stop_criteria, plan.options.min_new_tokens,
+                                     stop_sets if stop_specs else None)
+        processors = []
+        if logit_specs:
+            processors.append(HfRowRules(logit_specs, prompt_len=width, eos_id=plan.eos_token_ids[0],
+                                         terminal_ids=plan.terminal_token_ids, decode=decode))
         if plan.options.seed is not None:
             torch.manual_seed(plan.options.seed)
         with torch.inference_mode():
             out = self.model.generate(**inputs, generation_config=self.generation_config(plan),
                                       stopping_criteria=StoppingCriteriaList([recorder]),
-                                      logits_processor=LogitsProcessorList([guard] if guard else []))
+                                      logits_processor=LogitsProcessorList(processors))
         generated = out.sequences[:, width:].tolist()  # (batch, steps)
         results = []
         for row, ids in enumerate(generated):
             n = recorder.lengths[row] if row < len(recorder.lengths) and recorder.lengths[row] else len(ids)
             seen = inputs["input_ids"][row][inputs["attention_mask"][row].bool()].tolist()
-            events = {"repeat_terminate": guard.events[row]} if guard is not None and row in guard.events else {}
+            events: dict[str, Any] = {}
+            for sets in ([p.sets for p in processors] + ([stop_sets] if stop_specs else [])):
+                if sets:
+                    events.update(sets[row].events())
             results.append(BackendOutput(token_ids=tuple(ids[:n]),
                                          logprobs=self._logprobs(out.logits, row, n, ids, plan),
                                          prompt_token_ids=tuple(seen), events=events))

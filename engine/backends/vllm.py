@@ -15,7 +15,7 @@ from typing import Any
 
 from engine.backends.base import BackendOutput, Capabilities, Prompt, SamplingPlan
 from engine.config import ModelConfig, VllmConfig
-from engine.errors import BackendUnavailableError
+from engine.errors import BackendUnavailableError, UnsupportedCapabilityError
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ class VllmBackend:
     """
 
     name = "vllm"
+    declared_hooks = HOOKS
 
     def __init__(self, model: ModelConfig, settings: VllmConfig, tokenizer: Any, processor: Any = None,
                  repeat_terminate: Any = None) -> None:
@@ -80,20 +81,25 @@ class VllmBackend:
             kwargs["max_model_len"] = model.max_model_len
         if settings.max_num_seqs is not None:
             kwargs["max_num_seqs"] = settings.max_num_seqs
-        if guarded:
-            from engine.backends import vllm_repeat
+        from engine.backends import vllm_rules
 
-            vllm_repeat.check_supported()  # before the (slow) start: refuse when the interface is missing
-            kwargs["logits_processors"] = [vllm_repeat.processor_class()]
+        problem = vllm_rules.interface_problem()
+        if problem is None:  # registered at every start, so per-call plugins can use it
+            kwargs["logits_processors"] = [vllm_rules.processor_class()]
+        elif guarded:  # refuse before the (slow) start
+            raise UnsupportedCapabilityError(_refusal(problem))
         if processor is not None:
             # The pixel budget is never set here: vLLM ignores per-request sizes once one is set at start.
             kwargs["limit_mm_per_prompt"] = {"image": settings.limit_images_per_prompt, "video": 0}
         self.llm = vllm.LLM(**kwargs)
         self.version = vllm.__version__
-        if guarded:
-            vllm_repeat.check_supported(self.llm)
+        problem = problem or vllm_rules.runner_problem(self.llm)
+        if problem is not None and guarded:
+            self.close()
+            raise UnsupportedCapabilityError(_refusal(problem))
+        self.rules_problem = problem
         multimodal = bool(self.llm.llm_engine.model_config.is_multimodal_model)
-        self.capabilities = Capabilities(name="vllm", logprobs=True, hooks=HOOKS,
+        self.capabilities = Capabilities(name="vllm", logprobs=True, hooks=HOOKS if problem is None else frozenset(),
                                          supports_vlm=multimodal and settings.limit_images_per_prompt > 0)
 
     def close(self) -> None:
@@ -138,18 +144,18 @@ class VllmBackend:
     def generate(self, prompts: Sequence[Prompt], plan: SamplingPlan) -> list[BackendOutput]:
         import uuid
 
-        from engine.backends import vllm_repeat
+        from engine.backends import vllm_rules
 
         if not prompts:
             return []
         base = self.sampling_params(plan)
         keys = [uuid.uuid4().hex for _ in prompts]
-        if plan.repeat is not None:
+        if plan.rules:
             params = []
             for key in keys:
                 p = base.clone()
-                p.extra_args = vllm_repeat.request_args(plan.repeat, key=key, eos_id=plan.eos_token_ids[0],
-                                                        terminal_ids=plan.terminal_token_ids)
+                p.extra_args = vllm_rules.request_args(plan.rules, key=key, eos_id=plan.eos_token_ids[0],
+                                                       terminal_ids=plan.terminal_token_ids)
                 params.append(p)
         else:
             params = base
@@ -160,8 +166,13 @@ class VllmBackend:
             logprobs = None
             if plan.options.logprobs is not None and completion.logprobs is not None:
                 logprobs = tuple({int(t): float(lp.logprob) for t, lp in step.items()} for step in completion.logprobs)
-            event = vllm_repeat.EVENTS.pop(key, None)
+            rules = vllm_rules.LIVE.pop(key, None)
             results.append(BackendOutput(token_ids=tuple(completion.token_ids), logprobs=logprobs,
                                          prompt_token_ids=tuple(out.prompt_token_ids or ()),
-                                         events={"repeat_terminate": event} if event else {}))
+                                         events=rules.events() if rules is not None else {}))
         return results
+
+
+def _refusal(problem: str) -> str:
+    return (f"repeat_terminate.enabled is true, but the guard cannot be activated: {problem}. "
+            "Fix: use a vLLM whose V1 model runner is active, or set repeat_terminate.enabled: false")

@@ -124,7 +124,7 @@ class EngineConfig:
     Traceback (most recent call last):
     ...
     engine.errors.ConfigError: genration is not a known key, got {}. Fix: did you mean 'generation'? \
-available: backend, fallback_backend, generation, hf, model, repeat_terminate, stop, vision, vllm.
+available: backend, fallback_backend, generation, hf, model, plugins, repeat_terminate, stop, vision, vllm.
     """
 
     backend: str
@@ -141,6 +141,8 @@ available: backend, fallback_backend, generation, hf, model, repeat_terminate, s
     """Pixel budget for images on the VLM path (every backend applies the same one)."""
     repeat_terminate: RepeatTerminateConfig = field(default_factory=RepeatTerminateConfig)
     """Repeat-aware termination guard (per-sequence EOS on degenerate repetition)."""
+    plugins: tuple[Any, ...] = ()
+    """Plugins enabled for every call, in order: mappings ``{name: ..., <params>}`` (see ``engine.plugins``)."""
     fallback_backend: str | None = None
     """Where VLM requests go when ``backend`` cannot serve them (loaded lazily, on first need, and
     recorded in each result's meta and the log). None: such requests fail fast. Never silent."""
@@ -156,6 +158,10 @@ available: backend, fallback_backend, generation, hf, model, repeat_terminate, s
             if self.fallback_backend == self.backend:
                 raise ConfigError("fallback_backend", self.fallback_backend, "must differ from backend",
                                   fix="name another backend, or remove fallback_backend")
+        from engine.plugins import create_plugin
+
+        for i, spec in enumerate(self.plugins):
+            create_plugin(spec, index=i)  # unknown names and bad parameters fail at load time
         if self.backend == "vllm" and self.model.attn_implementation is not None:
             raise ConfigError("model.attn_implementation", self.model.attn_implementation,
                               "does not apply to the vllm backend",

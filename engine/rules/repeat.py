@@ -22,7 +22,11 @@ when ``run[p] >= L - p``. Each token costs O(number of periods) = O(1), the key 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from engine.rules.base import CONTINUE, Decision, RowRule
+from engine.rules.json_text import STRING, JsonStringState
 
 CONSECUTIVE = "consecutive_token_repeats"
 NGRAM = "ngram_repeats"
@@ -55,28 +59,22 @@ class JsonKeyCounter:
 
     def __init__(self) -> None:
         self.stack: list[list[int]] = []  # per open container: [is_object, keys]
-        self.in_string = False
-        self.escape = False
+        self.strings = JsonStringState()
         self.string_at_object_level = False
         self.awaiting_colon = False
         self.max_keys = 0
 
     def feed(self, text: str) -> None:
         for ch in text:
-            if self.in_string:
-                if self.escape:
-                    self.escape = False
-                elif ch == "\\":
-                    self.escape = True
-                elif ch == '"':
-                    self.in_string = False
+            was_in_string = self.strings.in_string
+            if self.strings.step(ch) == STRING:
+                if not was_in_string:  # an opening quote
+                    self.string_at_object_level = bool(self.stack) and self.stack[-1][0] == 1
+                    self.awaiting_colon = False
+                elif not self.strings.in_string:  # the closing quote
                     self.awaiting_colon = self.string_at_object_level
                 continue
-            if ch == '"':
-                self.in_string = True
-                self.string_at_object_level = bool(self.stack) and self.stack[-1][0] == 1
-                self.awaiting_colon = False
-            elif ch == ":" and self.awaiting_colon:
+            if ch == ":" and self.awaiting_colon:
                 self.awaiting_colon = False
                 self.stack[-1][1] += 1
                 self.max_keys = max(self.max_keys, self.stack[-1][1])
@@ -88,7 +86,7 @@ class JsonKeyCounter:
                     self.stack.pop()
 
 
-class RepeatRule:
+class RepeatRule(RowRule):
     """One row's incremental repeat state.
 
     >>> rule = RepeatRule(RepeatThresholds(max_consecutive_token_repeats=3))
@@ -98,7 +96,9 @@ class RepeatRule:
     4
     """
 
-    def __init__(self, thresholds: RepeatThresholds) -> None:
+    def __init__(self, thresholds: RepeatThresholds | Mapping[str, object]) -> None:
+        if isinstance(thresholds, Mapping):
+            thresholds = RepeatThresholds(**thresholds)  # type: ignore[arg-type]
         self.t = thresholds
         self.periods: dict[int, int] = {}  # period -> tail length that must be periodic, minus the period
         if thresholds.max_consecutive_token_repeats is not None:
@@ -107,6 +107,7 @@ class RepeatRule:
             self.periods[thresholds.ngram_size] = thresholds.ngram_size * (thresholds.ngram_repeats - 1)
         self.history: deque[int] = deque(maxlen=max(self.periods, default=1))
         self.run = dict.fromkeys(self.periods, 0)
+        self.needs_text = thresholds.needs_text
         self.keys = JsonKeyCounter() if thresholds.needs_text else None
         self.count = 0
         self.reason: str | None = None
@@ -128,6 +129,12 @@ class RepeatRule:
         if reason is not None:
             self.reason, self.fired_at = reason, self.count
         return reason
+
+    def decision(self) -> Decision:
+        return Decision(force_eos=True) if self.reason is not None else CONTINUE
+
+    def events(self) -> dict[str, object]:
+        return {"repeat_terminate": (self.reason, self.fired_at)} if self.reason is not None else {}
 
     def _check(self) -> str | None:
         if 1 in self.periods and self.run[1] >= self.periods[1]:

@@ -1,0 +1,139 @@
+"""Plugins on both backends: rejection before generation, JSON boundary, min-length, cleanup, identity."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.errors import PluginCompatibilityError
+from engine.plugins import Plugin
+from engine.plugins.base import HF_STOPPING_CRITERIA
+from engine.rules.json_boundary import json_boundary
+from fixtures import load_prompts
+
+CHAT = [p["messages"] for p in load_prompts("chat")]
+JSON = [p["messages"] for p in load_prompts("json") if p["id"] != "json-30-fruits"]
+
+
+class VlmOnlyPlugin(Plugin):
+    """A plugin that declares it only serves VLM requests (for the request-kind rejection)."""
+
+    name = "vlm_only_probe"
+    request_kinds = frozenset({"vlm"})
+
+    def hooks(self, backend):
+        return frozenset({"post_decode"})
+
+
+@pytest.fixture
+def counted(engine, count_backend_calls):
+    return engine, count_backend_calls(engine)
+
+
+def test_no_plugins_is_identical_to_the_engine_without_the_mechanism(engine):
+    base = engine.generate(CHAT, options={"max_new_tokens": 32})
+    empty = engine.generate(CHAT, options={"max_new_tokens": 32}, plugins=[])
+    assert [(r.token_ids, r.text, r.raw_text) for r in base] == [(r.token_ids, r.text, r.raw_text) for r in empty]
+    assert all(r.meta["plugins"] == [] for r in base)
+
+
+def test_incompatible_hook_is_rejected_before_generation(counted, backend):
+    engine, calls = counted
+    plugins = [{"name": "json_boundary", "mechanism": "stopping_criteria"}]  # HF StoppingCriteria only
+    if backend == "hf":
+        engine.generate(JSON[:1], options={"max_new_tokens": 8}, plugins=plugins)
+        assert calls == [1]
+        return
+    with pytest.raises(PluginCompatibilityError) as info:
+        engine.generate(JSON[:1], plugins=plugins)
+    message = str(info.value)
+    assert "json_boundary" in message and HF_STOPPING_CRITERIA in message and "'vllm'" in message
+    assert calls == [], "nothing may be generated"
+
+
+def test_request_kind_is_rejected_before_generation(counted):
+    engine, calls = counted
+    with pytest.raises(PluginCompatibilityError, match=r"vlm_only_probe.*does not support text"):
+        engine.generate(CHAT[:1], plugins=[VlmOnlyPlugin()])
+    assert calls == []
+
+
+def test_engine_wide_incompatible_plugin_refuses_before_vllm_starts(pool, backend_names, monkeypatch):
+    import vllm
+
+    from engine import GenerationEngine
+
+    def no_start(*args, **kwargs):
+        raise AssertionError("vLLM was started although the plugin check must fail first")
+
+    monkeypatch.setattr(vllm, "LLM", no_start)
+
+    plugins = [{"name": "json_boundary", "mechanism": "stopping_criteria"}]
+    cfg = pool.config("vllm", pool.options.model, plugins=plugins)
+    with pytest.raises(PluginCompatibilityError, match="hf_stopping_criteria"):
+        GenerationEngine(cfg)
+
+
+def test_json_boundary_ends_rows_at_the_balanced_value(engines):
+    texts = {}
+    for b, e in engines.items():
+        free = e.generate(JSON, options={"max_new_tokens": 96})
+        cut = e.generate(JSON, options={"max_new_tokens": 96}, plugins=[{"name": "json_boundary"}])
+        for i, (f, c) in enumerate(zip(free, cut, strict=True)):
+            boundary = json_boundary(f.text)
+            assert boundary is not None, f"{b} row {i}: the model wrote no balanced JSON: {f.text!r}"
+            assert len(f.text) > boundary, f"{b} row {i}: the model stopped at the boundary by itself"
+            assert c.text == f.text[:boundary], f"{b} row {i}: {c.text!r}"
+            eos = e.tokenizer.eos_token_id
+            kept = c.token_ids[:-1] if c.token_ids[-1] == eos else c.token_ids  # vLLM appends a forced EOS
+            assert kept == f.token_ids[: len(kept)], f"{b} row {i}: the cut row is not a prefix of the free one"
+            assert len(kept) < len(f.token_ids), f"{b} row {i}: the plugin saved no tokens"
+        texts[b] = [r.text for r in cut]
+    first, second = texts.values()
+    assert first == second
+
+
+def test_min_length_above_natural_length_reaches_it_identically(engines):
+    natural = {b: e.generate(CHAT, options={"max_new_tokens": 128}) for b, e in engines.items()}
+    min_chars = max(len(r.text) for r in next(iter(natural.values()))) + 40
+    plugin = [{"name": "min_length", "min_chars": min_chars, "punctuation_bias": 2.0}]
+    got = {b: e.generate(CHAT, options={"max_new_tokens": 128}, plugins=plugin) for b, e in engines.items()}
+    for b, results in got.items():
+        for i, r in enumerate(results):
+            assert r.meta["generated_chars"] >= min_chars or r.finish_reason == "length", f"{b} row {i}"
+            assert r.meta["returned_chars"] == len(r.text)
+        assert any(r.meta["eos_suppressed"] for r in results), f"{b}: EOS was never held back"
+    first, second = got.values()
+    assert [r.token_ids for r in first] == [r.token_ids for r in second]
+
+
+def test_min_length_below_natural_length_changes_nothing(engines):
+    for b, e in engines.items():
+        free = e.generate(CHAT, options={"max_new_tokens": 64})
+        low = e.generate(CHAT, options={"max_new_tokens": 64}, plugins=[{"name": "min_length", "min_chars": 1}])
+        assert [r.token_ids for r in low] == [r.token_ids for r in free], b
+        assert not any(r.meta["eos_suppressed"] for r in low)
+
+
+def test_min_length_hard_cap(engine):
+    r = engine.generate(CHAT[2:3], options={"max_new_tokens": 128},
+                        plugins=[{"name": "min_length", "min_chars": 10, "max_chars": 60}])[0]
+    assert r.meta["min_length_capped"] and r.finish_reason == "stop"
+    assert 60 <= r.meta["generated_chars"] < 60 + 20  # the cap ends the row right after crossing it
+
+
+def test_cleanup_identical_across_backends(engines):
+    from engine.rules.cleanup import cleanup
+
+    plugins = [{"name": "cleanup", "sentence_end": True, "close_brackets": True}]
+    opts = {"max_new_tokens": 24}
+    got = {b: e.generate(CHAT + JSON, options=opts, plugins=plugins) for b, e in engines.items()}
+    first, second = got.values()
+    assert [r.text for r in first] == [r.text for r in second]
+    name, eng = next(iter(engines.items()))
+    free = eng.generate(CHAT + JSON, options=opts)
+    changed = 0
+    for r, f in zip(got[name], free, strict=True):
+        assert r.text == cleanup(f.text, sentence_end=True, close_brackets=True), "cleanup runs after truncation"
+        assert r.raw_text == f.raw_text, "raw_text is never post-processed"
+        changed += r.text != f.text
+    assert changed > 0, "no output needed cleaning; the check would prove little"

@@ -1,0 +1,137 @@
+"""The contract of a generation-time row rule: fed each generated token and its text, it says what the
+row may do next. Backends apply decisions through thin adapters; rules never import torch or a backend.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the next token of one row may be. ``force_eos`` wins over ``ban_eos`` (hard stops end rows).
+
+    >>> Decision(ban_eos=True).force_eos
+    False
+    """
+
+    force_eos: bool = False
+    """The row must end now: the adapter makes EOS the only choice (or stops the row)."""
+    ban_eos: bool = False
+    """The row may not end yet: EOS is masked out."""
+    bias: Mapping[int, float] = field(default_factory=dict)
+    """Additive logit bias per token id."""
+
+
+CONTINUE = Decision()
+
+
+class RowRule(ABC):
+    """One row's incremental state. Subclasses implement :meth:`push` and :meth:`decision`."""
+
+    needs_text: bool = False
+    """Whether :meth:`push` needs the token's decoded text (adapters detokenize only then)."""
+
+    @abstractmethod
+    def push(self, token: int, text: str) -> None:
+        """Feed the next generated token (prompt tokens never arrive here) and its decoded text."""
+
+    @abstractmethod
+    def decision(self) -> Decision:
+        """What the row may do next, given everything pushed so far."""
+
+    def note_eos_suppressed(self) -> None:  # noqa: B027 - optional hook with a no-op default
+        """Called by adapters when ``ban_eos`` masked an EOS that was the model's top choice."""
+
+    def events(self) -> dict[str, Any]:
+        """Facts for the result's meta (e.g. whether and where a rule fired)."""
+        return {}
+
+
+@dataclass(frozen=True)
+class RuleSpec:
+    """A row rule by import path and parameters: what the engine sends to backends (vLLM rebuilds the rule
+    from it in its worker). ``hf_hook`` picks the HF mechanism: "logits_processor" or "stopping_criteria"
+    (the row simply stops, no EOS appended).
+
+    >>> RuleSpec("engine.rules.json_boundary:JsonBoundaryRule").build().needs_text
+    True
+    """
+
+    target: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+    hf_hook: str = "logits_processor"
+
+    def build(self) -> RowRule:
+        import importlib
+
+        module, _, name = self.target.partition(":")
+        rule = getattr(importlib.import_module(module), name)(**dict(self.params))
+        if not isinstance(rule, RowRule):
+            raise TypeError(f"{self.target} built a {type(rule).__name__}, not a RowRule")
+        return rule
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"target": self.target, "params": dict(self.params), "hf_hook": self.hf_hook}
+
+
+class RuleSet:
+    """One row's rules with the shared feeding logic every adapter uses.
+
+    Rows stop being fed once they end (a terminal token), so the padding a batch adds after a finished row
+    never reaches a rule. Decisions combine as: any force wins; else any ban; biases add up.
+
+    >>> from engine.rules.repeat import RepeatRule, RepeatThresholds
+    >>> rs = RuleSet([RepeatRule(RepeatThresholds(max_consecutive_token_repeats=2))], terminal_ids={0})
+    >>> rs.feed(5); rs.decision().force_eos
+    False
+    >>> rs.feed(5); rs.decision().force_eos
+    True
+    """
+
+    def __init__(self, rules: list[RowRule], *, terminal_ids: set[int] | frozenset[int], decode: Any = None) -> None:
+        from engine.rules.detok import IncrementalDetokenizer
+
+        self.rules = rules
+        self.terminal = terminal_ids
+        needs_text = any(r.needs_text for r in rules)
+        self.detok = IncrementalDetokenizer(decode) if needs_text and decode is not None else None
+        self.done = False
+        self.fed = 0
+
+    def feed(self, token: int) -> None:
+        self.fed += 1
+        if self.done:
+            return
+        if token in self.terminal:
+            self.done = True
+            return
+        text = self.detok.push(token) if self.detok is not None else ""
+        for rule in self.rules:
+            rule.push(token, text)
+
+    def decision(self) -> Decision:
+        if self.done or not self.rules:
+            return CONTINUE
+        decisions = [r.decision() for r in self.rules]
+        if any(d.force_eos for d in decisions):
+            return Decision(force_eos=True)
+        bias: dict[int, float] = {}
+        for d in decisions:
+            for tok, b in d.bias.items():
+                bias[tok] = bias.get(tok, 0.0) + b
+        return Decision(ban_eos=any(d.ban_eos for d in decisions), bias=bias)
+
+    def note_eos_suppressed(self) -> None:
+        for rule in self.rules:
+            if rule.decision().ban_eos:
+                rule.note_eos_suppressed()
+
+    def events(self) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for rule in self.rules:
+            merged.update(rule.events())
+        return merged

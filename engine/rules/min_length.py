@@ -1,0 +1,62 @@
+"""Min-length control ("Pattern C"): EOS is suppressed while the decoded output is shorter than
+``min_chars``; past it, an optional positive bias nudges sentence-ending tokens; ``max_chars`` is a hard
+cap that ends the row. The character count follows the decoded text as it grows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from engine.rules.base import CONTINUE, Decision, RowRule
+
+
+def min_length_decision(chars: int, *, min_chars: int, max_chars: int | None, punctuation_bias: float,
+                        sentence_end_ids: Iterable[int]) -> Decision:
+    """The gate as a pure function of the current character count.
+
+    >>> min_length_decision(3, min_chars=10, max_chars=None, punctuation_bias=0.0, sentence_end_ids=()).ban_eos
+    True
+    >>> d = min_length_decision(12, min_chars=10, max_chars=None, punctuation_bias=2.0, sentence_end_ids=(13,))
+    >>> d.ban_eos, dict(d.bias)
+    (False, {13: 2.0})
+    >>> min_length_decision(50, min_chars=10, max_chars=40, punctuation_bias=0.0, sentence_end_ids=()).force_eos
+    True
+    """
+    if max_chars is not None and chars >= max_chars:
+        return Decision(force_eos=True)
+    if chars < min_chars:
+        return Decision(ban_eos=True)
+    if punctuation_bias:
+        return Decision(bias=dict.fromkeys(sentence_end_ids, punctuation_bias))
+    return CONTINUE
+
+
+class MinLengthRule(RowRule):
+    """One row's min-length state."""
+
+    needs_text = True
+
+    def __init__(self, *, min_chars: int, max_chars: int | None, punctuation_bias: float,
+                 sentence_end_ids: Iterable[int]) -> None:
+        self.min_chars = min_chars
+        self.max_chars = max_chars
+        self.punctuation_bias = punctuation_bias
+        self.sentence_end_ids = tuple(sentence_end_ids)
+        self.chars = 0
+        self.eos_suppressed = False
+        self.capped = False
+
+    def push(self, token: int, text: str) -> None:
+        self.chars += len(text)
+
+    def decision(self) -> Decision:
+        d = min_length_decision(self.chars, min_chars=self.min_chars, max_chars=self.max_chars,
+                                punctuation_bias=self.punctuation_bias, sentence_end_ids=self.sentence_end_ids)
+        self.capped = self.capped or d.force_eos
+        return d
+
+    def note_eos_suppressed(self) -> None:
+        self.eos_suppressed = True
+
+    def events(self) -> dict[str, object]:
+        return {"min_length_eos_suppressed": self.eos_suppressed, "min_length_capped": self.capped}
