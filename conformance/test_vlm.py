@@ -79,7 +79,7 @@ def test_config_budget_equals_call_budget(vlm_engines, images):
 
 
 @pytest.fixture
-def counted(vlm_engine, count_backend_calls):
+def counted_vlm(vlm_engine, count_backend_calls):
     return vlm_engine, count_backend_calls(vlm_engine)
 
 
