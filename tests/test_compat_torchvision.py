@@ -35,7 +35,7 @@ def test_stays_inactive_when_torchvision_is_present(monkeypatch, fresh_state):
 
 @pytest.mark.skipif(tv_compat.torchvision_available(), reason="torchvision is installed: nothing to patch here")
 def test_active_without_torchvision_builds_the_qwen2_vl_processor(tmp_path, fresh_state, monkeypatch):
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="the Qwen2-VL processor needs transformers (`nox -s tests` has it)")
     monkeypatch.delitem(sys.modules, tv_compat.IMAGE_MODULE, raising=False)
     assert tv_compat.install() is True and tv_compat.is_active()
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor, smart_resize
