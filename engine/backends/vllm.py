@@ -97,7 +97,6 @@ class VllmBackend:
         if problem is not None and guarded:
             self.close()
             raise UnsupportedCapabilityError(_refusal(problem))
-        self.rules_problem = problem
         multimodal = bool(self.llm.llm_engine.model_config.is_multimodal_model)
         self.capabilities = Capabilities(name="vllm", logprobs=True, hooks=HOOKS if problem is None else frozenset(),
                                          supports_vlm=multimodal and settings.limit_images_per_prompt > 0)
