@@ -69,7 +69,7 @@ def _fixtures(session: nox.Session) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Unit, property and doctest tests of the library (no vLLM needed)."""
-    _install(session, with_vllm=False, extras=("test",))
+    _install(session, with_vllm=False, extras=("test", "report"))
     session.run("pytest", "tests", "--doctest-modules", "engine", "fixtures", *session.posargs)
 
 
@@ -85,11 +85,22 @@ def conformance(session: nox.Session) -> None:
 
 @nox.session
 def benchmark(session: nox.Session) -> None:
-    """Benchmarks (pytest-benchmark), opted in with --benchmark; reports go to reports/."""
+    """Benchmarks on HF and vLLM: writes reports/benchmark-<run>.parquet, shows it, then gates its ratios.
+
+    Size: smoke on CPU hosts (minutes), full where CUDA is present; override with ENGINE_BENCHMARK_SIZE.
+    The gate checks ratios measured within this run (python -m engine.report gate), never absolute times.
+    """
     _install(session, with_vllm=True, extras=("test", "bench"))
     _fixtures(session)
     REPORTS.mkdir(exist_ok=True)
-    session.run("pytest", "benchmarks", "--benchmark", *session.posargs)
+    latest = REPORTS / "benchmark-latest.parquet"
+    latest.unlink(missing_ok=True)  # the gate must read this run's report, never an older one
+    size = os.environ.get("ENGINE_BENCHMARK_SIZE") or ("full" if host_has_cuda() else "smoke")
+    session.log(f"benchmark size: {size} (override: ENGINE_BENCHMARK_SIZE=smoke|full)")
+    session.run("pytest", "benchmarks", "--benchmark", f"--benchmark-size={size}", *session.posargs,
+                env={"TOKENIZERS_PARALLELISM": "false"})
+    session.run("python", "-m", "engine.report", "show", str(latest))
+    session.run("python", "-m", "engine.report", "gate", str(latest))
 
 
 @nox.session

@@ -1,30 +1,195 @@
-"""Benchmarks are opted in with ``pytest --benchmark`` (a flag this project registers); otherwise skipped."""
+"""Benchmark plumbing: the ``--benchmark`` opt-in, sizes, shared engines, progress lines, the Parquet report.
+
+Options (under "engine benchmarks" in ``pytest --help``): ``--benchmark`` (without it every benchmark is
+skipped), ``--benchmark-size smoke|full``, ``--benchmark-backends``, ``--benchmark-model``,
+``--benchmark-dtype``, ``--benchmark-reports``. One report per run:
+``reports/benchmark-<run_id>.parquet`` (copied to ``reports/benchmark-latest.parquet``), schema in
+``engine/report/schema.py`` and ``reports/README.md``.
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
 import pytest
+
+from benchmarks.harness import Rounds, Variant
+from benchmarks.workload import SIZES, Size
+
+SESSION_KEY = pytest.StashKey["BenchSession"]()
+BACKENDS = ("hf", "vllm")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("engine benchmarks")
     group.addoption("--benchmark", action="store_true", default=False,
                     help="run the benchmarks in benchmarks/ (default: off, they are skipped)")
+    group.addoption("--benchmark-size", choices=sorted(SIZES), default=os.environ.get("ENGINE_BENCHMARK_SIZE"),
+                    help="smoke (CPU CI, minutes) or full (GPU runners); default: $ENGINE_BENCHMARK_SIZE, "
+                         "else full with CUDA and smoke without")
+    group.addoption("--benchmark-backends", default=",".join(BACKENDS), help="comma-separated (default: hf,vllm)")
+    group.addoption("--benchmark-model", default="smollm2-135m-instruct",
+                    help="a fixture name (python -m fixtures list) or a model folder (default: smollm2-135m-instruct)")
+    group.addoption("--benchmark-dtype", default=None,
+                    help="model dtype (default: float32 on CPU, bfloat16 with CUDA)")
+    group.addoption("--benchmark-reports", default=None, help="report folder (default: <rootdir>/reports)")
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not config.getoption("--benchmark"):
+        return
+    size = config.getoption("--benchmark-size") or ("full" if _cuda() else "smoke")
+    if size not in SIZES:
+        raise pytest.UsageError(f"--benchmark-size / ENGINE_BENCHMARK_SIZE: {size!r} is not one of {sorted(SIZES)}")
+    backends = tuple(b.strip() for b in config.getoption("--benchmark-backends").split(",") if b.strip())
+    unknown = sorted(set(backends) - set(BACKENDS))
+    if unknown or not backends:
+        raise pytest.UsageError(f"--benchmark-backends: unknown {unknown or backends}; available: hf,vllm")
+    reports = Path(config.getoption("--benchmark-reports") or Path(config.rootpath) / "reports")
+    config.stash[SESSION_KEY] = BenchSession(config, size, backends, reports)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("--benchmark"):
+    if SESSION_KEY not in config.stash:
+        skip = pytest.mark.skip(reason="benchmarks run only with --benchmark (nox -s benchmark)")
+        for item in items:
+            item.add_marker(skip)
         return
-    skip = pytest.mark.skip(reason="benchmarks run only with --benchmark (nox -s benchmark)")
-    for item in items:
-        item.add_marker(skip)
+    config.stash[SESSION_KEY].total = len(items)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if SESSION_KEY in item.config.stash:
+        item.config.stash[SESSION_KEY].started += 1
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    bench = session.config.stash.get(SESSION_KEY, None)
+    if bench is not None and bench.writer.rows:
+        path = bench.writer.write(bench.reports)
+        session.config.get_terminal_writer().line(f"benchmark report: {path} (and {path.parent}/"
+                                                  "benchmark-latest.parquet); python -m engine.report show it")
 
 
 @pytest.fixture(scope="session")
-def hf_engine():
-    from engine import GenerationEngine
-    from fixtures import ensure
+def bench(pytestconfig: pytest.Config) -> Iterator[BenchSession]:
+    session = pytestconfig.stash[SESSION_KEY]
+    yield session
+    session.close()
 
-    path = ensure("smollm2-135m-instruct")
-    eng = GenerationEngine({"backend": "hf", "model": {"path": str(path), "dtype": "float32", "device": "cpu"}})
-    yield eng
-    eng.close()
+
+class BenchSession:
+    """Engines shared by all benchmarks of a run, the report being written, and the progress lines."""
+
+    def __init__(self, config: pytest.Config, size: str, backends: tuple[str, ...], reports: Path) -> None:
+        from engine.report.metadata import run_metadata
+        from engine.report.writer import ReportWriter
+
+        self.config = config
+        self.size_name = size
+        self.size: Size = SIZES[size]
+        self.backends = backends
+        self.reports = reports
+        self.model_arg = config.getoption("--benchmark-model")
+        self.dtype = config.getoption("--benchmark-dtype") or ("bfloat16" if _cuda() else "float32")
+        self.writer = ReportWriter(run_metadata(size, root=Path(config.rootpath)))
+        self.total = 0
+        self.started = 0
+        self._objects: dict[tuple[Any, ...], Any] = {}
+        self.progress(f"benchmark size {size} on {self.writer.run['device']} ({self.dtype}); "
+                      f"report: {reports}/benchmark-{self.writer.run['run_id']}.parquet")
+
+    # -- engines (one per kind for the whole run; vLLM ones are never closed early, see EnginePool.keep) --
+
+    @property
+    def model_path(self) -> str:
+        from fixtures import FIXTURES, ensure
+
+        if self.model_arg in FIXTURES:
+            return str(ensure(self.model_arg))
+        if not Path(self.model_arg).is_dir():
+            raise pytest.UsageError(f"--benchmark-model {self.model_arg!r}: neither a fixture "
+                                    f"({', '.join(FIXTURES)}) nor a folder")
+        return self.model_arg
+
+    @property
+    def model_name(self) -> str:
+        return Path(self.model_arg).name
+
+    def _keep(self, key: tuple[Any, ...], factory: Any) -> Any:
+        if key not in self._objects:
+            self.progress(f"starting {' '.join(map(str, key))} ...")
+            self._objects[key] = factory()
+        return self._objects[key]
+
+    def config_for(self, backend: str, **sections: Any) -> dict[str, Any]:
+        model: dict[str, Any] = {"path": self.model_path, "dtype": self.dtype}
+        # Three vLLM instances share one GPU (engine, guarded engine, raw), hence the memory share.
+        vllm = {"max_num_seqs": max(self.size.batches), "gpu_memory_utilization": 0.25}
+        return {"backend": backend, "model": model, "vllm": vllm, **sections}
+
+    def engine(self, backend: str, *, guarded: bool = False) -> Any:
+        from benchmarks.workload import REPEAT_GUARD
+        from engine import GenerationEngine
+
+        sections = {"repeat_terminate": REPEAT_GUARD} if guarded else {}
+        return self._keep(("engine", backend, "guarded" if guarded else "plain"),
+                          lambda: GenerationEngine(self.config_for(backend, **sections)))
+
+    def raw_vllm(self) -> Any:
+        """A bare ``vllm.LLM`` with the engine's own arguments, minus what the engine adds."""
+
+        def build() -> Any:
+            import vllm
+
+            from engine.backends.vllm import llm_kwargs
+
+            plain = self.engine("vllm")  # prepares the environment the same way
+            return vllm.LLM(**llm_kwargs(plain.config.model, plain.config.vllm))
+
+        return self._keep(("raw", "vllm"), build)
+
+    def close(self) -> None:
+        for key, obj in reversed(list(self._objects.items())):
+            if key[0] == "engine":
+                obj.close()
+        self._objects.clear()
+
+    # -- measuring and recording ----------------------------------------------------------------------
+
+    def progress(self, line: str) -> None:
+        """A line on the terminal now, even while pytest captures output."""
+        writer = self.config.get_terminal_writer()
+        capture = self.config.pluginmanager.get_plugin("capturemanager")
+        prefix = f"[bench {self.started}/{self.total}] " if self.total else "[bench] "
+        if capture is not None:
+            with capture.global_and_fixture_disabled():
+                writer.line(prefix + line)
+                writer.flush()  # shown now, also when stdout is a pipe or a CI log
+        else:
+            writer.line(prefix + line)
+            writer.flush()
+
+    def measure(self, benchmark: Any, label: str, variants: Sequence[Variant]) -> Rounds:
+        """Run the variants interleaved through pytest-benchmark's pedantic mode (warm-up rounds dropped)."""
+        rounds = Rounds(variants, warmup=self.size.warmup, total=self.size.rounds, progress=self.progress,
+                        label=label)
+        benchmark.pedantic(rounds, rounds=self.size.rounds, warmup_rounds=self.size.warmup, iterations=1)
+        return rounds
+
+    def record(self, case: Mapping[str, Any], rounds: Rounds, ratios: Mapping[str, float],
+               benchmark: Any) -> None:
+        row = {"model": self.model_name, "dtype": self.dtype, **case}
+        self.writer.add_case(row, rounds.rows(), ratios)
+        benchmark.extra_info.update({**case, **ratios})
+        shown = ", ".join(f"{k} {v:.3f}" for k, v in ratios.items())
+        self.progress(f"{case['benchmark']}: {shown}")

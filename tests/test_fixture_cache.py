@@ -41,3 +41,10 @@ def test_prompt_sets_are_well_formed():
         for r in records:
             assert r["messages"] and all({"role", "content"} <= set(m) for m in r["messages"])
     assert len(load_prompts("chat")) == 6
+
+
+def test_large_fixtures_are_built_only_on_demand():
+    from fixtures.build import FIXTURES, default_fixtures
+
+    assert "qwen2-0.5b-random" in FIXTURES and "qwen2-0.5b-random" not in default_fixtures()
+    assert {"smollm2-135m-instruct", "tiny-looper", "tiny-qwen2-vl"} <= set(default_fixtures())

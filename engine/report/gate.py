@@ -1,0 +1,78 @@
+"""The release gate on ratios measured within one run (noise hits both sides of a ratio alike).
+
+Each case's ratio (one value per benchmark, see :data:`~engine.report.schema.RATIO_COLUMNS`) must be at
+least its minimum. A minimum with no case to check fails too: a gate that checked nothing must not pass.
+
+>>> import pandas as pd
+>>> f = pd.DataFrame({"benchmark": ["a", "a", "b"], "engine_over_raw": [0.97, 0.97, 0.85]})
+>>> [(v.benchmark, v.passed) for v in gate(f, {"engine_over_raw": 0.9}).verdicts]
+[('a', True), ('b', False)]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.report.schema import RATIO_COLUMNS
+
+# engine >= 0.9 of raw backend throughput (the issue's bar); a guard may cost at most a fifth.
+DEFAULT_MINIMUMS: dict[str, float] = {"engine_over_raw": 0.90, "guard_on_over_off": 0.80}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ratio: str
+    benchmark: str
+    value: float
+    minimum: float
+
+    @property
+    def passed(self) -> bool:
+        return self.value >= self.minimum
+
+
+@dataclass
+class GateResult:
+    verdicts: list[Verdict]
+    unchecked: list[str] = field(default_factory=list)  # minimums that had no case to check
+
+    @property
+    def passed(self) -> bool:
+        return not self.unchecked and all(v.passed for v in self.verdicts)
+
+
+def parse_minimum(text: str) -> tuple[str, float]:
+    """``"engine_over_raw=0.9"`` -> ``("engine_over_raw", 0.9)``; names and numbers are checked."""
+    name, sep, value = text.partition("=")
+    if not sep or name not in RATIO_COLUMNS:
+        raise ValueError(f"--min {text!r}: expected RATIO=NUMBER with RATIO one of {sorted(RATIO_COLUMNS)}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"--min {text!r}: {value!r} is not a number; fix: e.g. {name}=0.9") from None
+    if not 0 < number < 10:
+        raise ValueError(f"--min {text!r}: a throughput ratio minimum must be in (0, 10), got {number}")
+    return name, number
+
+
+def gate(frame: Any, minimums: Mapping[str, float]) -> GateResult:
+    verdicts, unchecked = [], []
+    for ratio, minimum in minimums.items():
+        per_case = frame.dropna(subset=[ratio]).groupby("benchmark", sort=True)[ratio].first()
+        if per_case.empty:
+            unchecked.append(ratio)
+        verdicts += [Verdict(ratio, str(b), float(v), minimum) for b, v in per_case.items() if not math.isnan(v)]
+    return GateResult(verdicts, unchecked)
+
+
+def format_gate(result: GateResult) -> str:
+    lines = [f"{'PASS' if v.passed else 'FAIL'}  {v.ratio:<18} {v.value:6.3f} >= {v.minimum:.3f}  {v.benchmark}"
+             for v in result.verdicts]
+    lines += [f"FAIL  {r}: no case in the report measured it (fix: run the benchmarks that do)"
+              for r in result.unchecked]
+    failed = sum(not v.passed for v in result.verdicts) + len(result.unchecked)
+    lines.append(f"gate: {len(result.verdicts)} ratios checked, {failed} failed")
+    return "\n".join(lines)

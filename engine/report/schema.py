@@ -1,0 +1,103 @@
+"""The benchmark report schema: one Parquet row per measured round, versioned.
+
+A report is one run of ``pytest benchmarks --benchmark``. Every row carries the run's metadata, the case's
+shape, the variant measured and the round's numbers; the ratio columns repeat the case's median ratio on
+every row of that case (NaN where the ratio does not apply). A ratio is a speed ratio on the same requests:
+the reference variant's median wall time / the subject's, i.e. the token-throughput ratio whenever both
+generate the same tokens (asserted for every fixed-length case); above 1 means the subject is faster.
+Bump :data:`SCHEMA_VERSION` on any change of a column's name, type or meaning, and say so in
+``reports/README.md``.
+
+>>> [c.name for c in COLUMNS][:3]
+['schema_version', 'run_id', 'timestamp']
+>>> sorted(RATIO_COLUMNS)
+['engine_over_raw', 'guard_on_over_off', 'ours_over_native']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    dtype: str  # pandas dtype name
+    doc: str
+
+
+RUN_COLUMNS = (
+    Column("schema_version", "int64", "this schema's version"),
+    Column("run_id", "string", "unique id of the run (UTC timestamp + short git sha)"),
+    Column("timestamp", "string", "run start, ISO 8601 UTC"),
+    Column("git_sha", "string", "commit of the code measured ('' outside a git checkout)"),
+    Column("git_dirty", "bool", "uncommitted changes were present"),
+    Column("host", "string", "host name"),
+    Column("device", "string", "GPU name (torch.cuda.get_device_name) or the CPU model name"),
+    Column("device_kind", "string", "cuda or cpu"),
+    Column("python_version", "string", "Python version"),
+    Column("torch_version", "string", "torch version ('' if absent)"),
+    Column("transformers_version", "string", "transformers version ('' if absent)"),
+    Column("vllm_version", "string", "vllm version ('' if absent)"),
+    Column("size", "string", "benchmark size: smoke or full"),
+)
+CASE_COLUMNS = (
+    Column("benchmark", "string", "case id: group[backend-bN-prompt-oN-guard]; the comparison key with variant"),
+    Column("group", "string", "throughput or repeat_vs_native"),
+    Column("backend", "string", "hf or vllm"),
+    Column("model", "string", "model name (fixture name or folder name)"),
+    Column("dtype", "string", "model dtype"),
+    Column("batch", "int64", "requests per call"),
+    Column("prompt_len", "string", "prompt length class: short, long, or the prompt set's name"),
+    Column("prompt_tokens", "int64", "prompt tokens over the whole batch"),
+    Column("new_tokens", "int64", "output budget per row (max_new_tokens)"),
+    Column("fixed_length", "bool", "EOS was suppressed so every row generates exactly new_tokens"),
+    Column("guard_set", "string", "none, repeat or min_length (what the subject variant adds)"),
+    Column("variant", "string", "what ran: raw, engine, engine+repeat, engine+min_length, raw+native_repetition"),
+    Column("role", "string", "reference or subject of the case's ratio, or context (measured alongside, in no ratio)"),
+)
+ROUND_COLUMNS = (
+    Column("round", "int64", "measured round (warm-up rounds are not written)"),
+    Column("wall_s", "float64", "wall time of the call, device synchronized before and after"),
+    Column("output_tokens", "int64", "generated tokens over the whole batch"),
+    Column("tokens_per_s", "float64", "output_tokens / wall_s"),
+)
+RATIO_COLUMNS = {
+    "engine_over_raw": "engine speed / raw backend call's, same prompt ids and settings",
+    "guard_on_over_off": "speed with the guard / without it, both through the engine",
+    "ours_over_native": "speed with our repeat guard (engine) / with vLLM's native repetition_detection (raw LLM)",
+}
+COLUMNS = (*RUN_COLUMNS, *CASE_COLUMNS, *ROUND_COLUMNS,
+           *(Column(name, "float64", doc) for name, doc in RATIO_COLUMNS.items()))
+
+# Rows are compared only when all of these agree: same device, model, dtype and shapes.
+LIKE_FOR_LIKE = ("benchmark", "variant", "device", "backend", "model", "dtype", "batch", "prompt_tokens",
+                 "new_tokens", "guard_set")
+
+
+class ReportSchemaError(ValueError):
+    """A report file does not match this schema version (missing columns or another version)."""
+
+
+def check(frame: Any, *, source: str = "report") -> None:
+    """Raise :class:`ReportSchemaError` unless ``frame`` holds every column of this schema version."""
+    missing = [c.name for c in COLUMNS if c.name not in frame.columns]
+    if missing:
+        raise ReportSchemaError(f"{source}: missing columns {missing}; fix: write it with this version's "
+                                f"benchmarks (schema_version {SCHEMA_VERSION})")
+    versions = sorted(set(int(v) for v in frame["schema_version"]))
+    if versions != [SCHEMA_VERSION]:
+        raise ReportSchemaError(f"{source}: schema_version {versions}, this tool reads {SCHEMA_VERSION}; fix: "
+                                "re-run the benchmarks with this version, or compare with the matching tool")
+    if len(frame) == 0:
+        raise ReportSchemaError(f"{source}: no rows; fix: run the benchmarks (pytest benchmarks --benchmark)")
+
+
+def markdown_table() -> str:
+    """The schema as a markdown table (kept in ``reports/README.md``; a test checks they agree)."""
+    lines = ["| column | type | meaning |", "|---|---|---|"]
+    lines += [f"| `{c.name}` | {c.dtype} | {c.doc} |" for c in COLUMNS]
+    return "\n".join(lines)

@@ -1,0 +1,28 @@
+"""One report as text: the run's metadata, then a line per benchmark variant with its medians and ratios."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.report.compare import spread_pct
+from engine.report.schema import RATIO_COLUMNS, RUN_COLUMNS
+
+
+def format_report(frame: Any) -> str:
+    lines = []
+    for col in RUN_COLUMNS:
+        values = sorted({str(v) for v in frame[col.name]})
+        lines.append(f"{col.name:>21}: {', '.join(values)}")
+    head = ("benchmark", "variant", "rounds", "median s", "spread", "tokens/s", *RATIO_COLUMNS)
+    body = []
+    for (bench, variant), g in frame.groupby(["benchmark", "variant"], sort=True):
+        ratios = [g[name].iloc[0] for name in RATIO_COLUMNS] if g["role"].iloc[0] == "subject" else []
+        body.append((bench, variant, str(len(g)), f"{g['wall_s'].median():.4f}", f"{spread_pct(g['wall_s']):.1f}%",
+                     f"{g['tokens_per_s'].median():.1f}",
+                     *(("" if v != v else f"{v:.3f}") for v in ratios or [float("nan")] * len(RATIO_COLUMNS))))
+    widths = [max(len(str(x[i])) for x in (head, *body)) for i in range(len(head))]
+    fmt = "  ".join(f"{{:<{w}}}" if i < 2 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    lines += ["", fmt.format(*head), fmt.format(*("-" * w for w in widths)), *(fmt.format(*b) for b in body)]
+    lines.append("\nratios: reference median wall time / subject median wall time, same requests, within this run "
+                 "(> 1: the subject is faster)")
+    return "\n".join(lines)
