@@ -10,6 +10,7 @@ skipped), ``--benchmark-size smoke|full``, ``--benchmark-backends``, ``--benchma
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,16 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"--benchmark-backends: unknown {unknown or backends}; available: hf,vllm")
     reports = Path(config.getoption("--benchmark-reports") or Path(config.rootpath) / "reports")
     config.stash[SESSION_KEY] = BenchSession(config, size, backends, reports)
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    bench = config.stash.get(SESSION_KEY, None)
+    if bench is None:
+        return []
+    run = bench.writer.run
+    return [f"engine benchmarks: size {bench.size_name}, backends {','.join(bench.backends)}, model "
+            f"{bench.model_arg} ({bench.dtype}) on {run['device']}",
+            f"engine benchmarks: report {bench.reports}/benchmark-{run['run_id']}.parquet"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -105,8 +116,6 @@ class BenchSession:
         self.total = 0
         self.started = 0
         self._objects: dict[tuple[Any, ...], Any] = {}
-        self.progress(f"benchmark size {size} on {self.writer.run['device']} ({self.dtype}); "
-                      f"report: {reports}/benchmark-{self.writer.run['run_id']}.parquet")
 
     # -- engines (one per kind for the whole run; vLLM ones are never closed early, see EnginePool.keep) --
 
@@ -168,6 +177,9 @@ class BenchSession:
 
     def progress(self, line: str) -> None:
         """A line on the terminal now, even while pytest captures output."""
+        if self.config.pluginmanager.get_plugin("terminalreporter") is None:  # e.g. -p no:terminal
+            print(line, file=sys.stderr, flush=True)
+            return
         writer = self.config.get_terminal_writer()
         capture = self.config.pluginmanager.get_plugin("capturemanager")
         prefix = f"[bench {self.started}/{self.total}] " if self.total else "[bench] "
