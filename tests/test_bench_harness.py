@@ -1,0 +1,54 @@
+"""The benchmark harness's own rules: warm-up rounds dropped, order alternated, ratios from medians."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.harness import Rounds, Variant
+from benchmarks.workload import SIZES, batch_messages
+
+
+def make_rounds(calls: list[str], warmup: int = 1) -> Rounds:
+    def variant(name: str, role: str, tokens: int) -> Variant:
+        def run() -> int:
+            calls.append(name)
+            return tokens
+        return Variant(name, role, run)
+
+    return Rounds([variant("raw", "reference", 4), variant("engine", "subject", 4)], warmup=warmup, total=3,
+                  progress=lambda line: calls.append(f"progress: {line}"), label="case")
+
+
+def test_warmup_rounds_run_but_are_not_kept_and_order_alternates():
+    calls: list[str] = []
+    rounds = make_rounds(calls)
+    for _ in range(4):  # 1 warm-up + 3 measured
+        rounds()
+    order = [c for c in calls if not c.startswith("progress")]
+    assert order == ["raw", "engine", "engine", "raw", "raw", "engine", "engine", "raw"]
+    assert [len(rounds.samples[n]) for n in ("raw", "engine")] == [3, 3]
+    assert "warm-up" in calls[2] and "round 3/3" in calls[-1]
+    rows = rounds.rows()
+    assert len(rows) == 6 and {r["role"] for r in rows} == {"reference", "subject"}
+    assert rounds.tokens("engine") == {4}
+
+
+def test_speed_ratio_is_reference_median_over_subject_median():
+    rounds = make_rounds([])
+    rounds.samples = {"raw": [(1.0, 4), (9.0, 4), (2.0, 4)], "engine": [(4.0, 4), (2.5, 4), (2.0, 4)]}
+    assert rounds.speed_ratio("engine", "raw") == pytest.approx(2.0 / 2.5)  # medians, not means
+
+
+def test_smoke_measures_engine_vs_raw_at_every_batch_and_full_adds_lengths():
+    smoke, full = SIZES["smoke"], SIZES["full"]
+    assert smoke.batches == (1, 8, 64) and "none" in smoke.guard_sets
+    assert {"repeat", "min_length"} <= set(smoke.guard_sets) and smoke.guard_batches
+    assert len(full.prompt_lens) > 1 and len(full.new_tokens) > 1 and full.rounds >= smoke.rounds
+
+
+def test_batches_cycle_prompts_and_long_prompts_carry_the_context():
+    short, long = batch_messages(64, "short"), batch_messages(64, "long")
+    assert len(short) == len(long) == 64
+    assert all(len(lo[-1]["content"]) > len(sh[-1]["content"]) + 500 for sh, lo in zip(short, long, strict=True))
+    with pytest.raises(ValueError, match="short or long"):
+        batch_messages(1, "medium")
