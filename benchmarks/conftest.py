@@ -87,6 +87,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     bench = session.config.stash.get(SESSION_KEY, None)
     if bench is not None and bench.writer.rows:
         path = bench.writer.write(bench.reports)
+        session.config.get_terminal_writer().line()
         session.config.get_terminal_writer().line(f"benchmark report: {path} (and {path.parent}/"
                                                   "benchmark-latest.parquet); python -m engine.report show it")
 
