@@ -42,7 +42,8 @@ NATIVE_REPETITION = {"min_pattern_size": 1, "max_pattern_size": 5, "min_count": 
 # min_chars far beyond any output: the plugin watches (and holds EOS back) on every step.
 MIN_LENGTH = [{"name": "min_length", "min_chars": 100_000}]
 
-# A fixed passage that turns a short prompt into a long one (about 400 tokens with SmolLM2's tokenizer).
+# A fixed passage that turns a short prompt into a long one: about 600 more tokens with SmolLM2's tokenizer
+# (the first chat prompt renders to 633 tokens with it, 37 without).
 _FACTS = ["the red kettle sits on the third shelf", "the library opens at nine on weekdays",
           "a blue bicycle is locked by the north gate", "the garden has eleven rows of tomatoes",
           "the clock in the hall runs four minutes fast", "the ferry leaves the harbour every hour"]
