@@ -197,6 +197,9 @@ class BenchSession:
         rounds = Rounds(variants, warmup=self.size.warmup, total=self.size.rounds, progress=self.progress,
                         label=label)
         benchmark.pedantic(rounds, rounds=self.size.rounds, warmup_rounds=self.size.warmup, iterations=1)
+        if rounds.calls != self.size.warmup + self.size.rounds:
+            pytest.fail(f"{label}: pytest-benchmark ran {rounds.calls} rounds, expected {self.size.warmup} warm-up + "
+                        f"{self.size.rounds} measured; drop --benchmark-disable (the report needs every round)")
         return rounds
 
     def record(self, case: Mapping[str, Any], rounds: Rounds, ratios: Mapping[str, float],
