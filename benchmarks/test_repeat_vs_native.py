@@ -28,8 +28,10 @@ WORKLOADS = {"healthy": lambda: healthy_messages()[:8], "looping": looping_messa
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "workload" in metafunc.fixturenames:
         bench = metafunc.config.stash.get(SESSION_KEY, None)
-        names = list(WORKLOADS) if bench is None or "vllm" in bench.backends else []
-        metafunc.parametrize("workload", names)
+        skip = bench is not None and "vllm" not in bench.backends
+        reason = "vllm is not in --benchmark-backends (this benchmark is vLLM-only)"
+        marks = [pytest.mark.skip(reason=reason)] if skip else []
+        metafunc.parametrize("workload", [pytest.param(name, marks=marks) for name in WORKLOADS])
 
 
 def test_repeat_guard_vs_native(bench, benchmark, workload: str) -> None:

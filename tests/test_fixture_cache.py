@@ -48,3 +48,15 @@ def test_large_fixtures_are_built_only_on_demand():
 
     assert "qwen2-0.5b-random" in FIXTURES and "qwen2-0.5b-random" not in default_fixtures()
     assert {"smollm2-135m-instruct", "tiny-looper", "tiny-qwen2-vl"} <= set(default_fixtures())
+
+
+def test_fixture_key_covers_the_shared_builder_module(monkeypatch):
+    import inspect
+
+    from fixtures import seeded
+    from fixtures.build import FIXTURES
+
+    before = FIXTURES["tiny-looper"].key()
+    real = inspect.getsource
+    monkeypatch.setattr(inspect, "getsource", lambda obj: real(obj) + ("# edited" if obj is seeded else ""))
+    assert FIXTURES["tiny-looper"].key() != before  # editing fixtures/seeded.py rebuilds the looper

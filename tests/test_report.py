@@ -130,3 +130,10 @@ def test_show_prints_metadata_and_one_line_per_variant(tmp_path, capsys):
 def test_missing_report_is_a_usage_error(tmp_path, capsys):
     assert cli.main(["show", str(tmp_path / "none.parquet")]) == cli.EXIT_UNUSABLE
     assert "nox -s benchmark" in capsys.readouterr().err
+
+
+def test_writer_refuses_rows_that_lack_a_schema_column(tmp_path):
+    w = ReportWriter({**run_metadata("smoke", root=ROOT)})
+    w.add_case({"benchmark": "b", "variant": "engine"}, [{"round": 0, "wall_s": 1.0, "output_tokens": 4}], {})
+    with pytest.raises(ValueError, match=r"lack the schema columns .*'backend'"):
+        w.write(tmp_path)

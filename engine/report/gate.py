@@ -11,7 +11,6 @@ least its minimum. A minimum with no case to check fails too: a gate that checke
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,7 +63,7 @@ def gate(frame: Any, minimums: Mapping[str, float]) -> GateResult:
         per_case = frame.dropna(subset=[ratio]).groupby("benchmark", sort=True)[ratio].first()
         if per_case.empty:
             unchecked.append(ratio)
-        verdicts += [Verdict(ratio, str(b), float(v), minimum) for b, v in per_case.items() if not math.isnan(v)]
+        verdicts += [Verdict(ratio, str(b), float(v), minimum) for b, v in per_case.items()]
     return GateResult(verdicts, unchecked)
 
 

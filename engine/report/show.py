@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from engine.report.compare import spread_pct
@@ -19,7 +20,7 @@ def format_report(frame: Any) -> str:
         ratios = [g[name].iloc[0] for name in RATIO_COLUMNS] if g["role"].iloc[0] == "subject" else []
         body.append((bench, variant, str(len(g)), f"{g['wall_s'].median():.4f}", f"{spread_pct(g['wall_s']):.1f}%",
                      f"{g['tokens_per_s'].median():.1f}",
-                     *(("" if v != v else f"{v:.3f}") for v in ratios or [float("nan")] * len(RATIO_COLUMNS))))
+                     *(("" if math.isnan(v) else f"{v:.3f}") for v in ratios or [math.nan] * len(RATIO_COLUMNS))))
     widths = [max(len(str(x[i])) for x in (head, *body)) for i in range(len(head))]
     fmt = "  ".join(f"{{:<{w}}}" if i < 2 else f"{{:>{w}}}" for i, w in enumerate(widths))
     lines += ["", fmt.format(*head), fmt.format(*("-" * w for w in widths)), *(fmt.format(*b) for b in body)]

@@ -40,9 +40,10 @@ class ReportWriter:
         import pandas as pd
 
         frame = pd.DataFrame(self.rows)
-        for col in COLUMNS:
-            if col.name not in frame.columns:
-                frame[col.name] = None
+        missing = [c.name for c in COLUMNS if c.name not in frame.columns]
+        if missing:
+            raise ValueError(f"rows lack the schema columns {missing}; fix: give them in the run metadata or the "
+                             "case passed to add_case")
         frame = frame[[c.name for c in COLUMNS]].astype({c.name: c.dtype for c in COLUMNS})
         check(frame, source="report being written")
         return frame
