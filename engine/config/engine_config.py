@@ -78,7 +78,7 @@ class HfConfig:
 
 @dataclass(frozen=True)
 class VllmConfig:
-    """Settings of the in-process ("colocate") vLLM backend; parallelism passes straight to ``vllm.LLM``."""
+    """Settings of the vLLM backend (a ``vllm.LLM`` owned by the engine); parallelism passes straight to it."""
 
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may take, in (0, 1]."""
@@ -92,6 +92,9 @@ class VllmConfig:
     """vLLM data parallelism, in [1, inf)."""
     max_num_seqs: int | None = None
     """Most sequences vLLM schedules at once. None: vLLM's default."""
+    multiprocessing: bool = False
+    """Run vLLM's engine core in a child process (``VLLM_ENABLE_V1_MULTIPROCESSING=1``). false: in-process
+    ("colocate"). Rule events reach the engine the same way in both modes (``collective_rpc``)."""
     limit_images_per_prompt: int = 1
     """Images vLLM accepts per prompt for a vision-language model, in [0, 1]; 0 starts it text-only
     (then ``supports_vlm`` is False and VLM requests fail fast or go to ``fallback_backend``)."""
@@ -102,6 +105,7 @@ class VllmConfig:
         check_type("vllm.cpu_kv_cache_space_gib", self.cpu_kv_cache_space_gib, int, "an integer")
         check_range("vllm.cpu_kv_cache_space_gib", self.cpu_kv_cache_space_gib, low=1)
         check_type("vllm.enforce_eager", self.enforce_eager, bool, "true or false")
+        check_type("vllm.multiprocessing", self.multiprocessing, bool, "true or false")
         for name in ("tensor_parallel_size", "data_parallel_size"):
             check_type(f"vllm.{name}", getattr(self, name), int, "an integer")
             check_range(f"vllm.{name}", getattr(self, name), low=1)
