@@ -71,8 +71,32 @@ def rollout_metrics(results: Sequence[Any], *, guard_active: bool, dropped_inval
     }
 
 
+DEVICE_ONLY_BACKENDS = ("nccl", "xccl", "hccl")
+"""Collective backends that reduce accelerator tensors only."""
+
+
+def reduce_device(backend: str) -> str:
+    """Where the group's collectives need their tensors: NCCL reduces CUDA tensors only, so a group with no CPU
+    backend gets this rank's current CUDA device; gloo and mixed groups (``"cpu:gloo,cuda:nccl"``) use the CPU.
+
+    >>> reduce_device("gloo"), reduce_device("cpu:gloo,cuda:nccl")
+    ('cpu', 'cpu')
+    """
+    entries = [part.split(":", 1) for part in str(backend).lower().split(",")]  # "name" or "device:name"
+    if any(len(e) == 2 and e[0] == "cpu" for e in entries):
+        return "cpu"
+    if not any(e[-1] in DEVICE_ONLY_BACKENDS for e in entries):
+        return "cpu"
+    import torch
+
+    return f"cuda:{torch.cuda.current_device()}"
+
+
 def aggregate(payload: Mapping[str, float], group: Any = None) -> dict[str, float]:
-    """Combine a payload across ranks by family (see the table); local values when not distributed."""
+    """Combine a payload across ranks by family (see the table); local values when not distributed.
+
+    Works on gloo and NCCL groups: the reduced tensors live where the group's backend needs them
+    (:func:`reduce_device`)."""
     out = dict(payload)
     try:
         import torch
@@ -85,9 +109,10 @@ def aggregate(payload: Mapping[str, float], group: Any = None) -> dict[str, floa
     sums += [f"{k}/{part}" for k, f in FAMILIES.items() if f == "rate" for part in ("num", "den")
              if f"{k}/{part}" in out]
     maxes = [k for k, f in FAMILIES.items() if f in ("flag", "p99", "seconds") and k in out]
+    device = reduce_device(dist.get_backend(group))
     for keys, op in ((sums, dist.ReduceOp.SUM), (maxes, dist.ReduceOp.MAX)):
         if keys:
-            t = torch.tensor([out[k] for k in keys], dtype=torch.float64)
+            t = torch.tensor([out[k] for k in keys], dtype=torch.float64, device=device)
             dist.all_reduce(t, op=op, group=group)
             out.update(zip(keys, t.tolist(), strict=True))
     for k, f in FAMILIES.items():

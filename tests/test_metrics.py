@@ -62,3 +62,29 @@ def test_two_process_gloo_aggregation(tmp_path):
     assert g[m.P99] == 30.0  # max of rank-local p99s
     assert g[m.SECONDS] == 5.0  # wall time: max
     assert g[m.TRUNCATED_RATE] == pytest.approx(4 / 5)  # (1 + 3) / (2 + 3), not the mean of 0.5 and 1.0
+
+
+@pytest.mark.parametrize(("backend", "expected"), [
+    ("gloo", "cpu"), ("GLOO", "cpu"), ("mpi", "cpu"),
+    ("nccl", "cuda:3"), ("cuda:nccl", "cuda:3"),
+    ("cpu:gloo,cuda:nccl", "cpu"),  # a mixed group reduces CPU tensors through gloo
+])
+def test_reduce_device_follows_the_group_backend(monkeypatch, backend, expected):
+    torch = pytest.importorskip("torch", reason="the device choice asks torch.cuda for the current device")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert m.reduce_device(backend) == expected
+
+
+def test_aggregate_puts_its_tensors_where_the_group_backend_wants_them(monkeypatch):
+    """An NCCL-only group: every reduced tensor must be built on the device ``reduce_device`` names."""
+    dist = pytest.importorskip("torch.distributed", reason="aggregation uses torch.distributed")
+    seen_devices, asked = [], []
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None: seen_devices.append(str(t.device)))
+    monkeypatch.setattr(m, "reduce_device", lambda backend: asked.append(backend) or "cpu")
+    payload = m.rollout_metrics([result(4, "stop", 1)], guard_active=True)
+    assert m.aggregate(payload)[m.TRIGGERED] == 1.0
+    assert asked == ["nccl"] and seen_devices == ["cpu", "cpu"]
