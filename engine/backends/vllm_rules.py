@@ -140,6 +140,9 @@ class EventStore:
             if self.dropped in (1, 10, 100) or self.dropped % 1000 == 0:
                 log.warning("rule event store full: dropped %d uncollected entries", self.dropped)
 
+    def get(self, key: str) -> RuleSet | None:
+        return self._sets.get(key)
+
     def collect(self, keys: Iterable[str]) -> dict[str, dict[str, Any]]:
         """The events of each known key (removed from the store); unknown keys are left out."""
         out = {}
@@ -157,10 +160,16 @@ EVENTS = EventStore()
 """This process's store; the worker extension reads it, processors write it."""
 
 
-def build_row(args: RowArgs, decode: Callable[[Sequence[int]], str] | None, store: EventStore = EVENTS) -> Row:
-    """A fresh row for ``args``, tracked in ``store`` under its key."""
-    rules = RuleSet([s.build() for s in args.specs], terminal_ids=args.terminal, decode=decode)
-    store.track(args.key, rules)
+def build_row(args: RowArgs, decode: Callable[[Sequence[int]], str] | None) -> Row:
+    """The row for ``args``, tracked in this process's :data:`EVENTS` under its key.
+
+    A request that comes back after a preemption (same key, not yet collected) keeps its rule state: the
+    processor goes on feeding it from the first committed token it has not seen, and what it noted on the way
+    (e.g. an EOS held back by min-length, which no replay of tokens could recover) is kept."""
+    rules = EVENTS.get(args.key)
+    if rules is None:
+        rules = RuleSet([s.build() for s in args.specs], terminal_ids=args.terminal, decode=decode)
+    EVENTS.track(args.key, rules)
     return Row(rules=rules, eos=args.eos, key=args.key)
 
 

@@ -44,7 +44,7 @@ class RowRulesV1(LogitsProcessor):
             if args is None:
                 self.rows.pop(index, None)
                 continue
-            # A preempted request comes back with its output so far: the fresh rules replay it in apply().
+            # A preempted request comes back with its output so far; its rules resume where they stopped.
             self.rows[index] = (build_row(args, self.decode), output)
         for a, b, direction in batch_update.moved:
             row_a, row_b = self.rows.pop(a, None), self.rows.pop(b, None)

@@ -8,9 +8,9 @@ How V2 differs from V1, and what this adapter does about it:
   rules). Slots are not told when they are freed; ``apply`` only looks at the slots in this step's batch.
 * No live output list: the committed tokens are ``req_states.all_token_ids[slot, prompt_len:total_len]``
   (device tensors). Each step reads ``total_len`` and the last committed token of the rule-carrying slots in
-  one device-to-host copy; a slot that is behind by more than one token (the first step after a preemption, when
-  vLLM re-adds the request with its partial output) reads its missing span and replays it, so the rules end in
-  the same state as if never interrupted.
+  one device-to-host copy. A preempted request is re-added with its partial output as prefill, maybe in
+  another slot; its rule state (kept by request key) resumes, and a slot behind by more than one token reads
+  and feeds its missing span, so the rules end in the same state as if never interrupted.
 * Logits rows follow ``ctx.idx_mapping_np`` (batch position -> slot). Speculative decoding (several rows per
   request) is refused when the engine plans its runner (``vllm_runner.plan_for_config``); a batch with more
   logits rows than requests raises here rather than misapplying a rule.
@@ -75,7 +75,7 @@ class RowRulesV2(LogitsProcessor):
             start = int(states.prompt_len.np[slot]) + row.rules.fed  # first committed token not yet fed
             if n_total - start == 1:
                 row.rules.feed(int(last_token))
-            elif n_total - start > 1:  # first step after a resumption: replay the span
+            elif n_total - start > 1:  # tokens committed while the request was away (or first step)
                 for token in tokens[slot, start:n_total].tolist():
                     row.rules.feed(int(token))
             rows.append((pos, row))
