@@ -1,7 +1,8 @@
 """Conformance plumbing: one option group, engines shared per session, the backend as a parameter.
 
 Options (all under "engine conformance" in ``pytest --help``):
-``--engine-backends``, ``--engine-model``, ``--engine-vlm-model``, ``--engine-dtype``, ``--engine-device``.
+``--engine-backends``, ``--engine-model``, ``--engine-vlm-model``, ``--engine-dtype``, ``--engine-device``,
+``--engine-vllm-multiprocessing``.
 Defaults are the fixture models built by ``python -m fixtures build``. A backend that cannot run here is
 skipped with its reason printed in the summary, never silently. After each run a per-backend x per-check
 table is written to ``reports/conformance-summary.md`` (and ``.parquet`` when pandas is installed).
@@ -41,6 +42,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="model dtype; float32 gives exact greedy parity on CPU (default: float32)")
     group.addoption("--engine-device", default="auto",
                     help="HF device: auto, cpu, cuda, cuda:N (default: auto)")
+    group.addoption("--engine-vllm-multiprocessing", action="store_true", default=False,
+                    help="run every vLLM engine core in a child process (VLLM_ENABLE_V1_MULTIPROCESSING=1), as "
+                         "servers and multi-GPU runs do (default: in-process)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -54,9 +58,31 @@ def pytest_configure(config: pytest.Config) -> None:
         vlm_model=config.getoption("--engine-vlm-model") or _default_model("tiny-qwen2-vl"),
         dtype=config.getoption("--engine-dtype"),
         device=config.getoption("--engine-device"),
+        vllm_multiprocessing=config.getoption("--engine-vllm-multiprocessing"),
     )
-    config.stash[POOL_KEY] = EnginePool(options)
-    config.pluginmanager.register(SummaryCollector(Path(config.rootpath) / "reports"), "engine-summary")
+    pool = EnginePool(options)
+    config.stash[POOL_KEY] = pool
+    context = lambda: {"vllm_runner": ",".join(sorted(pool.runners)) or "none started",  # noqa: E731
+                       "vllm_engine_core": pool.vllm_mode}
+    config.pluginmanager.register(SummaryCollector(Path(config.rootpath) / "reports", context), "engine-summary")
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    pool = config.stash[POOL_KEY]
+    if "vllm" not in pool.options.backends or unavailable_reason("vllm"):
+        return []
+    try:
+        from engine.backends.vllm import llm_kwargs, prepare_environment
+        from engine.backends.vllm_runner import plan_runner
+        from engine.config import ModelConfig, VllmConfig
+
+        settings = VllmConfig(multiprocessing=pool.options.vllm_multiprocessing)
+        prepare_environment(settings)
+        plan = plan_runner(llm_kwargs(ModelConfig(path=pool.options.model, dtype=pool.options.dtype), settings))
+        runner = f"{plan.runner} (vLLM's own decision for --engine-model; row rules: {plan.problem or 'supported'})"
+    except Exception as err:  # the header must not hide the run; the engines will report the real error
+        runner = f"undecided ({type(err).__name__}: {err})"
+    return [f"vllm: model runner {runner}; engine core {pool.vllm_mode}"]
 
 
 def unavailable_reason(backend: str) -> str | None:

@@ -13,6 +13,8 @@ class PoolOptions:
     vlm_model: str
     dtype: str
     device: str
+    vllm_multiprocessing: bool = False
+    """vLLM engine cores in child processes (``vllm.multiprocessing: true``) instead of in-process."""
 
 
 @dataclass
@@ -22,13 +24,16 @@ class EnginePool:
     options: PoolOptions
     _engines: dict[tuple[str, str, str], Any] = field(default_factory=dict)
     _raw: dict[tuple[str, ...], Any] = field(default_factory=dict)
+    runners: set[str] = field(default_factory=set)
+    """The model runners the started vLLM engines really use ("v1"/"v2"), for the header and the report."""
 
     def config(self, backend: str, model: str, **sections: Any) -> dict[str, Any]:
         model_cfg: dict[str, Any] = {"path": model, "dtype": self.options.dtype}
         if backend == "hf":
             model_cfg["device"] = self.options.device
-        return {"backend": backend, "model": model_cfg, "generation": {"max_new_tokens": 48},
-                "vllm": {"max_num_seqs": 16}, **sections}
+        vllm = {"max_num_seqs": 16, "multiprocessing": self.options.vllm_multiprocessing}
+        return {"backend": backend, "model": model_cfg, "generation": {"max_new_tokens": 48}, "vllm": vllm,
+                **sections}
 
     def engine(self, backend: str, model: str, **sections: Any) -> Any:
         """The shared engine for (backend, model, extra config sections such as repeat_terminate)."""
@@ -37,7 +42,14 @@ class EnginePool:
             from engine import GenerationEngine
 
             self._engines[key] = GenerationEngine(self.config(backend, model, **sections))
+            runner = getattr(self._engines[key].backend, "runner", None)
+            if runner is not None:
+                self.runners.add(runner)
         return self._engines[key]
+
+    @property
+    def vllm_mode(self) -> str:
+        return "child process" if self.options.vllm_multiprocessing else "in-process"
 
     def text_engine(self, backend: str) -> Any:
         return self.engine(backend, self.options.model)

@@ -25,16 +25,19 @@ def check_of(nodeid: str) -> str:
 class SummaryCollector:
     """A pytest plugin: counts outcomes per (backend, check) and writes the summary at session end."""
 
-    def __init__(self, out_dir: Path) -> None:
+    def __init__(self, out_dir: Path, context: Any = None) -> None:
         self.out_dir = out_dir
+        self.context = context or dict
+        """Run-wide facts recorded in every row (e.g. the vLLM model runner), read at session end."""
         self.counts: Counter[tuple[str, str, str]] = Counter()
         self.skip_reasons: dict[tuple[str, str], str] = {}
 
     @property
     def rows(self) -> list[dict[str, Any]]:
         keys = sorted({(b, c) for b, c, _ in self.counts})
+        context = self.context()
         return [{"backend": b, "check": c, **{o: self.counts[(b, c, o)] for o in OUTCOMES},
-                 "skip_reason": self.skip_reasons.get((b, c), "")} for b, c in keys]
+                 "skip_reason": self.skip_reasons.get((b, c), ""), **context} for b, c in keys]
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
@@ -48,12 +51,15 @@ class SummaryCollector:
         if not self.rows:
             return
         written = self.write()
-        session.config.get_terminal_writer().line(f"conformance summary: {', '.join(map(str, written))}")
+        writer = session.config.get_terminal_writer()
+        writer.line(f"conformance summary: {', '.join(map(str, written))}")
+        writer.line("run context: " + ", ".join(f"{k}={v}" for k, v in self.context().items()))
 
     def write(self) -> list[Path]:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         rows = self.rows
-        lines = ["| backend | check | passed | failed | skipped | skip reason |", "|---|---|---|---|---|---|"]
+        lines = [", ".join(f"{k}: {v}" for k, v in self.context().items()), ""] if self.context() else []
+        lines += ["| backend | check | passed | failed | skipped | skip reason |", "|---|---|---|---|---|---|"]
         lines += [f"| {r['backend']} | {r['check']} | {r['passed']} | {r['failed']} | {r['skipped']} | "
                   f"{r['skip_reason']} |" for r in rows]
         md = self.out_dir / "conformance-summary.md"

@@ -154,6 +154,14 @@ class HfBackend:
     def _decode_skip_special(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
+    def _rule_text(self) -> Any:
+        """What text-reading rules read: the tokenizer's byte table (built once), else incremental decode."""
+        if not hasattr(self, "_text_table"):
+            from engine.rules.token_text import TokenBytes
+
+            self._text_table = TokenBytes.from_tokenizer(self.tokenizer)
+        return self._text_table or self._decode_skip_special
+
     def _left_pad(self, prompts: Sequence[Sequence[int]]) -> tuple[Any, Any]:
         """(batch, width) input ids and attention mask, left-padded with the pad token."""
         import torch
@@ -195,7 +203,7 @@ class HfBackend:
 
         inputs = self._inputs(prompts, plan)
         width = inputs["input_ids"].shape[1]
-        decode = self._decode_skip_special
+        decode = self._rule_text()
         stop_specs = [s for s in plan.rules if s.hf_hook == "stopping_criteria"]
         logit_specs = [s for s in plan.rules if s.hf_hook == "logits_processor"]
         stop_sets = rule_sets(stop_specs, len(prompts), terminal_ids=plan.terminal_token_ids, decode=decode)

@@ -213,19 +213,26 @@ def apply_decisions(logits: Any, decisions: Sequence[tuple[int, int, Decision]])
     return logits
 
 
-class TokenizerDecode:
-    """A lazily loaded ``ids -> text`` (special tokens skipped) for the processor's process."""
+class TokenizerText:
+    """What text-reading rules read in the processor's process, loaded on first use: the tokenizer's byte table
+    (``engine.rules.token_text``), or its incremental ``decode`` when the table does not cover its decoder."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._tokenizer: Any = None
+        self._source: Any = None
 
-    def __call__(self, ids: Sequence[int]) -> str:
-        if self._tokenizer is None:
+    def stream(self) -> Any:
+        if self._source is None:
             from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.path)
-        return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
+            from engine.rules.detok import IncrementalDetokenizer
+            from engine.rules.token_text import TokenBytes
+
+            tokenizer = AutoTokenizer.from_pretrained(self.path)
+            table = TokenBytes.from_tokenizer(tokenizer)
+            self._source = table.stream if table is not None else (
+                lambda: IncrementalDetokenizer(lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True)))
+        return self._source()
 
 
 def merge_worker_events(replies: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:

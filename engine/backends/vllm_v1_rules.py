@@ -12,7 +12,7 @@ from typing import Any
 
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from engine.backends.vllm_rules import Row, TokenizerDecode, apply_decisions, build_row, decide, parse_request_args
+from engine.backends.vllm_rules import Row, TokenizerText, apply_decisions, build_row, decide, parse_request_args
 
 
 class RowRulesV1(LogitsProcessor):
@@ -25,7 +25,7 @@ class RowRulesV1(LogitsProcessor):
 
     def __init__(self, vllm_config: Any, device: Any, is_pin_memory: bool) -> None:
         self.rows: dict[int, tuple[Row, list[int]]] = {}  # batch index -> (row, live output ids)
-        self.decode = TokenizerDecode(vllm_config.model_config.tokenizer)
+        self.decode = TokenizerText(vllm_config.model_config.tokenizer)
 
     @classmethod
     def validate_params(cls, sampling_params: Any) -> None:

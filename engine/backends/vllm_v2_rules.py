@@ -25,7 +25,7 @@ from typing import Any
 
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor
 
-from engine.backends.vllm_rules import Row, TokenizerDecode, apply_decisions, build_row, decide, parse_request_args
+from engine.backends.vllm_rules import Row, TokenizerText, apply_decisions, build_row, decide, parse_request_args
 
 
 class RowRulesV2(LogitsProcessor):
@@ -39,7 +39,7 @@ class RowRulesV2(LogitsProcessor):
     def __init__(self, vllm_config: Any, req_states: Any) -> None:
         self.req_states = req_states
         self.slots: dict[int, Row] = {}
-        self.decode = TokenizerDecode(vllm_config.model_config.tokenizer)
+        self.decode = TokenizerText(vllm_config.model_config.tokenizer)
 
     @classmethod
     def validate_params(cls, sampling_params: Any) -> None:

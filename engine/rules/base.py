@@ -93,12 +93,15 @@ class RuleSet:
     """
 
     def __init__(self, rules: list[RowRule], *, terminal_ids: set[int] | frozenset[int], decode: Any = None) -> None:
+        """``decode`` gives rules that read text their text: a table with ``stream()`` (the cheap path,
+        ``engine.rules.token_text.TokenBytes``) or any ``ids -> str`` function (decoded incrementally)."""
         from engine.rules.detok import IncrementalDetokenizer
 
         self.rules = rules
         self.terminal = terminal_ids
-        needs_text = any(r.needs_text for r in rules)
-        self.detok = IncrementalDetokenizer(decode) if needs_text and decode is not None else None
+        self.detok: Any = None
+        if any(r.needs_text for r in rules) and decode is not None:
+            self.detok = decode.stream() if hasattr(decode, "stream") else IncrementalDetokenizer(decode)
         self.done = False
         self.fed = 0
 
