@@ -90,7 +90,7 @@ def run_hf(reqs: list[Req], seed: int, decode: Callable[[Sequence[int]], str]) -
         scores = proc(ids, scores)
         column = [advance(r, scores[i]) if not r.done else EOS for i, r in enumerate(reqs)]
         ids = torch.cat([ids, torch.tensor(column)[:, None]], dim=1)
-    return {r.rid: proc.sets[i].events() for i, r in enumerate(reqs)}
+    return {r.rid: proc.events(i) for i, r in enumerate(reqs)}
 
 
 def run_v1(reqs: list[Req], seed: int, decode: Callable[[Sequence[int]], str], *, rng: random.Random,

@@ -189,6 +189,12 @@ SPEC_SETS = {
     "min_length": (RuleSpec("engine.rules.min_length:MinLengthRule",
                             {"min_chars": 6, "max_chars": 14, "punctuation_bias": 0.5, "sentence_end_ids": [9]}),),
     "json_boundary": (RuleSpec("engine.rules.json_boundary:JsonBoundaryRule"),),
+    # HF runs the id-only repeat rule vectorized and min_length per row; vLLM both per row.
+    "repeat+min_length": (RuleSpec(REPEAT, {"thresholds": {"max_consecutive_token_repeats": 3, "ngram_size": 2,
+                                                           "ngram_repeats": 3}}),
+                          RuleSpec("engine.rules.min_length:MinLengthRule",
+                                   {"min_chars": 8, "max_chars": None, "punctuation_bias": 0.0,
+                                    "sentence_end_ids": []})),
     "none": (),
 }
 

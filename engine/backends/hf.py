@@ -226,9 +226,10 @@ class HfBackend:
             n = recorder.lengths[row] if row < len(recorder.lengths) and recorder.lengths[row] else len(ids)
             seen = inputs["input_ids"][row][inputs["attention_mask"][row].bool()].tolist()
             events: dict[str, Any] = {}
-            for sets in ([p.sets for p in processors] + ([stop_sets] if stop_specs else [])):
-                if sets:
-                    events.update(sets[row].events())
+            for proc in processors:
+                events.update(proc.events(row))
+            if stop_specs and stop_sets:
+                events.update(stop_sets[row].events())
             results.append(BackendOutput(token_ids=tuple(ids[:n]),
                                          logprobs=self._logprobs(out.logits, row, n, ids, plan),
                                          prompt_token_ids=tuple(seen), events=events))

@@ -26,8 +26,26 @@ def feed_new_tokens(sets: list[RuleSet], input_ids: Any, prompt_len: int) -> Non
             sets[row].feed(tok)
 
 
+def split_vectorizable(specs: Sequence[RuleSpec]) -> tuple[list[Any], list[RuleSpec]]:
+    """(thresholds of id-only repeat rules, the other specs): the first run as tensor ops over the batch."""
+    from engine.backends.repeat_tensor import vectorizable
+    from engine.rules.repeat import RepeatRule
+
+    vector, rows = [], []
+    for spec in specs:
+        rule = spec.build()
+        if isinstance(rule, RepeatRule) and type(rule) is RepeatRule and vectorizable(rule.t):
+            vector.append(rule.t)
+        else:
+            rows.append(spec)
+    return vector, rows
+
+
 class HfRowRules:
     """Applies each row's combined decision: force EOS, ban EOS (noting when EOS was the top choice), bias.
+
+    Id-only repeat rules run vectorized over the batch (:class:`engine.backends.repeat_tensor.BatchRepeatGuard`,
+    no per-row Python, no device sync per step); every other rule runs per row through :class:`RuleSet`.
 
     >>> import torch
     >>> from engine.rules.base import RuleSpec
@@ -36,33 +54,62 @@ class HfRowRules:
     >>> _ = proc(torch.tensor([[9, 3], [9, 1]]), torch.zeros(2, 4))
     >>> proc(torch.tensor([[9, 3, 3], [9, 1, 2]]), torch.zeros(2, 4)).tolist()
     [[0.0, -inf, -inf, -inf], [0.0, 0.0, 0.0, 0.0]]
-    >>> proc.sets[0].events()
+    >>> proc.events(0)
     {'repeat_terminate': ('consecutive_token_repeats', 2)}
     """
 
     def __init__(self, specs: Sequence[RuleSpec], *, prompt_len: int, eos_id: int, terminal_ids: Sequence[int],
-                 decode: Callable[[Sequence[int]], str] | None) -> None:
-        self.specs = list(specs)
+                 decode: Any, vectorize: bool = True) -> None:
+        self.vector_thresholds, self.specs = split_vectorizable(specs) if vectorize else ([], list(specs))
         self.prompt_len = prompt_len
         self.eos_id = eos_id
         self.terminal_ids = list(terminal_ids)
         self.decode = decode
         self.sets: list[RuleSet] = []
+        self.guards: list[Any] = []
+        self._eos_row: Any = None
 
     def __call__(self, input_ids: Any, scores: Any) -> Any:
-        if not self.sets:
+        import torch
+
+        fire = self._vectorized_fire(input_ids, scores) if self.vector_thresholds else None
+        if not self.sets and self.specs:
             self.sets = rule_sets(self.specs, input_ids.shape[0], terminal_ids=self.terminal_ids, decode=self.decode)
-        feed_new_tokens(self.sets, input_ids, self.prompt_len)
-        for row, rs in enumerate(self.sets):
-            d = rs.decision()
-            if d.force_eos:
-                scores[row] = float("-inf")
-                scores[row, self.eos_id] = 0.0
-                continue
-            if d.ban_eos:
-                if int(scores[row].argmax()) == self.eos_id:
-                    rs.note_eos_suppressed()
-                scores[row, self.eos_id] = float("-inf")
-            for tok, b in d.bias.items():
-                scores[row, tok] += b
+        if self.sets:
+            feed_new_tokens(self.sets, input_ids, self.prompt_len)
+            # A row a vectorized guard ends now is ended, as a RuleSet's "any force wins" would decide.
+            self._apply_row_rules(scores, fire.tolist() if fire is not None else None)
+        if fire is not None and bool(fire.any()):  # HF syncs every step anyway (its stopping check)
+            scores.copy_(torch.where(fire[:, None], self._eos_row, scores))
         return scores
+
+    def _apply_row_rules(self, scores: Any, forced: list[bool] | None) -> None:
+        from engine.backends.row_apply import apply_decisions, decide
+
+        rows = [(row, rs, self.eos_id) for row, rs in enumerate(self.sets) if forced is None or not forced[row]]
+        apply_decisions(scores, decide(scores, rows))
+
+    def _vectorized_fire(self, input_ids: Any, scores: Any) -> Any:
+        import torch
+
+        from engine.backends.repeat_tensor import BatchRepeatGuard
+
+        if not self.guards:
+            self.guards = [BatchRepeatGuard(t, batch=input_ids.shape[0], terminal_ids=self.terminal_ids,
+                                            device=input_ids.device) for t in self.vector_thresholds]
+            self._eos_row = torch.full_like(scores[0], float("-inf"))
+            self._eos_row[self.eos_id] = 0.0
+        generated = input_ids[:, self.prompt_len:]  # (batch, k)
+        fire = self.guards[0].step(generated)
+        for guard in self.guards[1:]:
+            fire = fire | guard.step(generated)
+        return fire
+
+    def events(self, row: int) -> dict[str, Any]:
+        """The row's rule events (per-row rules and vectorized guards together)."""
+        merged: dict[str, Any] = {}
+        if self.sets:
+            merged.update(self.sets[row].events())
+        for guard in self.guards:
+            merged.update(guard.events(row))
+        return merged

@@ -4,8 +4,8 @@ Per-request rules travel in ``SamplingParams.extra_args[EXTRA_KEY]`` as :class:`
 id, the terminal ids and a request key (vLLM hands processors no request id). Each runner has a thin
 processor class (``vllm_v1_rules`` for the V1 model runner, ``vllm_v2_rules`` for Model Runner V2, the GPU
 default) that rebuilds each row's :class:`RuleSet` with :func:`build_row`, feeds it the row's new tokens and
-applies the decisions with :func:`apply_decisions`. So the two runners share everything but the way they see
-their batch.
+applies the decisions with ``engine.backends.row_apply`` (shared with the HF adapter). So the two runners
+share everything but the way they see their batch.
 
 **Rule events** (repeat trigger, EOS suppressed, JSON boundary closed) stay where the processor runs, in the
 process-wide :data:`EVENTS` store of the worker process, keyed by request key. The engine collects them with
@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.rules.base import Decision, RuleSet, RuleSpec
+from engine.rules.base import RuleSet, RuleSpec
 
 log = logging.getLogger(__name__)
 
@@ -171,46 +171,6 @@ def build_row(args: RowArgs, decode: Callable[[Sequence[int]], str] | None) -> R
         rules = RuleSet([s.build() for s in args.specs], terminal_ids=args.terminal, decode=decode)
     EVENTS.track(args.key, rules)
     return Row(rules=rules, eos=args.eos, key=args.key)
-
-
-def decide(logits: Any, rows: Sequence[tuple[int, Row]]) -> list[tuple[int, int, Decision]]:
-    """Each row's decision, as ``(logits row, eos, decision)``; notes when a ban hides the top choice."""
-    out = []
-    for index, row in rows:
-        d = row.rules.decision()
-        if d.ban_eos and not d.force_eos and int(logits[index].argmax()) == row.eos:
-            row.rules.note_eos_suppressed()
-        out.append((index, row.eos, d))
-    return out
-
-
-def apply_decisions(logits: Any, decisions: Sequence[tuple[int, int, Decision]]) -> Any:
-    """Apply force / ban / bias to ``logits`` (num_rows, vocab) in place; returns it.
-
-    >>> import torch
-    >>> logits = torch.zeros(3, 4)
-    >>> _ = apply_decisions(logits, [(0, 1, Decision(force_eos=True)), (2, 1, Decision(ban_eos=True, bias={3: .5}))])
-    >>> logits.tolist()
-    [[-inf, 0.0, -inf, -inf], [0.0, 0.0, 0.0, 0.0], [0.0, -inf, 0.0, 0.5]]
-    """
-    import torch
-
-    force = [(i, eos) for i, eos, d in decisions if d.force_eos]
-    ban = [(i, eos) for i, eos, d in decisions if d.ban_eos and not d.force_eos]
-    for i, _eos, d in decisions:
-        if not d.force_eos:
-            for tok, b in d.bias.items():
-                logits[i, tok] += b
-    device = logits.device
-    if ban:
-        rows, cols = zip(*ban, strict=True)
-        logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
-    if force:
-        rows, cols = zip(*force, strict=True)
-        index = torch.tensor(rows, device=device)
-        logits[index] = float("-inf")
-        logits[index, torch.tensor(cols, device=device)] = 0.0
-    return logits
 
 
 class TokenizerText:

@@ -12,7 +12,8 @@ from typing import Any
 
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from engine.backends.vllm_rules import Row, TokenizerText, apply_decisions, build_row, decide, parse_request_args
+from engine.backends.row_apply import apply_decisions, decide
+from engine.backends.vllm_rules import Row, TokenizerText, build_row, parse_request_args
 
 
 class RowRulesV1(LogitsProcessor):
@@ -60,4 +61,4 @@ class RowRulesV1(LogitsProcessor):
             rules = row.rules
             while rules.fed < len(output):  # normally one new token per step
                 rules.feed(output[rules.fed])
-        return apply_decisions(logits, decide(logits, [(i, row) for i, (row, _) in self.rows.items()]))
+        return apply_decisions(logits, decide(logits, [(i, row.rules, row.eos) for i, (row, _) in self.rows.items()]))

@@ -25,7 +25,8 @@ from typing import Any
 
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor
 
-from engine.backends.vllm_rules import Row, TokenizerText, apply_decisions, build_row, decide, parse_request_args
+from engine.backends.row_apply import apply_decisions, decide
+from engine.backends.vllm_rules import Row, TokenizerText, build_row, parse_request_args
 
 
 class RowRulesV2(LogitsProcessor):
@@ -78,5 +79,5 @@ class RowRulesV2(LogitsProcessor):
             elif n_total - start > 1:  # tokens committed while the request was away (or first step)
                 for token in tokens[slot, start:n_total].tolist():
                     row.rules.feed(int(token))
-            rows.append((pos, row))
+            rows.append((pos, row.rules, row.eos))
         return apply_decisions(logits, decide(logits, rows))

@@ -11,7 +11,7 @@ Bump :data:`SCHEMA_VERSION` on any change of a column's name, type or meaning, a
 >>> [c.name for c in COLUMNS][:3]
 ['schema_version', 'run_id', 'timestamp']
 >>> sorted(RATIO_COLUMNS)
-['engine_over_raw', 'guard_on_over_off', 'ours_over_native']
+['engine_over_raw', 'fast_over_reference', 'guard_on_over_off', 'ours_over_native']
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ RUN_COLUMNS = (
 )
 CASE_COLUMNS = (
     Column("benchmark", "string", "case id: group[backend-bN-prompt-oN-guard]; the comparison key with variant"),
-    Column("group", "string", "throughput or repeat_vs_native"),
+    Column("group", "string", "throughput, repeat_vs_native or rule_cost"),
     Column("backend", "string", "hf or vllm"),
     Column("model", "string", "model name (fixture name or folder name)"),
     Column("dtype", "string", "model dtype"),
@@ -55,8 +55,10 @@ CASE_COLUMNS = (
     Column("prompt_tokens", "int64", "prompt tokens over the whole batch"),
     Column("new_tokens", "int64", "output budget per row (max_new_tokens)"),
     Column("fixed_length", "bool", "EOS was suppressed so every row generates exactly new_tokens"),
-    Column("guard_set", "string", "none, repeat or min_length (what the subject variant adds)"),
-    Column("variant", "string", "what ran: raw, engine, engine+repeat, engine+min_length, raw+native_repetition"),
+    Column("guard_set", "string", "none, repeat or min_length (what the subject variant adds); rule_cost: the rule "
+                                  "measured (repeat_ids, repeat_keys, min_length, json_boundary)"),
+    Column("variant", "string", "what ran: raw, engine, engine+repeat, engine+min_length, raw+native_repetition; "
+                                "rule_cost: decode+rowwise (reference path) or table+vectorized (fast path)"),
     Column("role", "string", "reference or subject of the case's ratio, or context (measured alongside, in no ratio)"),
 )
 ROUND_COLUMNS = (
@@ -64,11 +66,14 @@ ROUND_COLUMNS = (
     Column("wall_s", "float64", "wall time of the call, device synchronized before and after"),
     Column("output_tokens", "int64", "generated tokens over the whole batch"),
     Column("tokens_per_s", "float64", "output_tokens / wall_s"),
+    Column("us_per_token", "float64", "wall_s / output_tokens in microseconds; rule_cost: per token per row"),
 )
 RATIO_COLUMNS = {
     "engine_over_raw": "engine speed / raw backend call's, same prompt ids and settings",
     "guard_on_over_off": "speed with the guard / without it, both through the engine",
     "ours_over_native": "speed with our repeat guard (engine) / with vLLM's native repetition_detection (raw LLM)",
+    "fast_over_reference": "rule_cost: speed of a rule's fast path (byte table, vectorized ids) / its reference "
+                           "path (decode per token, per-row Python), same token stream",
 }
 COLUMNS = (*RUN_COLUMNS, *CASE_COLUMNS, *ROUND_COLUMNS,
            *(Column(name, "float64", doc) for name, doc in RATIO_COLUMNS.items()))

@@ -32,6 +32,7 @@ class ReportWriter:
         for r in rounds:
             row = {**self.run, **case, **r}
             row["tokens_per_s"] = r["output_tokens"] / r["wall_s"]
+            row["us_per_token"] = r["wall_s"] / r["output_tokens"] * 1e6 if r["output_tokens"] else math.nan
             for name in RATIO_COLUMNS:
                 row[name] = float(ratios.get(name, math.nan))
             self.rows.append(row)

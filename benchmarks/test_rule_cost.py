@@ -1,0 +1,109 @@
+"""What the row rules cost per token per row, through the HF adapter, without a model.
+
+For each rule and batch size, the adapter (``HfRowRules``) is stepped over a fixed real SmolLM2 token stream as
+``generate`` would call it (ids so far, a full-vocabulary logits row per request, on the benchmark device),
+twice per round, interleaved:
+
+* ``decode+rowwise`` (reference): the path before the fast text path and the vectorized id rules, text from
+  ``tokenizer.decode`` per token (two calls), every rule fed per row in Python;
+* ``table+vectorized`` (subject): text from the tokenizer's byte table, id-only repeat rules as tensor
+  operations over the batch.
+
+Rules: ``repeat_ids`` (consecutive + n-gram thresholds), ``repeat_keys`` (plus ``max_object_keys``: reads text),
+``min_length`` (EOS held back all along: an argmax per row per step), ``json_boundary``. None fires on the
+stream, so every step costs what watching costs. Recorded: ``us_per_token`` (per token per row) of each variant
+and ``fast_over_reference``. Both variants must make identical edits (checked on the last step's logits).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from benchmarks.conftest import SESSION_KEY
+from benchmarks.harness import Variant
+from benchmarks.workload import REPEAT_GUARD
+from engine.rules.base import RuleSpec
+
+BATCHES = (1, 64, 256)
+REPEAT = "engine.rules.repeat:RepeatRule"
+THRESHOLDS = {k: v for k, v in REPEAT_GUARD.items() if k != "enabled"}
+RULES = {
+    "repeat_ids": [RuleSpec(REPEAT, {"thresholds": THRESHOLDS})],
+    "repeat_keys": [RuleSpec(REPEAT, {"thresholds": {**THRESHOLDS, "max_object_keys": 50}})],
+    "min_length": [RuleSpec("engine.rules.min_length:MinLengthRule",
+                            {"min_chars": 100_000, "max_chars": None, "punctuation_bias": 0.0,
+                             "sentence_end_ids": []})],
+    "json_boundary": [RuleSpec("engine.rules.json_boundary:JsonBoundaryRule")],
+}
+# A JSON string that stays open (the boundary never closes), prose with accents and emoji inside.
+STREAM_TEXT = ('{"notes": "' + " ".join(
+    f"Entry {i}: the café on street {i % 9} serves crème brûlée 🍮 and naïve jokes; visitors rate it {i % 5}/5."
+    for i in range(60)))
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "rule_case" not in metafunc.fixturenames:
+        return
+    cases = [(rule, batch) for rule in RULES for batch in BATCHES]
+    if metafunc.config.stash.get(SESSION_KEY, None) is None:
+        cases = cases[:1]  # not opted in: one placeholder, skipped by the conftest
+    metafunc.parametrize("rule_case", cases, ids=[f"{r}-b{b}" for r, b in cases])
+
+
+def steps_for(bench: Any) -> int:
+    return 64 if bench.size_name == "smoke" else 256
+
+
+def stepper(name: str, role: str, specs: list[RuleSpec], ids: Any, prompt_len: int, vocab: int, *,
+            text: Any, vectorize: bool, last: dict[str, Any]) -> Variant:
+    import torch
+
+    from engine.backends.hf_rules import HfRowRules
+
+    batch, width = ids.shape
+    scores = torch.zeros(batch, vocab, device=ids.device)
+
+    def run() -> int:
+        proc = HfRowRules(specs, prompt_len=prompt_len, eos_id=2, terminal_ids=[2], decode=text, vectorize=vectorize)
+        for end in range(prompt_len + 1, width + 1):
+            proc(ids[:, :end], scores)  # edits accumulate (EOS stays banned); nothing else touches the row
+        last[name] = scores.clone()
+        return batch * (width - prompt_len)
+
+    return Variant(name, role, run)
+
+
+def test_rule_cost(bench, benchmark, rule_case) -> None:
+    import torch
+    from transformers import AutoTokenizer
+
+    from engine.rules.token_text import TokenBytes
+
+    rule, batch = rule_case
+    tokenizer = AutoTokenizer.from_pretrained(bench.model_path)
+    stream = tokenizer.encode(STREAM_TEXT, add_special_tokens=False)
+    steps, prompt_len = steps_for(bench), 4
+    assert len(stream) >= steps + prompt_len + 7
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = [stream[r % 7: r % 7 + prompt_len + steps] for r in range(batch)]  # rows differ a little
+    ids = torch.tensor(rows, device=device)  # (batch, prompt + steps)
+    table = TokenBytes.from_tokenizer(tokenizer)
+    assert table is not None, "the benchmark measures the byte table; this tokenizer has none"
+    decode = lambda seq: tokenizer.decode(list(seq), skip_special_tokens=True)  # noqa: E731
+    last: dict[str, Any] = {}
+    reference = stepper("decode+rowwise", "reference", RULES[rule], ids, prompt_len, len(tokenizer), text=decode,
+                        vectorize=False, last=last)
+    subject = stepper("table+vectorized", "subject", RULES[rule], ids, prompt_len, len(tokenizer), text=table,
+                      vectorize=True, last=last)
+    rounds = bench.measure(benchmark, f"rule_cost[{rule}-b{batch}]", [reference, subject])
+    assert torch.equal(last[reference.name], last[subject.name]), "both paths must make the same edits"
+    ratio = rounds.speed_ratio(subject.name, reference.name)
+    bench.record({"benchmark": f"rule_cost[{rule}-b{batch}]", "group": "rule_cost", "backend": "hf",
+                  "batch": batch, "prompt_len": "rule_stream", "prompt_tokens": batch * prompt_len,
+                  "new_tokens": steps, "fixed_length": True, "guard_set": rule},
+                 rounds, {"fast_over_reference": ratio}, benchmark)
+    per_token = {name: rounds.median_wall(name) / (batch * steps) * 1e6 for name in (reference.name, subject.name)}
+    bench.progress(f"rule_cost[{rule}-b{batch}] us/token/row: " + ", ".join(f"{k} {v:.2f}" for k, v in
+                                                                            per_token.items()))

@@ -1,0 +1,72 @@
+"""Turning rule decisions into logits edits: the one piece every adapter (HF, vLLM V1, vLLM V2) shares.
+
+Each step an adapter collects ``(logits row, rule set, eos id)`` for the rows that carry per-row rules, calls
+:func:`decide` (which also notes "EOS was the top choice while banned" for min-length's meta, with one batched
+argmax) and :func:`apply_decisions` (force / ban / bias as a few batched tensor writes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from engine.rules.base import Decision, RuleSet
+
+
+def decide(logits: Any, rows: Sequence[tuple[int, RuleSet, int]]) -> list[tuple[int, int, Decision]]:
+    """Each row's decision as ``(logits row, eos, decision)``; rows whose EOS is banned while it is the top
+    choice of the unedited logits get ``note_eos_suppressed()``.
+
+    >>> import torch
+    >>> from engine.rules.min_length import MinLengthRule
+    >>> rs = RuleSet([MinLengthRule(min_chars=5, max_chars=None, punctuation_bias=0.0, sentence_end_ids=())],
+    ...              terminal_ids={0})
+    >>> [d.ban_eos for _, _, d in decide(torch.tensor([[3.0, 1.0]]), [(0, rs, 0)])], rs.rules[0].eos_suppressed
+    ([True], True)
+    """
+    decisions = [(index, eos, rules.decision(), rules) for index, rules, eos in rows]
+    banned = [(index, eos, rules) for index, eos, d, rules in decisions if d.ban_eos and not d.force_eos]
+    if banned:
+        import torch
+
+        index = torch.tensor([i for i, _, _ in banned], device=logits.device)
+        for (_, eos, rules), top in zip(banned, logits[index].argmax(dim=-1).tolist(), strict=True):
+            if top == eos:
+                rules.note_eos_suppressed()
+    return [(index, eos, d) for index, eos, d, _ in decisions]
+
+
+def apply_decisions(logits: Any, decisions: Sequence[tuple[int, int, Decision]]) -> Any:
+    """Apply force / ban / bias to ``logits`` (num_rows, vocab) in place; returns it.
+
+    >>> import torch
+    >>> logits = torch.zeros(3, 4)
+    >>> _ = apply_decisions(logits, [(0, 1, Decision(force_eos=True)), (2, 1, Decision(ban_eos=True, bias={3: .5}))])
+    >>> logits.tolist()
+    [[-inf, 0.0, -inf, -inf], [0.0, 0.0, 0.0, 0.0], [0.0, -inf, 0.0, 0.5]]
+    """
+    import torch
+
+    force = [(i, eos) for i, eos, d in decisions if d.force_eos]
+    ban = [(i, eos) for i, eos, d in decisions if d.ban_eos and not d.force_eos]
+    bias_rows: list[int] = []
+    bias_cols: list[int] = []
+    bias_vals: list[float] = []
+    for i, _eos, d in decisions:
+        if d.bias and not d.force_eos:
+            bias_rows.extend([i] * len(d.bias))
+            bias_cols.extend(d.bias.keys())
+            bias_vals.extend(d.bias.values())
+    device = logits.device
+    if bias_rows:
+        logits.index_put_((torch.tensor(bias_rows, device=device), torch.tensor(bias_cols, device=device)),
+                          torch.tensor(bias_vals, device=device, dtype=logits.dtype), accumulate=True)
+    if ban:
+        rows, cols = zip(*ban, strict=True)
+        logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
+    if force:
+        rows, cols = zip(*force, strict=True)
+        index = torch.tensor(rows, device=device)
+        logits[index] = float("-inf")
+        logits[index, torch.tensor(cols, device=device)] = 0.0
+    return logits
