@@ -282,9 +282,9 @@ def test_v2_feeds_every_committed_token_it_has_not_seen():
                         seq_lens_upper_bound_np=np.zeros(1, dtype=np.int32))
     row = proc.apply(torch.zeros(1, VOCAB), ctx)[0]
     assert torch.isfinite(row).nonzero().flatten().tolist() == [EOS], "the loop in the span must force EOS"
-    assert proc.slots[slot].rules.fed == len(output)
+    assert proc.bank_seen[slot] == len(output), "the whole span was fed to the repeat bank"
     assert reference_fire_index(output, RepeatThresholds(max_consecutive_token_repeats=3)) == 4
-    assert proc.slots[slot].rules.events()["repeat_terminate"] == ("consecutive_token_repeats", 4)
+    assert proc.slots[slot].events()["repeat_terminate"] == ("consecutive_token_repeats", 4)
 
 
 def replace_tokenizer():

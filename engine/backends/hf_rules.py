@@ -26,26 +26,11 @@ def feed_new_tokens(sets: list[RuleSet], input_ids: Any, prompt_len: int) -> Non
             sets[row].feed(tok)
 
 
-def split_vectorizable(specs: Sequence[RuleSpec]) -> tuple[list[Any], list[RuleSpec]]:
-    """(thresholds of id-only repeat rules, the other specs): the first run as tensor ops over the batch."""
-    from engine.backends.repeat_tensor import vectorizable
-    from engine.rules.repeat import RepeatRule
-
-    vector, rows = [], []
-    for spec in specs:
-        rule = spec.build()
-        if isinstance(rule, RepeatRule) and type(rule) is RepeatRule and vectorizable(rule.t):
-            vector.append(rule.t)
-        else:
-            rows.append(spec)
-    return vector, rows
-
-
 class HfRowRules:
     """Applies each row's combined decision: force EOS, ban EOS (noting when EOS was the top choice), bias.
 
-    Id-only repeat rules run vectorized over the batch (:class:`engine.backends.repeat_tensor.BatchRepeatGuard`,
-    no per-row Python, no device sync per step); every other rule runs per row through :class:`RuleSet`.
+    Id-only repeat rules run vectorized over the batch (:class:`engine.backends.repeat_bank.RepeatBank`: array
+    operations on the step's new tokens, no per-row Python); every other rule runs per row through :class:`RuleSet`.
 
     >>> import torch
     >>> from engine.rules.base import RuleSpec
@@ -60,16 +45,19 @@ class HfRowRules:
 
     def __init__(self, specs: Sequence[RuleSpec], *, prompt_len: int, eos_id: int, terminal_ids: Sequence[int],
                  decode: Any, vectorize: bool = True) -> None:
+        from engine.backends.repeat_bank import split_vectorizable
+
         self.vector_thresholds, self.specs = split_vectorizable(specs) if vectorize else ([], list(specs))
         self.prompt_len = prompt_len
         self.eos_id = eos_id
         self.terminal_ids = list(terminal_ids)
         self.decode = decode
         self.sets: list[RuleSet] = []
-        self.guards: list[Any] = []
+        self.banks: list[Any] = []
         self._eos_row: Any = None
 
     def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import numpy as np
         import torch
 
         fire = self._vectorized_fire(input_ids, scores) if self.vector_thresholds else None
@@ -79,8 +67,8 @@ class HfRowRules:
             feed_new_tokens(self.sets, input_ids, self.prompt_len)
             # A row a vectorized guard ends now is ended, as a RuleSet's "any force wins" would decide.
             self._apply_row_rules(scores, fire.tolist() if fire is not None else None)
-        if fire is not None and bool(fire.any()):  # HF syncs every step anyway (its stopping check)
-            scores.copy_(torch.where(fire[:, None], self._eos_row, scores))
+        if fire is not None and fire.any():
+            scores[torch.as_tensor(np.flatnonzero(fire), device=scores.device)] = self._eos_row
         return scores
 
     def _apply_row_rules(self, scores: Any, forced: list[bool] | None) -> None:
@@ -90,19 +78,27 @@ class HfRowRules:
         apply_decisions(scores, decide(scores, rows))
 
     def _vectorized_fire(self, input_ids: Any, scores: Any) -> Any:
+        import numpy as np
         import torch
 
-        from engine.backends.repeat_tensor import BatchRepeatGuard
+        from engine.backends.repeat_bank import RepeatBank
 
-        if not self.guards:
-            self.guards = [BatchRepeatGuard(t, batch=input_ids.shape[0], terminal_ids=self.terminal_ids,
-                                            device=input_ids.device) for t in self.vector_thresholds]
+        batch = input_ids.shape[0]
+        if not self.banks:
+            for t in self.vector_thresholds:
+                bank = RepeatBank()
+                for row in range(batch):
+                    bank.assign(row, t, terminal_ids=self.terminal_ids)
+                self.banks.append(bank)
             self._eos_row = torch.full_like(scores[0], float("-inf"))
             self._eos_row[self.eos_id] = 0.0
-        generated = input_ids[:, self.prompt_len:]  # (batch, k)
-        fire = self.guards[0].step(generated)
-        for guard in self.guards[1:]:
-            fire = fire | guard.step(generated)
+            self._rows = np.arange(batch)
+        if input_ids.shape[1] <= self.prompt_len:
+            return None
+        last = input_ids[:, -1].cpu().numpy()  # the step's new token of every row (one small copy)
+        fire = self.banks[0].push(self._rows, last)
+        for bank in self.banks[1:]:
+            fire |= bank.push(self._rows, last)
         return fire
 
     def events(self, row: int) -> dict[str, Any]:
@@ -110,6 +106,6 @@ class HfRowRules:
         merged: dict[str, Any] = {}
         if self.sets:
             merged.update(self.sets[row].events())
-        for guard in self.guards:
-            merged.update(guard.events(row))
+        for bank in self.banks:
+            merged.update(bank.events(row))
         return merged

@@ -12,10 +12,13 @@ from typing import Any
 
 from engine.rules.base import Decision, RuleSet
 
+FORCE = Decision(force_eos=True)
+"""The decision for a row a batched rule (``RepeatBank``) ends now."""
+
 
 def decide(logits: Any, rows: Sequence[tuple[int, RuleSet, int]]) -> list[tuple[int, int, Decision]]:
     """Each row's decision as ``(logits row, eos, decision)``; rows whose EOS is banned while it is the top
-    choice of the unedited logits get ``note_eos_suppressed()``.
+    choice of the unedited logits get ``note_eos_suppressed()`` (checked until the first time it happens).
 
     >>> import torch
     >>> from engine.rules.min_length import MinLengthRule
@@ -25,7 +28,9 @@ def decide(logits: Any, rows: Sequence[tuple[int, RuleSet, int]]) -> list[tuple[
     ([True], True)
     """
     decisions = [(index, eos, rules.decision(), rules) for index, rules, eos in rows]
-    banned = [(index, eos, rules) for index, eos, d, rules in decisions if d.ban_eos and not d.force_eos]
+    # Only rows that never had EOS on top yet: the meta is a yes/no, so one sighting settles it.
+    banned = [(index, eos, rules) for index, eos, d, rules in decisions
+              if d.ban_eos and not d.force_eos and not rules.eos_noted]
     if banned:
         import torch
 

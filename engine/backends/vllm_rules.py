@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.rules.base import RuleSet, RuleSpec
@@ -107,15 +107,51 @@ def _is_id(value: Any) -> bool:
 
 @dataclass
 class Row:
-    """One request's rule state inside a processor: its rules, EOS id and key."""
+    """One request's rule state inside a processor.
+
+    Id-only repeat rules (``repeat``) run in the processor's :class:`~engine.backends.repeat_bank.RepeatBank`, at
+    the row's bank index while the request is in the batch (``bank_at``); every other rule runs in ``rules``. When
+    the request leaves its index, :meth:`leave` keeps its bank events.
+    """
 
     rules: RuleSet
     eos: int
     key: str
+    repeat: list[Any] = field(default_factory=list)
+    """At most one id-only repeat threshold set, run in the processor's bank."""
+    bank: Any = None
+    bank_at: int | None = None
+    bank_seen: int = 0
+    """Output tokens offered to the bank since the row joined it."""
+    left_events: dict[str, Any] = field(default_factory=dict)
+
+    def join(self, bank: Any, index: int, terminal: Iterable[int]) -> None:
+        """Take bank index ``index``; the bank starts the row from its first token (a resumed request's
+        committed tokens are fed again: the same tokens give the same state)."""
+        if self.repeat:
+            bank.assign(index, self.repeat[0], terminal_ids=terminal)
+        self.bank, self.bank_at, self.bank_seen = bank, index, 0
+
+    def leave(self) -> None:
+        """The request leaves its bank index (finished, preempted, or the index is reused): keep its events."""
+        if self.repeat and self.bank_at is not None:
+            self.left_events = self.bank.events(self.bank_at)
+            self.bank.release(self.bank_at)
+        self.bank_at = None
+
+    def moved_to(self, index: int) -> None:
+        self.bank_at = index
+
+    def events(self) -> dict[str, Any]:
+        merged = dict(self.rules.events())
+        if self.repeat:
+            merged.update(self.bank.events(self.bank_at) if self.bank_at is not None else self.left_events)
+        return merged
 
 
 class EventStore:
-    """Rule sets by request key, in the process where the processor runs, until the engine collects them.
+    """Rule state by request key (anything with ``events()``), in the process where the processor runs, until
+    the engine collects it.
 
     Bounded: past ``capacity`` keys (requests never collected, e.g. aborted) the oldest are dropped, logged.
 
@@ -128,10 +164,10 @@ class EventStore:
 
     def __init__(self, capacity: int = 65536) -> None:
         self.capacity = capacity
-        self._sets: OrderedDict[str, RuleSet] = OrderedDict()
+        self._sets: OrderedDict[str, Any] = OrderedDict()
         self.dropped = 0
 
-    def track(self, key: str, rules: RuleSet) -> None:
+    def track(self, key: str, rules: Any) -> None:
         self._sets[key] = rules  # a re-admitted (preempted) request replaces its earlier state
         self._sets.move_to_end(key)
         while len(self._sets) > self.capacity:
@@ -140,7 +176,7 @@ class EventStore:
             if self.dropped in (1, 10, 100) or self.dropped % 1000 == 0:
                 log.warning("rule event store full: dropped %d uncollected entries", self.dropped)
 
-    def get(self, key: str) -> RuleSet | None:
+    def get(self, key: str) -> Any:
         return self._sets.get(key)
 
     def collect(self, keys: Iterable[str]) -> dict[str, dict[str, Any]]:
@@ -160,17 +196,25 @@ EVENTS = EventStore()
 """This process's store; the worker extension reads it, processors write it."""
 
 
-def build_row(args: RowArgs, decode: Callable[[Sequence[int]], str] | None) -> Row:
+def build_row(args: RowArgs, decode: Any) -> Row:
     """The row for ``args``, tracked in this process's :data:`EVENTS` under its key.
 
-    A request that comes back after a preemption (same key, not yet collected) keeps its rule state: the
-    processor goes on feeding it from the first committed token it has not seen, and what it noted on the way
-    (e.g. an EOS held back by min-length, which no replay of tokens could recover) is kept."""
-    rules = EVENTS.get(args.key)
-    if rules is None:
-        rules = RuleSet([s.build() for s in args.specs], terminal_ids=args.terminal, decode=decode)
-    EVENTS.track(args.key, rules)
-    return Row(rules=rules, eos=args.eos, key=args.key)
+    A request that comes back after a preemption (same key, not yet collected) keeps its rule state: its
+    per-row rules go on from the first committed token they have not seen, and what they noted on the way (e.g.
+    an EOS held back by min-length, which no replay of tokens could recover) is kept; its bank rows restart
+    and are fed the committed tokens again."""
+    from engine.backends.repeat_bank import split_vectorizable
+
+    row = EVENTS.get(args.key)
+    if row is None:
+        repeat, specs = split_vectorizable(args.specs)
+        if len(repeat) > 1:  # a bank row holds one threshold set; more run per row
+            specs = [s for s in args.specs if s not in specs][1:] + specs
+            repeat = repeat[:1]
+        rules = RuleSet([s.build() for s in specs], terminal_ids=args.terminal, decode=decode)
+        row = Row(rules=rules, eos=args.eos, key=args.key, repeat=repeat)
+    EVENTS.track(args.key, row)
+    return row
 
 
 class TokenizerText:

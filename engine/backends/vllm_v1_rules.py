@@ -2,7 +2,9 @@
 
 The V1 runner tells processors about batch changes (``update_state(BatchUpdate)``: rows added with their
 params and a live list of output ids, removed, moved or swapped) and calls ``apply(logits)`` with one logits
-row per batch index. Everything else is shared with the V2 adapter (:mod:`engine.backends.vllm_rules`).
+row per batch index. Id-only repeat rules run in a :class:`~engine.backends.repeat_bank.RepeatBank` indexed by
+batch index (moves and swaps move its rows too); everything else is shared with the V2 adapter
+(:mod:`engine.backends.vllm_rules`).
 Importing this module imports vLLM; the engine names it as ``module:Class`` so child processes can load it.
 """
 
@@ -12,7 +14,8 @@ from typing import Any
 
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from engine.backends.row_apply import apply_decisions, decide
+from engine.backends.repeat_bank import RepeatBank
+from engine.backends.row_apply import FORCE, apply_decisions, decide
 from engine.backends.vllm_rules import Row, TokenizerText, build_row, parse_request_args
 
 
@@ -26,6 +29,7 @@ class RowRulesV1(LogitsProcessor):
 
     def __init__(self, vllm_config: Any, device: Any, is_pin_memory: bool) -> None:
         self.rows: dict[int, tuple[Row, list[int]]] = {}  # batch index -> (row, live output ids)
+        self.bank = RepeatBank()  # id-only repeat rules, by batch index
         self.decode = TokenizerText(vllm_config.model_config.tokenizer)
 
     @classmethod
@@ -35,30 +39,65 @@ class RowRulesV1(LogitsProcessor):
     def is_argmax_invariant(self) -> bool:
         return False
 
+    def _drop(self, index: int) -> tuple[Row, list[int]] | None:
+        entry = self.rows.pop(index, None)
+        if entry is not None:
+            entry[0].leave()
+        return entry
+
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is None:
             return
         for index in batch_update.removed:
-            self.rows.pop(index, None)
+            self._drop(index)
         for index, params, _prompt, output in batch_update.added:
+            self._drop(index)  # an added request may replace the one at its index
             args = parse_request_args(params.extra_args) if params is not None else None
             if args is None:
-                self.rows.pop(index, None)
                 continue
             # A preempted request comes back with its output so far; its rules resume where they stopped.
-            self.rows[index] = (build_row(args, self.decode), output)
+            row = build_row(args, self.decode)
+            row.join(self.bank, index, args.terminal)
+            self.rows[index] = (row, output)
         for a, b, direction in batch_update.moved:
-            row_a, row_b = self.rows.pop(a, None), self.rows.pop(b, None)
-            if row_a is not None:
-                self.rows[b] = row_a
-            if direction == MoveDirectionality.SWAP and row_b is not None:
-                self.rows[a] = row_b
+            if direction == MoveDirectionality.SWAP:
+                row_a, row_b = self.rows.pop(a, None), self.rows.pop(b, None)
+                self.bank.swap_rows(a, b)
+                for entry, index in ((row_a, b), (row_b, a)):
+                    if entry is not None:
+                        entry[0].moved_to(index)
+                        self.rows[index] = entry
+                continue
+            entry = self.rows.pop(a, None)
+            self._drop(b)
+            if entry is not None:
+                self.bank.copy_row(a, b)
+                entry[0].moved_to(b)
+                self.rows[b] = entry
 
     def apply(self, logits: Any) -> Any:
         if not self.rows:
             return logits
-        for row, output in self.rows.values():
+        step_rows, step_tokens, forced, per_row = [], [], set(), []
+        for index, (row, output) in self.rows.items():
+            if row.repeat:
+                behind = len(output) - row.bank_seen
+                if behind == 1:  # the common case: one new token, pushed with the batch below
+                    step_rows.append(index)
+                    step_tokens.append(output[-1])
+                elif behind > 1:  # a resumed request: feed its committed tokens again
+                    for token in output[row.bank_seen:]:
+                        if self.bank.push([index], [token])[0]:
+                            forced.add(index)
+                row.bank_seen = len(output)
             rules = row.rules
-            while rules.fed < len(output):  # normally one new token per step
-                rules.feed(output[rules.fed])
-        return apply_decisions(logits, decide(logits, [(i, row.rules, row.eos) for i, (row, _) in self.rows.items()]))
+            if rules.rules:
+                while rules.fed < len(output):  # normally one new token per step
+                    rules.feed(output[rules.fed])
+                per_row.append((index, rules, row.eos))
+        if step_rows:
+            fired = self.bank.push(step_rows, step_tokens)
+            forced.update(i for i, f in zip(step_rows, fired.tolist(), strict=True) if f)
+        decisions = decide(logits, [r for r in per_row if r[0] not in forced])
+        decisions += [(index, self.rows[index][0].eos, FORCE) for index in forced]
+        return apply_decisions(logits, decisions)

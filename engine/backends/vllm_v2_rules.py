@@ -15,8 +15,12 @@ How V2 differs from V1, and what this adapter does about it:
   request) is refused when the engine plans its runner (``vllm_runner.plan_for_config``); a batch with more
   logits rows than requests raises here rather than misapplying a rule.
 
+* Id-only repeat rules run in a :class:`~engine.backends.repeat_bank.RepeatBank` indexed by slot: the rows
+  one token behind push this step's token together (array operations, no per-row Python); other rules run
+  per row.
+
 This module imports only vLLM's import-light V2 interface (the frontend loads the class to validate params);
-torch is imported inside ``apply``.
+torch and numpy are imported inside the methods.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from typing import Any
 
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor
 
-from engine.backends.row_apply import apply_decisions, decide
+from engine.backends.repeat_bank import RepeatBank
+from engine.backends.row_apply import FORCE, apply_decisions, decide
 from engine.backends.vllm_rules import Row, TokenizerText, build_row, parse_request_args
 
 
@@ -38,8 +43,15 @@ class RowRulesV2(LogitsProcessor):
     """
 
     def __init__(self, vllm_config: Any, req_states: Any) -> None:
+        import numpy as np
+
         self.req_states = req_states
         self.slots: dict[int, Row] = {}
+        self.bank = RepeatBank()  # id-only repeat rules, by slot
+        self.bank.reserve(req_states.max_num_reqs)
+        self.in_bank = np.zeros(req_states.max_num_reqs, dtype=bool)  # slot holds a row with a bank rule
+        self.bank_seen = np.zeros(req_states.max_num_reqs, dtype=np.int64)  # output tokens offered to the bank
+        self.has_row = np.zeros(req_states.max_num_reqs, dtype=bool)
         self.decode = TokenizerText(vllm_config.model_config.tokenizer)
 
     @classmethod
@@ -47,37 +59,67 @@ class RowRulesV2(LogitsProcessor):
         parse_request_args(sampling_params.extra_args)
 
     def add_request(self, req_idx: int, sampling_params: Any) -> bool:
+        previous = self.slots.pop(req_idx, None)
+        if previous is not None and previous.bank_at == req_idx:  # its previous occupant finished or was preempted
+            previous.leave()  # (unless that request already came back in another slot)
+        self.has_row[req_idx] = self.in_bank[req_idx] = False
         args = parse_request_args(sampling_params.extra_args)
         if args is None:
-            self.slots.pop(req_idx, None)
             return False
-        self.slots[req_idx] = build_row(args, self.decode)
+        row = build_row(args, self.decode)
+        row.join(self.bank, req_idx, args.terminal)
+        self.slots[req_idx] = row
+        self.has_row[req_idx] = True
+        self.in_bank[req_idx] = bool(row.repeat)
+        self.bank_seen[req_idx] = 0
         return True
 
     def apply(self, logits: Any, ctx: Any) -> Any:
+        import numpy as np
         import torch
 
-        batch_slots = ctx.idx_mapping_np.tolist()  # batch position -> slot, on the host
-        active = [(pos, slot) for pos, slot in enumerate(batch_slots) if slot in self.slots]
-        if not active:
+        batch_slots = ctx.idx_mapping_np  # batch position -> slot, on the host
+        positions = np.flatnonzero(self.has_row[batch_slots])
+        if len(positions) == 0:
             return logits
         if logits.shape[0] != len(batch_slots):
             raise RuntimeError(f"row rules got {logits.shape[0]} logits rows for {len(batch_slots)} requests "
                                "(speculative decoding?); they support one row per request")
         states = self.req_states
         tokens = states.all_token_ids.gpu
-        slots = torch.tensor([slot for _, slot in active], device=tokens.device)
-        total = states.total_len.gpu[slots].to(torch.int64)
-        last = tokens[slots, (total - 1).clamp(min=0)].to(torch.int64)
-        totals, lasts = torch.stack([total, last]).cpu().tolist()  # one device-to-host copy
-        rows = []
-        for (pos, slot), n_total, last_token in zip(active, totals, lasts, strict=True):
+        slots = batch_slots[positions].astype(np.int64)
+        index = torch.as_tensor(slots, device=tokens.device)
+        total = states.total_len.gpu[index].to(torch.int64)
+        last = tokens[index, (total - 1).clamp(min=0)].to(torch.int64)
+        totals, lasts = torch.stack([total, last]).cpu().numpy()  # one device-to-host copy
+        outputs = totals - states.prompt_len.np[slots]  # committed output tokens per row
+        forced = np.zeros(len(slots), dtype=bool)
+        # Id-only repeat rules, vectorized: rows one token behind push this step's token together.
+        in_bank = self.in_bank[slots]
+        behind = np.where(in_bank, outputs - self.bank_seen[slots], 0)
+        step = behind == 1
+        if step.any():
+            forced[step] = self.bank.push(slots[step], lasts[step])
+        for i in np.flatnonzero(behind > 1):  # a resumed request: feed its committed tokens again
+            slot, start = int(slots[i]), int(totals[i] - behind[i])
+            for token in tokens[slot, start: int(totals[i])].tolist():
+                forced[i] |= bool(self.bank.push([slot], [token])[0])
+        self.bank_seen[slots[in_bank]] = outputs[in_bank]
+        # Every other rule, per row.
+        per_row = []
+        for i, slot in enumerate(slots.tolist()):
             row = self.slots[slot]
-            start = int(states.prompt_len.np[slot]) + row.rules.fed  # first committed token not yet fed
-            if n_total - start == 1:
-                row.rules.feed(int(last_token))
-            elif n_total - start > 1:  # tokens committed while the request was away (or first step)
-                for token in tokens[slot, start:n_total].tolist():
-                    row.rules.feed(int(token))
-            rows.append((pos, row.rules, row.eos))
-        return apply_decisions(logits, decide(logits, rows))
+            rules = row.rules
+            if not rules.rules:
+                continue
+            start = int(totals[i] - outputs[i]) + rules.fed  # first committed token not yet fed
+            if totals[i] - start == 1:
+                rules.feed(int(lasts[i]))
+            elif totals[i] - start > 1:  # tokens committed while the request was away (or first step)
+                for token in tokens[slot, start: int(totals[i])].tolist():
+                    rules.feed(int(token))
+            if not forced[i]:
+                per_row.append((int(positions[i]), rules, row.eos))
+        decisions = decide(logits, per_row)
+        decisions += [(int(positions[i]), self.slots[int(slots[i])].eos, FORCE) for i in np.flatnonzero(forced)]
+        return apply_decisions(logits, decisions)

@@ -104,6 +104,8 @@ class RuleSet:
             self.detok = decode.stream() if hasattr(decode, "stream") else IncrementalDetokenizer(decode)
         self.done = False
         self.fed = 0
+        self.eos_noted = False
+        """Whether a held-back EOS was ever the top choice (adapters stop checking once it was)."""
 
     def feed(self, token: int) -> None:
         self.fed += 1
@@ -119,6 +121,8 @@ class RuleSet:
     def decision(self) -> Decision:
         if self.done or not self.rules:
             return CONTINUE
+        if len(self.rules) == 1:  # the common case: nothing to combine
+            return self.rules[0].decision()
         decisions = [r.decision() for r in self.rules]
         if any(d.force_eos for d in decisions):
             return Decision(force_eos=True)
@@ -129,6 +133,7 @@ class RuleSet:
         return Decision(ban_eos=any(d.ban_eos for d in decisions), bias=bias)
 
     def note_eos_suppressed(self) -> None:
+        self.eos_noted = True
         for rule in self.rules:
             if rule.decision().ban_eos:
                 rule.note_eos_suppressed()

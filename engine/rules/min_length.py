@@ -45,13 +45,17 @@ class MinLengthRule(RowRule):
         self.chars = 0
         self.eos_suppressed = False
         self.capped = False
+        self._last: tuple[int, Decision] | None = None  # decision at a character count (it depends on nothing else)
 
     def push(self, token: int, text: str) -> None:
         self.chars += len(text)
 
     def decision(self) -> Decision:
-        d = min_length_decision(self.chars, min_chars=self.min_chars, max_chars=self.max_chars,
-                                punctuation_bias=self.punctuation_bias, sentence_end_ids=self.sentence_end_ids)
+        if self._last is None or self._last[0] != self.chars:
+            d = min_length_decision(self.chars, min_chars=self.min_chars, max_chars=self.max_chars,
+                                    punctuation_bias=self.punctuation_bias, sentence_end_ids=self.sentence_end_ids)
+            self._last = (self.chars, d)
+        d = self._last[1]
         self.capped = self.capped or d.force_eos
         return d
 
