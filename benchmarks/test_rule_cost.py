@@ -6,13 +6,14 @@ twice per round, interleaved:
 
 * ``decode+rowwise`` (reference): the path before the fast text path and the vectorized id rules, text from
   ``tokenizer.decode`` per token (two calls), every rule fed per row in Python;
-* ``table+vectorized`` (subject): text from the tokenizer's byte table, id-only repeat rules as tensor
-  operations over the batch.
+* ``table+vectorized`` (subject): the path the engine takes: text from the tokenizer's byte table, id-only
+  repeat rules as array operations over the batch (from ``VECTOR_MIN_BATCH`` rows on; per row below it).
 
-Rules: ``repeat_ids`` (consecutive + n-gram thresholds), ``repeat_keys`` (plus ``max_object_keys``: reads text),
-``min_length`` (EOS held back all along: an argmax per row per step), ``json_boundary``. None fires on the
-stream, so every step costs what watching costs. Recorded: ``us_per_token`` (per token per row) of each variant
-and ``fast_over_reference``. Both variants must make identical edits (checked on the last step's logits).
+Rules: ``repeat_ids`` (consecutive + n-gram thresholds), ``repeat_keys`` (plus ``max_object_keys``: reads
+text), ``min_length`` (EOS held back all along, never the top choice: a max over the vocabulary per row per
+step), ``json_boundary``. None fires on the stream, so every step costs what watching costs. Recorded:
+``us_per_token`` (per token per row) of each variant and ``fast_over_reference``. Both variants must make
+identical edits (checked on the last step's logits).
 """
 
 from __future__ import annotations
@@ -64,12 +65,13 @@ def stepper(name: str, role: str, specs: list[RuleSpec], ids: Any, prompt_len: i
 
     batch, width = ids.shape
     scores = torch.zeros(batch, vocab, device=ids.device)
+    scores[:, 0] = 1.0  # token 0 on top, EOS (2) below it: min_length checks "EOS on top" on every step
 
     def run() -> int:
         proc = HfRowRules(specs, prompt_len=prompt_len, eos_id=2, terminal_ids=[2], decode=text, vectorize=vectorize)
         for end in range(prompt_len + 1, width + 1):
             proc(ids[:, :end], scores)  # edits accumulate (EOS stays banned); nothing else touches the row
-        last[name] = scores.clone()
+        last[name] = scores  # the variant's own tensor (compared after the rounds; a clone here would be timed)
         return batch * (width - prompt_len)
 
     return Variant(name, role, run)
@@ -103,7 +105,8 @@ def test_rule_cost(bench, benchmark, rule_case) -> None:
     bench.record({"benchmark": f"rule_cost[{rule}-b{batch}]", "group": "rule_cost", "backend": "hf",
                   "batch": batch, "prompt_len": "rule_stream", "prompt_tokens": batch * prompt_len,
                   "new_tokens": steps, "fixed_length": True, "guard_set": rule},
-                 rounds, {"fast_over_reference": ratio}, benchmark)
+                 rounds, {"fast_over_reference": ratio,
+                          "added_ms_per_step": rounds.median_wall(subject.name) / steps * 1e3}, benchmark)
     per_token = {name: rounds.median_wall(name) / (batch * steps) * 1e6 for name in (reference.name, subject.name)}
     bench.progress(f"rule_cost[{rule}-b{batch}] us/token/row: " + ", ".join(f"{k} {v:.2f}" for k, v in
                                                                             per_token.items()))

@@ -5,7 +5,8 @@ Each case measures two variants interleaved in one run and records their ratio:
 * guard set ``none``: the engine vs the raw backend call with identical prompt ids and settings
   (HF ``model.generate``; vLLM ``LLM.generate`` on a bare ``LLM`` built with the engine's own arguments)
   -> ``engine_over_raw``;
-* ``repeat`` / ``min_length``: the engine with the guard vs without it -> ``guard_on_over_off``.
+* ``repeat`` / ``min_length``: the engine with the guard vs without it -> ``guard_on_over_off``, and what the
+  guard adds per decode step of the batch (median difference / new tokens) -> ``added_ms_per_step``.
 
 EOS is held back (``min_new_tokens == max_new_tokens``), so every round generates exactly
 ``batch x new_tokens`` tokens; the test asserts it, so a variant that stopped early cannot flatter a ratio.
@@ -114,9 +115,12 @@ def test_throughput(bench, benchmark, case: Case) -> None:
     for variant in (reference, subject):  # fixed length: a variant that stopped early would flatter the ratio
         assert rounds.tokens(variant.name) == {expected}, (variant.name, rounds.tokens(variant.name), expected)
     rendered, _ = plain.prepare(messages, options=options)
-    ratio = rounds.speed_ratio(subject.name, reference.name)
+    figures = {ratio_name: rounds.speed_ratio(subject.name, reference.name)}
+    if case.guard_set != "none":  # the adapter's cost per decode step of the whole batch
+        added = rounds.median_wall(subject.name) - rounds.median_wall(reference.name)
+        figures["added_ms_per_step"] = added / case.new_tokens * 1e3
     bench.record({"benchmark": f"throughput[{case.id}]", "group": "throughput", "backend": case.backend,
                   "batch": case.batch, "prompt_len": case.prompt_len,
                   "prompt_tokens": sum(len(r.token_ids) for r in rendered), "new_tokens": case.new_tokens,
                   "fixed_length": True, "guard_set": case.guard_set},
-                 rounds, {ratio_name: ratio}, benchmark)
+                 rounds, figures, benchmark)

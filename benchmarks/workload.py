@@ -28,9 +28,9 @@ SIZES = {
     "smoke": Size(batches=(1, 8, 64), prompt_lens=("short",), new_tokens=(16,),
                   guard_sets=("none", "repeat", "min_length"), guard_batches=(8,), native_budget=96, rounds=3,
                   warmup=1),
-    # For GPU runners: both prompt lengths, short and long outputs, more rounds.
-    "full": Size(batches=(1, 8, 64), prompt_lens=("short", "long"), new_tokens=(64, 256),
-                 guard_sets=("none", "repeat", "min_length"), guard_batches=(1, 8, 64), native_budget=256,
+    # For GPU runners: both prompt lengths, short and long outputs, batch 256 too, more rounds.
+    "full": Size(batches=(1, 8, 64, 256), prompt_lens=("short", "long"), new_tokens=(64, 256),
+                 guard_sets=("none", "repeat", "min_length"), guard_batches=(1, 8, 64, 256), native_budget=256,
                  rounds=5, warmup=1),
 }
 

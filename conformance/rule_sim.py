@@ -83,7 +83,9 @@ def run_hf(reqs: list[Req], seed: int, decode: Callable[[Sequence[int]], str]) -
 
     width = max(len(r.prompt) for r in reqs)
     ids = torch.tensor([[EOS] * (width - len(r.prompt)) + r.prompt for r in reqs])  # (batch, width)
-    proc = HfRowRules(reqs[0].specs, prompt_len=width, eos_id=EOS, terminal_ids=[EOS], decode=decode)
+    # vector_min_batch=1: the id-only repeat rules take the vectorized bank path even in these small batches.
+    proc = HfRowRules(reqs[0].specs, prompt_len=width, eos_id=EOS, terminal_ids=[EOS], decode=decode,
+                      vector_min_batch=1)
     while not all(r.done for r in reqs):
         step = ids.shape[1] - width
         scores = torch.stack([logits_row(seed, r.rid, step) for r in reqs])  # (batch, vocab)

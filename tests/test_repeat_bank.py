@@ -38,11 +38,12 @@ def row(draw):
 
 @settings(max_examples=300, deadline=None)
 @given(t=thresholds(), rows=st.lists(row(), min_size=1, max_size=6), width=st.integers(1, 30),
-       other=thresholds())
-def test_fires_where_the_pure_rule_fires(t, rows, width, other):
+       other=thresholds(), order=st.sampled_from(["dense", "index", "reversed"]))
+def test_fires_where_the_pure_rule_fires(t, rows, width, other, order):
     """300 batches: for every row, the same fire index and reason as ``RuleSet([RepeatRule])`` fed token by
     token (terminal ids end the row there; the rule never fires after), and no row fires twice. Odd rows carry
-    other thresholds (rows of one bank may differ, as vLLM requests do)."""
+    other thresholds (rows of one bank may differ, as vLLM requests do). Rows are pushed as the whole batch
+    (``rows=None``, the HF path), by index, and by index in reverse order (fire flags align with the rows given)."""
     rows = [(r + [7] * width)[:width] for r in rows]  # equal width, as an HF batch (padding after the end)
     bank = RepeatBank()
     per_row = [t if i % 2 == 0 else other for i in range(len(rows))]
@@ -50,7 +51,13 @@ def test_fires_where_the_pure_rule_fires(t, rows, width, other):
         bank.assign(i, th, terminal_ids=TERMINAL)
     fired = np.zeros(len(rows), dtype=int)
     for k in range(width):
-        fired += bank.push(np.arange(len(rows)), np.array([r[k] for r in rows]))
+        tokens = np.array([r[k] for r in rows])
+        if order == "dense":
+            fired += bank.push(None, tokens)
+        elif order == "index":
+            fired += bank.push(np.arange(len(rows)), tokens)
+        else:
+            fired += bank.push(np.arange(len(rows))[::-1], tokens[::-1])[::-1]
     assert fired.max() <= 1
     for i, tokens in enumerate(rows):
         rs = RuleSet([RepeatRule(per_row[i])], terminal_ids=TERMINAL)

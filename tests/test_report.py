@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -137,3 +138,14 @@ def test_writer_refuses_rows_that_lack_a_schema_column(tmp_path):
     w.add_case({"benchmark": "b", "variant": "engine"}, [{"round": 0, "wall_s": 1.0, "output_tokens": 4}], {})
     with pytest.raises(ValueError, match=r"lack the schema columns .*'backend'"):
         w.write(tmp_path)
+
+
+def test_per_case_figures_are_written_on_the_case_rows_and_unknown_names_refused():
+    w = ReportWriter({"run_id": "r"})
+    w.add_case({"benchmark": "g"}, [{"round": k, "wall_s": 1.0, "output_tokens": 4} for k in range(2)],
+               {"guard_on_over_off": 0.98, "added_ms_per_step": 0.25})
+    w.add_case({"benchmark": "e"}, [{"round": 0, "wall_s": 1.0, "output_tokens": 4}], {"engine_over_raw": 1.0})
+    assert [r["added_ms_per_step"] for r in w.rows[:2]] == [0.25, 0.25]
+    assert math.isnan(w.rows[2]["added_ms_per_step"])
+    with pytest.raises(ValueError, match="unknown ratio or figure columns \\['ms_added'\\]"):
+        w.add_case({"benchmark": "x"}, [], {"ms_added": 1.0})

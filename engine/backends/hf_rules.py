@@ -9,6 +9,10 @@ from typing import Any
 
 from engine.rules.base import RuleSet, RuleSpec
 
+VECTOR_MIN_BATCH = 8
+"""Below this many rows the id-only repeat rules run per row: a bank step has a fixed cost (about 30 µs of numpy
+calls on the project's CPU machine) that Python per row only exceeds from about 8 rows on (5-6 µs a row)."""
+
 
 def rule_sets(specs: Sequence[RuleSpec], batch: int, *, terminal_ids: Sequence[int],
               decode: Callable[[Sequence[int]], str] | None) -> list[RuleSet]:
@@ -30,7 +34,8 @@ class HfRowRules:
     """Applies each row's combined decision: force EOS, ban EOS (noting when EOS was the top choice), bias.
 
     Id-only repeat rules run vectorized over the batch (:class:`engine.backends.repeat_bank.RepeatBank`: array
-    operations on the step's new tokens, no per-row Python); every other rule runs per row through :class:`RuleSet`.
+    operations on the step's new tokens, no per-row Python) from ``VECTOR_MIN_BATCH`` rows on; every other rule
+    runs per row through :class:`RuleSet`.
 
     >>> import torch
     >>> from engine.rules.base import RuleSpec
@@ -44,9 +49,11 @@ class HfRowRules:
     """
 
     def __init__(self, specs: Sequence[RuleSpec], *, prompt_len: int, eos_id: int, terminal_ids: Sequence[int],
-                 decode: Any, vectorize: bool = True) -> None:
+                 decode: Any, vectorize: bool = True, vector_min_batch: int = VECTOR_MIN_BATCH) -> None:
         from engine.backends.repeat_bank import split_vectorizable
 
+        self.all_specs = list(specs)
+        self.vector_min_batch = vector_min_batch
         self.vector_thresholds, self.specs = split_vectorizable(specs) if vectorize else ([], list(specs))
         self.prompt_len = prompt_len
         self.eos_id = eos_id
@@ -60,6 +67,8 @@ class HfRowRules:
         import numpy as np
         import torch
 
+        if self.vector_thresholds and not self.banks and input_ids.shape[0] < self.vector_min_batch:
+            self.vector_thresholds, self.specs = [], self.all_specs  # a few rows: Python per row is cheaper
         fire = self._vectorized_fire(input_ids, scores) if self.vector_thresholds else None
         if not self.sets and self.specs:
             self.sets = rule_sets(self.specs, input_ids.shape[0], terminal_ids=self.terminal_ids, decode=self.decode)
@@ -78,7 +87,6 @@ class HfRowRules:
         apply_decisions(scores, decide(scores, rows))
 
     def _vectorized_fire(self, input_ids: Any, scores: Any) -> Any:
-        import numpy as np
         import torch
 
         from engine.backends.repeat_bank import RepeatBank
@@ -92,13 +100,12 @@ class HfRowRules:
                 self.banks.append(bank)
             self._eos_row = torch.full_like(scores[0], float("-inf"))
             self._eos_row[self.eos_id] = 0.0
-            self._rows = np.arange(batch)
         if input_ids.shape[1] <= self.prompt_len:
             return None
         last = input_ids[:, -1].cpu().numpy()  # the step's new token of every row (one small copy)
-        fire = self.banks[0].push(self._rows, last)
+        fire = self.banks[0].push(None, last)  # None: rows 0 .. batch - 1, the whole batch
         for bank in self.banks[1:]:
-            fire |= bank.push(self._rows, last)
+            fire |= bank.push(None, last)
         return fire
 
     def events(self, row: int) -> dict[str, Any]:

@@ -69,6 +69,7 @@ class RepeatBank:
     def __init__(self) -> None:
         self.width = 1  # ring length: the longest period of any row
         self.term_width = 1
+        self._positions: dict[int, np.ndarray] = {}  # np.arange(n) by n (a dict: not a per-row array)
         self._alloc(0)
 
     def _alloc(self, rows: int) -> None:
@@ -141,34 +142,53 @@ class RepeatBank:
             self.live[row] = False
 
     def push(self, rows: Any, tokens: Any) -> np.ndarray:
-        """Feed each of ``rows`` its next generated token; returns which of them fire now (aligned with rows)."""
-        rows = np.asarray(rows, dtype=np.int64)
+        """Feed each of ``rows`` its next generated token; returns which of them fire now (aligned with rows).
+
+        ``rows=None`` means rows ``0 .. len(tokens) - 1`` (a whole HF batch): read through views, not gathers.
+        """
         tokens = np.asarray(tokens, dtype=np.int64)
-        fire_out = np.zeros(len(rows), dtype=bool)
-        ended = (self.terminal[rows] == tokens[:, None]).any(axis=1)
-        pushed = self.live[rows] & ~ended
-        self.live[rows] &= ~ended
-        if not pushed.any():
+        sel: Any = slice(0, len(tokens)) if rows is None else np.asarray(rows, dtype=np.int64)
+        if rows is None:
+            self.reserve(len(tokens))
+        fire_out = np.zeros(len(tokens), dtype=bool)
+        ended = (self.terminal[sel] == tokens[:, None]).any(axis=1)
+        pushed = self.live[sel] & ~ended
+        if ended.any():
+            self.live[sel] &= ~ended
+        index = self._index(len(tokens)) if rows is None else sel  # integer positions, for the 2-D ring
+        if pushed.all():
+            where: Any = slice(None)
+            r, t = index, tokens
+        elif pushed.any():
+            where = np.flatnonzero(pushed)
+            sel = r = index[where]
+            t = tokens[where]
+        else:
             return fire_out
-        r, t = rows[pushed], tokens[pushed]
-        count, n, width = self.count[r], self.n[r], self.width
+        count, n, width = self.count[sel], self.n[sel], self.width
         same1 = (count >= 1) & (t == self.ring[r, (count - 1) % width])
         same_n = (n > 0) & (count >= n) & (t == self.ring[r, (count - np.maximum(n, 1)) % width])
-        run1 = np.where(same1, self.run1[r] + 1, 0)
-        run_n = np.where(same_n, self.run_n[r] + 1, 0)
-        self.run1[r], self.run_n[r] = run1, run_n
+        run1 = np.where(same1, self.run1[sel] + 1, 0)
+        run_n = np.where(same_n, self.run_n[sel] + 1, 0)
+        self.run1[sel], self.run_n[sel] = run1, run_n
         self.ring[r, count % width] = t
-        count = count + 1
-        self.count[r] = count
-        consecutive = (self.n_rep[r] > 0) & (run1 >= self.n_rep[r] - 1)
-        ngram = (n > 0) & (run_n >= self.span[r])
-        fire = (consecutive | ngram) & (count >= self.min_new[r]) & (self.fired_at[r] < 0)
+        count += 1
+        self.count[sel] = count
+        n_rep = self.n_rep[sel]
+        consecutive = (n_rep > 0) & (run1 >= n_rep - 1)
+        ngram = (n > 0) & (run_n >= self.span[sel])
+        fire = (consecutive | ngram) & (count >= self.min_new[sel]) & (self.fired_at[sel] < 0)
         if fire.any():
             fired = r[fire]
             self.fired_at[fired] = count[fire]
             self.reason[fired] = np.where(consecutive[fire], 1, 2)
-            fire_out[np.flatnonzero(pushed)[fire]] = True
+            fire_out[np.arange(len(tokens))[where][fire]] = True
         return fire_out
+
+    def _index(self, rows: int) -> np.ndarray:
+        if rows not in self._positions:
+            self._positions = {rows: np.arange(rows)}
+        return self._positions[rows]
 
     def events(self, row: int) -> dict[str, Any]:
         """The row's events, as :meth:`RepeatRule.events` reports them."""

@@ -2,7 +2,7 @@
 
 Each step an adapter collects ``(logits row, rule set, eos id)`` for the rows that carry per-row rules, calls
 :func:`decide` (which also notes "EOS was the top choice while banned" for min-length's meta, with one batched
-argmax) and :func:`apply_decisions` (force / ban / bias as a few batched tensor writes).
+max) and :func:`apply_decisions` (force / ban / bias as a few batched tensor writes).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ FORCE = Decision(force_eos=True)
 
 def decide(logits: Any, rows: Sequence[tuple[int, RuleSet, int]]) -> list[tuple[int, int, Decision]]:
     """Each row's decision as ``(logits row, eos, decision)``; rows whose EOS is banned while it is the top
-    choice of the unedited logits get ``note_eos_suppressed()`` (checked until the first time it happens).
+    choice of the unedited logits (ties included) get ``note_eos_suppressed()`` (checked until the first time it
+    happens: one batched max over the vocabulary per step, a single device-to-host copy).
 
     >>> import torch
     >>> from engine.rules.min_length import MinLengthRule
@@ -35,8 +36,12 @@ def decide(logits: Any, rows: Sequence[tuple[int, RuleSet, int]]) -> list[tuple[
         import torch
 
         index = torch.tensor([i for i, _, _ in banned], device=logits.device)
-        for (_, eos, rules), top in zip(banned, logits[index].argmax(dim=-1).tolist(), strict=True):
-            if top == eos:
+        eos_ids = torch.tensor([eos for _, eos, _ in banned], device=logits.device)
+        # A max (not an argmax: several times cheaper on CPU) of the unedited rows; EOS is on top when it reaches
+        # it (a tie counts). Gathering the rows first copies them; past half the batch one max over all reads less.
+        top = logits.amax(dim=-1)[index] if 2 * len(banned) >= logits.shape[0] else logits[index].amax(dim=-1)
+        for (_, _, rules), on_top in zip(banned, (logits[index, eos_ids] >= top).tolist(), strict=True):
+            if on_top:
                 rules.note_eos_suppressed()
     return [(index, eos, d) for index, eos, d, _ in decisions]
 

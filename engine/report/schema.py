@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,13 @@ RATIO_COLUMNS = {
     "fast_over_reference": "rule_cost: speed of a rule's fast path (byte table, vectorized ids) / its reference "
                            "path (decode per token, per-row Python), same token stream",
 }
+# Per-case figures other than ratios, repeated on every row of the case like the ratios (NaN where not measured).
+FIGURE_COLUMNS = {
+    "added_ms_per_step": "what the subject adds per decode step of the whole batch, in ms: guard cases (subject "
+                         "median - reference median) / new_tokens; rule_cost: the subject's median / steps",
+}
 COLUMNS = (*RUN_COLUMNS, *CASE_COLUMNS, *ROUND_COLUMNS,
-           *(Column(name, "float64", doc) for name, doc in RATIO_COLUMNS.items()))
+           *(Column(name, "float64", doc) for name, doc in {**RATIO_COLUMNS, **FIGURE_COLUMNS}.items()))
 
 # Rows are compared only when all of these agree: same device, model, dtype and shapes.
 LIKE_FOR_LIKE = ("benchmark", "variant", "device", "backend", "model", "dtype", "batch", "prompt_tokens",

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.report.schema import COLUMNS, RATIO_COLUMNS, check
+from engine.report.schema import COLUMNS, FIGURE_COLUMNS, RATIO_COLUMNS, check
 
 
 class ReportWriter:
@@ -26,14 +26,16 @@ class ReportWriter:
 
     def add_case(self, case: Mapping[str, Any], rounds: Sequence[Mapping[str, Any]],
                  ratios: Mapping[str, float]) -> None:
-        unknown = set(ratios) - set(RATIO_COLUMNS)
+        """``ratios``: the case's ratio columns and per-case figures (``FIGURE_COLUMNS``); the others are NaN."""
+        known = {*RATIO_COLUMNS, *FIGURE_COLUMNS}
+        unknown = set(ratios) - known
         if unknown:
-            raise ValueError(f"unknown ratio columns {sorted(unknown)}; known: {sorted(RATIO_COLUMNS)}")
+            raise ValueError(f"unknown ratio or figure columns {sorted(unknown)}; known: {sorted(known)}")
         for r in rounds:
             row = {**self.run, **case, **r}
             row["tokens_per_s"] = r["output_tokens"] / r["wall_s"]
             row["us_per_token"] = r["wall_s"] / r["output_tokens"] * 1e6 if r["output_tokens"] else math.nan
-            for name in RATIO_COLUMNS:
+            for name in known:
                 row[name] = float(ratios.get(name, math.nan))
             self.rows.append(row)
 
