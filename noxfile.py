@@ -75,12 +75,15 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def conformance(session: nox.Session) -> None:
-    """The cross-backend conformance suite on HF and vLLM (fixture models by default)."""
+    """The cross-backend conformance suite on HF and vLLM (fixture models by default); both are required
+    (ENGINE_REQUIRE=hf for an HF-only run, with --engine-backends=hf after --)."""
     _install(session, with_vllm=True, extras=("test", "bench"))
     _fixtures(session)
     REPORTS.mkdir(exist_ok=True)
-    session.run("pytest", "conformance", f"--junitxml={REPORTS / 'conformance-junit.xml'}", *session.posargs,
-                env={"TOKENIZERS_PARALLELISM": "false"})
+    # Both backends must run: a missing one fails the session instead of turning parity checks into skips.
+    require = os.environ.get("ENGINE_REQUIRE", "hf,vllm")
+    session.run("pytest", "conformance", f"--junitxml={REPORTS / 'conformance-junit.xml'}",
+                f"--engine-require={require}", *session.posargs, env={"TOKENIZERS_PARALLELISM": "false"})
 
 
 @nox.session

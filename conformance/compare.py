@@ -49,3 +49,22 @@ def check_logprobs_close(*, outputs_0: Sequence[Any], outputs_1: Sequence[Any], 
                                          f"{sorted(r1.logprobs[step])}")
         assert t1 in r0.logprobs[step], (f"request {i} step {step}: {name_1} token {t1} not in {name_0} top-k "
                                          f"{sorted(r0.logprobs[step])}")
+
+
+RESULT_FIELDS = ("token_ids", "text", "raw_text", "finish_reason", "stop_reason")
+BACKEND_OWN_META = ("backend",)  # meta that names the backend itself; every other key must agree
+
+
+def assert_same_results(results: dict[str, Sequence[Any]], *, what: str) -> None:
+    """Every backend's results are equal field by field (ids, texts, finish and stop reasons, meta except the
+    backend's own name); a failure names the request, the field and each backend's value."""
+    (name_0, first), *others = results.items()
+    for name_1, second in others:
+        assert len(first) == len(second), f"{what}: {name_0} gave {len(first)} results, {name_1} {len(second)}"
+        for i, (r0, r1) in enumerate(zip(first, second, strict=True)):
+            for field_name in RESULT_FIELDS:
+                a, b = getattr(r0, field_name), getattr(r1, field_name)
+                assert a == b, f"{what}: request {i} {field_name}: {name_0}={a!r} vs {name_1}={b!r}"
+            meta_0 = {k: v for k, v in r0.meta.items() if k not in BACKEND_OWN_META}
+            meta_1 = {k: v for k, v in r1.meta.items() if k not in BACKEND_OWN_META}
+            assert meta_0 == meta_1, f"{what}: request {i} meta: {name_0}={meta_0!r} vs {name_1}={meta_1!r}"

@@ -1,10 +1,11 @@
 """Conformance plumbing: one option group, engines shared per session, the backend as a parameter.
 
 Options (all under "engine conformance" in ``pytest --help``):
-``--engine-backends``, ``--engine-model``, ``--engine-vlm-model``, ``--engine-dtype``, ``--engine-device``,
-``--engine-vllm-multiprocessing``.
+``--engine-backends``, ``--engine-require``, ``--engine-model``, ``--engine-vlm-model``, ``--engine-dtype``,
+``--engine-device``, ``--engine-vllm-multiprocessing``.
 Defaults are the fixture models built by ``python -m fixtures build``. A backend that cannot run here is
-skipped with its reason printed in the summary, never silently. After each run a per-backend x per-check
+skipped with its reason printed in the summary, never silently, unless ``--engine-require`` lists it: then the
+session fails before any test (``nox -s conformance`` requires hf and vllm). After each run a per-backend x per-check
 table is written to ``reports/conformance-summary.md`` (and ``.parquet`` when pandas is installed).
 """
 
@@ -34,6 +35,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("engine conformance")
     group.addoption("--engine-backends", default=",".join(BACKENDS),
                     help=f"comma-separated backends to check (default: {','.join(BACKENDS)})")
+    group.addoption("--engine-require", default="",
+                    help="comma-separated backends that must run: one that cannot (not installed) fails the session "
+                         "instead of skipping its checks (default: none; nox -s conformance: hf,vllm)")
     group.addoption("--engine-model", default=None,
                     help="text model folder (default: the smollm2-135m-instruct fixture)")
     group.addoption("--engine-vlm-model", default=None,
@@ -52,6 +56,7 @@ def pytest_configure(config: pytest.Config) -> None:
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
         raise pytest.UsageError(f"--engine-backends: unknown {unknown}; available: {', '.join(BACKENDS)}")
+    check_required(config.getoption("--engine-require"), backends)
     options = PoolOptions(
         backends=tuple(backends),
         model=config.getoption("--engine-model") or _default_model("smollm2-135m-instruct"),
@@ -83,6 +88,22 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     except Exception as err:  # the header must not hide the run; the engines will report the real error
         runner = f"undecided ({type(err).__name__}: {err})"
     return [f"vllm: model runner {runner}; engine core {pool.vllm_mode}"]
+
+
+def check_required(option: str, backends: list[str]) -> None:
+    """``--engine-require``: every listed backend is selected and can run here, or the session stops now."""
+    required = [b.strip() for b in option.split(",") if b.strip()]
+    unknown = [b for b in required if b not in BACKENDS]
+    if unknown:
+        raise pytest.UsageError(f"--engine-require: unknown {unknown}; available: {', '.join(BACKENDS)}")
+    unselected = [b for b in required if b not in backends]
+    if unselected:
+        raise pytest.UsageError(f"--engine-require lists {unselected}, which --engine-backends "
+                                f"({','.join(backends)}) leaves out; fix: select them or require fewer")
+    missing = [reason for b in required if (reason := unavailable_reason(b))]
+    if missing:
+        raise pytest.UsageError(f"--engine-require: required backends cannot run here ({'; '.join(missing)}); "
+                                "fix: install them (nox -s conformance does) or drop them from --engine-require")
 
 
 def unavailable_reason(backend: str) -> str | None:

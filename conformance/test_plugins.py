@@ -1,4 +1,5 @@
-"""Plugins on both backends: rejection before generation, JSON boundary, min-length, cleanup, identity."""
+"""Plugins on both backends: rejection before generation, min-length, cleanup, identity (rows a plugin ends:
+``test_rule_ends.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import pytest
 from engine.errors import PluginCompatibilityError
 from engine.plugins import Plugin
 from engine.plugins.base import HF_STOPPING_CRITERIA
-from engine.rules.json_boundary import json_boundary
 from fixtures import load_prompts
 
 CHAT = [p["messages"] for p in load_prompts("chat")]
@@ -73,25 +73,6 @@ def test_engine_wide_incompatible_plugin_refuses_before_vllm_starts(pool, backen
         GenerationEngine(cfg)
 
 
-def test_json_boundary_ends_rows_at_the_balanced_value(engines):
-    texts = {}
-    for b, e in engines.items():
-        free = e.generate(JSON, options={"max_new_tokens": 96})
-        cut = e.generate(JSON, options={"max_new_tokens": 96}, plugins=[{"name": "json_boundary"}])
-        for i, (f, c) in enumerate(zip(free, cut, strict=True)):
-            boundary = json_boundary(f.text)
-            assert boundary is not None, f"{b} row {i}: the model wrote no balanced JSON: {f.text!r}"
-            assert len(f.text) > boundary, f"{b} row {i}: the model stopped at the boundary by itself"
-            assert c.text == f.text[:boundary], f"{b} row {i}: {c.text!r}"
-            eos = e.tokenizer.eos_token_id
-            kept = c.token_ids[:-1] if c.token_ids[-1] == eos else c.token_ids  # vLLM appends a forced EOS
-            assert kept == f.token_ids[: len(kept)], f"{b} row {i}: the cut row is not a prefix of the free one"
-            assert len(kept) < len(f.token_ids), f"{b} row {i}: the plugin saved no tokens"
-        texts[b] = [r.text for r in cut]
-    first, second = texts.values()
-    assert first == second
-
-
 def test_min_length_above_natural_length_reaches_it_identically(engines):
     natural = {b: e.generate(CHAT, options={"max_new_tokens": 128}) for b, e in engines.items()}
     min_chars = max(len(r.text) for r in next(iter(natural.values()))) + 40
@@ -112,13 +93,6 @@ def test_min_length_below_natural_length_changes_nothing(engines):
         low = e.generate(CHAT, options={"max_new_tokens": 64}, plugins=[{"name": "min_length", "min_chars": 1}])
         assert [r.token_ids for r in low] == [r.token_ids for r in free], b
         assert not any(r.meta["eos_suppressed"] for r in low)
-
-
-def test_min_length_hard_cap(engine):
-    r = engine.generate(CHAT[2:3], options={"max_new_tokens": 128},
-                        plugins=[{"name": "min_length", "min_chars": 10, "max_chars": 60}])[0]
-    assert r.meta["min_length_capped"] and r.finish_reason == "stop"
-    assert 60 <= r.meta["generated_chars"] < 60 + 20  # the cap ends the row right after crossing it
 
 
 def test_cleanup_identical_across_backends(engines):

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from conformance.compare import assert_same_results
 from engine.errors import UnsupportedCapabilityError
 from engine.rules.repeat import RepeatThresholds, reference_fire_index
 from fixtures import fixture_path, load_prompts
@@ -40,7 +41,7 @@ def check_against_reference(free, guarded, guard, eos, decode=None):
         fired += 1
         assert g.token_ids == (*f.token_ids[:index], eos), f"row {i}: expected EOS at {index}, got {g.token_ids}"
         assert (g.meta["repeat_terminate_triggered"], g.meta["repeat_terminate_index"]) == (1, index), f"row {i}"
-        assert g.finish_reason == "stop" and g.stop_reason == eos
+        assert g.finish_reason == "stop" and g.stop_reason == "repeat_terminate"
     return fired
 
 
@@ -52,9 +53,7 @@ def test_looping_rows_end_at_the_same_index_on_every_backend(pool, backend_names
         eos = pool.engine(b, looper).tokenizer.eos_token_id
         fired = check_against_reference(free, guarded[b], LOOP_GUARD, eos)
         assert 0 < fired < len(MIXED), f"{b}: the batch must mix looping ({fired}) and healthy rows"
-    first, second = (guarded[b] for b in backend_names)
-    assert [r.token_ids for r in first] == [r.token_ids for r in second]
-    assert [r.meta["repeat_terminate_index"] for r in first] == [r.meta["repeat_terminate_index"] for r in second]
+    assert_same_results(guarded, what="repeat guard")
 
 
 def test_min_new_tokens_respected(pool, backend, looper):

@@ -20,7 +20,7 @@ from engine.errors import PluginCompatibilityError, UnsupportedCapabilityError
 from engine.loading import load_processor, load_tokenizer
 from engine.plugins import POST_DECODE, Plugin, PluginContext, create_plugin
 from engine.rules.base import RuleSpec
-from engine.rules.stop import finish_reason, truncate_at_stop
+from engine.rules.stop import ended_by_rule, finish_reason, truncate_at_stop
 from engine.templates import RenderedPrompt, render_prompt
 from engine.types import ChatRequest, GenerationResult
 from engine.vision import VisionRequest
@@ -218,7 +218,8 @@ class GenerationEngine:
         min_end = len(decode(ids[:min_new], skip_special_tokens=True)) if min_new else 0
         text, matched = truncate_at_stop(full_text, plan.stop.strings, include_stop=plan.stop.include_stop_str,
                                          min_end=min_end)
-        reason, stop_reason = finish_reason(ids, stop_token_ids=plan.terminal_token_ids, matched_stop=matched)
+        reason, stop_reason = finish_reason(ids, stop_token_ids=plan.terminal_token_ids, matched_stop=matched,
+                                            ended_by=ended_by_rule(out.events))
         for plugin in plugins:  # post-decode steps, in order, after stop truncation; raw_text is never touched
             text = plugin.post_decode(text)
         prompt_ids = out.prompt_token_ids or prompt.token_ids

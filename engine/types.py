@@ -72,9 +72,12 @@ class GenerationResult:
     token_ids: tuple[int, ...]
     prompt_token_ids: tuple[int, ...]
     finish_reason: str
-    """"stop" (EOS, stop token id or stop string) or "length" (token budget or context length)."""
+    """"stop" (EOS, stop token id, stop string, or a rule that ended the row) or "length" (token budget or context
+    length)."""
     stop_reason: str | int | None
-    """The matched stop string, or the token id that ended the row (EOS included); None for "length"."""
+    """The matched stop string; else the rule that ended the row ("repeat_terminate", "json_boundary",
+    "min_length"), whose forced EOS is the last token; else the token id that ended it (EOS included); None for
+    "length"."""
     logprobs: tuple[dict[int, float], ...] | None = None
     """Per generated token: token id -> log-probability (top-k plus the chosen token), if asked for."""
     meta: dict[str, Any] = field(default_factory=dict)

@@ -206,14 +206,16 @@ class HfBackend:
         decode = self._rule_text()
         stop_specs = [s for s in plan.rules if s.hf_hook == "stopping_criteria"]
         logit_specs = [s for s in plan.rules if s.hf_hook == "logits_processor"]
-        stop_sets = rule_sets(stop_specs, len(prompts), terminal_ids=plan.terminal_token_ids, decode=decode)
+        min_new = plan.options.min_new_tokens
+        stop_sets = rule_sets(stop_specs, len(prompts), terminal_ids=plan.terminal_token_ids, decode=decode,
+                              min_new_tokens=min_new)
         stop_criteria = StopStringCriteria(self.tokenizer, list(plan.stop.strings)) if plan.stop.strings else None
         recorder = RowFinishRecorder(width, plan.terminal_token_ids, stop_criteria, plan.options.min_new_tokens,
                                      stop_sets if stop_specs else None)
         processors = []
         if logit_specs:
             processors.append(HfRowRules(logit_specs, prompt_len=width, eos_id=plan.eos_token_ids[0],
-                                         terminal_ids=plan.terminal_token_ids, decode=decode))
+                                         terminal_ids=plan.terminal_token_ids, decode=decode, min_new_tokens=min_new))
         if plan.options.seed is not None:
             torch.manual_seed(plan.options.seed)
         with torch.inference_mode():

@@ -15,10 +15,11 @@ calls on the project's CPU machine) that Python per row only exceeds from about 
 
 
 def rule_sets(specs: Sequence[RuleSpec], batch: int, *, terminal_ids: Sequence[int],
-              decode: Callable[[Sequence[int]], str] | None) -> list[RuleSet]:
+              decode: Callable[[Sequence[int]], str] | None, min_new_tokens: int = 0) -> list[RuleSet]:
     """One fresh :class:`RuleSet` per row, built from ``specs``."""
     terminal = frozenset(terminal_ids)
-    return [RuleSet([s.build() for s in specs], terminal_ids=terminal, decode=decode) for _ in range(batch)]
+    return [RuleSet([s.build() for s in specs], terminal_ids=terminal, decode=decode, min_new_tokens=min_new_tokens)
+            for _ in range(batch)]
 
 
 def feed_new_tokens(sets: list[RuleSet], input_ids: Any, prompt_len: int) -> None:
@@ -49,11 +50,13 @@ class HfRowRules:
     """
 
     def __init__(self, specs: Sequence[RuleSpec], *, prompt_len: int, eos_id: int, terminal_ids: Sequence[int],
-                 decode: Any, vectorize: bool = True, vector_min_batch: int = VECTOR_MIN_BATCH) -> None:
+                 decode: Any, vectorize: bool = True, vector_min_batch: int = VECTOR_MIN_BATCH,
+                 min_new_tokens: int = 0) -> None:
         from engine.backends.repeat_bank import split_vectorizable
 
         self.all_specs = list(specs)
         self.vector_min_batch = vector_min_batch
+        self.min_new_tokens = min_new_tokens
         self.vector_thresholds, self.specs = split_vectorizable(specs) if vectorize else ([], list(specs))
         self.prompt_len = prompt_len
         self.eos_id = eos_id
@@ -71,7 +74,8 @@ class HfRowRules:
             self.vector_thresholds, self.specs = [], self.all_specs  # a few rows: Python per row is cheaper
         fire = self._vectorized_fire(input_ids, scores) if self.vector_thresholds else None
         if not self.sets and self.specs:
-            self.sets = rule_sets(self.specs, input_ids.shape[0], terminal_ids=self.terminal_ids, decode=self.decode)
+            self.sets = rule_sets(self.specs, input_ids.shape[0], terminal_ids=self.terminal_ids, decode=self.decode,
+                                  min_new_tokens=self.min_new_tokens)
         if self.sets:
             feed_new_tokens(self.sets, input_ids, self.prompt_len)
             # A row a vectorized guard ends now is ended, as a RuleSet's "any force wins" would decide.

@@ -183,7 +183,8 @@ class VllmBackend:
             for key in keys:
                 p = base.clone()
                 p.extra_args = vllm_rules.request_args(plan.rules, key=key, eos_id=plan.eos_token_ids[0],
-                                                       terminal_ids=plan.terminal_token_ids)
+                                                       terminal_ids=plan.terminal_token_ids,
+                                                       min_new=plan.options.min_new_tokens)
                 params.append(p)
         else:
             params = base

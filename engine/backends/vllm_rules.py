@@ -35,14 +35,15 @@ WORKER_EXTENSION = "engine.backends.vllm_events.RuleEventsWorker"  # a dotted na
 EVENTS_METHOD = "engine_rule_events"
 
 
-def request_args(specs: Sequence[RuleSpec], *, key: str, eos_id: int, terminal_ids: Sequence[int]) -> dict:
-    """The ``extra_args`` for one request.
+def request_args(specs: Sequence[RuleSpec], *, key: str, eos_id: int, terminal_ids: Sequence[int],
+                 min_new: int = 0) -> dict:
+    """The ``extra_args`` for one request (``min_new``: no rule ends the row before that many tokens).
 
     >>> request_args([], key="k", eos_id=2, terminal_ids=[2])
-    {'engine_rules': {'specs': [], 'key': 'k', 'eos': 2, 'terminal': [2]}}
+    {'engine_rules': {'specs': [], 'key': 'k', 'eos': 2, 'terminal': [2], 'min_new': 0}}
     """
     return {EXTRA_KEY: {"specs": [s.as_dict() for s in specs], "key": key, "eos": eos_id,
-                        "terminal": list(terminal_ids)}}
+                        "terminal": list(terminal_ids), "min_new": min_new}}
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class RowArgs:
     key: str
     eos: int
     terminal: frozenset[int]
+    min_new: int = 0
 
 
 def parse_request_args(extra_args: Mapping[str, Any] | None) -> RowArgs | None:
@@ -85,6 +87,9 @@ def parse_request_args(extra_args: Mapping[str, Any] | None) -> RowArgs | None:
         raise ValueError(f"{where}.terminal must be a list of integer token ids, got {terminal!r}")
     if not isinstance(args["specs"], (list, tuple)):
         raise ValueError(f"{where}.specs must be a list of rule specs, got {args['specs']!r}")
+    min_new = args.get("min_new", 0)
+    if not _is_id(min_new):
+        raise ValueError(f"{where}.min_new must be a non-negative integer (generation.min_new_tokens), got {min_new!r}")
     specs = []
     for i, raw in enumerate(args["specs"]):
         if not isinstance(raw, Mapping) or not isinstance(raw.get("target"), str):
@@ -98,7 +103,8 @@ def parse_request_args(extra_args: Mapping[str, Any] | None) -> RowArgs | None:
         except Exception as err:  # an import error, a bad parameter, a class that is no RowRule
             raise ValueError(f"{where}.specs[{i}] ({spec.target}) cannot be built: {err}") from err
         specs.append(spec)
-    return RowArgs(specs=tuple(specs), key=args["key"], eos=int(args["eos"]), terminal=frozenset(terminal))
+    return RowArgs(specs=tuple(specs), key=args["key"], eos=int(args["eos"]), terminal=frozenset(terminal),
+                   min_new=int(min_new))
 
 
 def _is_id(value: Any) -> bool:
@@ -211,7 +217,8 @@ def build_row(args: RowArgs, decode: Any) -> Row:
         if len(repeat) > 1:  # a bank row holds one threshold set; more run per row
             specs = [s for s in args.specs if s not in specs][1:] + specs
             repeat = repeat[:1]
-        rules = RuleSet([s.build() for s in specs], terminal_ids=args.terminal, decode=decode)
+        rules = RuleSet([s.build() for s in specs], terminal_ids=args.terminal, decode=decode,
+                        min_new_tokens=args.min_new)
         row = Row(rules=rules, eos=args.eos, key=args.key, repeat=repeat)
     EVENTS.track(args.key, row)
     return row

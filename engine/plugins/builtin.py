@@ -24,10 +24,10 @@ MECHANISMS = ("auto", "stopping_criteria", "logits_processor")
 class JsonBoundaryPlugin(Plugin):
     """Stop a row once the first top-level JSON object or array in its output is balanced.
 
-    ``mechanism: auto`` (the default) uses HF stopping criteria (the row stops on the closing token) and, on
-    vLLM, a logits processor that forces EOS right after it: ``text`` is identical, vLLM's ``token_ids`` carry
-    one extra EOS. ``stopping_criteria`` demands HF stopping criteria on every backend (so vLLM rejects it);
-    ``logits_processor`` forces EOS on both.
+    ``mechanism: auto`` (the default) and ``logits_processor`` force EOS right after the closing token on every
+    backend, so the row ends like any rule-ended row: ``token_ids`` end with that EOS, ``finish_reason "stop"``,
+    ``stop_reason "json_boundary"``, identical on HF and vLLM. ``stopping_criteria`` (HF only: vLLM rejects it)
+    stops the row on the closing token itself, without an EOS; finish and stop reasons are the same.
     """
 
     name = "json_boundary"
@@ -42,12 +42,10 @@ class JsonBoundaryPlugin(Plugin):
         mechanism = self.settings["mechanism"]
         if mechanism == "stopping_criteria":
             return frozenset({HF_STOPPING_CRITERIA})
-        if backend == "hf":
-            return frozenset({HF_STOPPING_CRITERIA if mechanism == "auto" else HF_LOGITS_PROCESSOR})
-        return frozenset({VLLM_LOGITS_PROCESSOR})
+        return frozenset({HF_LOGITS_PROCESSOR if backend == "hf" else VLLM_LOGITS_PROCESSOR})
 
     def rule_spec(self, backend: str, ctx: PluginContext) -> RuleSpec:
-        hook = "logits_processor" if self.settings["mechanism"] == "logits_processor" else "stopping_criteria"
+        hook = "stopping_criteria" if self.settings["mechanism"] == "stopping_criteria" else "logits_processor"
         return RuleSpec("engine.rules.json_boundary:JsonBoundaryRule", {}, hf_hook=hook)
 
 

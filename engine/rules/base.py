@@ -90,11 +90,19 @@ class RuleSet:
     False
     >>> rs.feed(5); rs.decision().force_eos
     True
+    >>> late = RuleSet([RepeatRule(RepeatThresholds(max_consecutive_token_repeats=2))], terminal_ids={0},
+    ...                min_new_tokens=3)
+    >>> for tok in (5, 5): late.feed(tok)
+    >>> late.decision().force_eos, (late.feed(5), late.decision().force_eos)[1]
+    (False, True)
     """
 
-    def __init__(self, rules: list[RowRule], *, terminal_ids: set[int] | frozenset[int], decode: Any = None) -> None:
+    def __init__(self, rules: list[RowRule], *, terminal_ids: set[int] | frozenset[int], decode: Any = None,
+                 min_new_tokens: int = 0) -> None:
         """``decode`` gives rules that read text their text: a table with ``stream()`` (the cheap path,
-        ``engine.rules.token_text.TokenBytes``) or any ``ids -> str`` function (decoded incrementally)."""
+        ``engine.rules.token_text.TokenBytes``) or any ``ids -> str`` function (decoded incrementally).
+        ``min_new_tokens``: no rule ends the row before that many tokens (generation.min_new_tokens wins, as it
+        does over EOS and stop strings on every backend); a rule that asks earlier ends it then."""
         from engine.rules.detok import IncrementalDetokenizer
 
         self.rules = rules
@@ -102,6 +110,7 @@ class RuleSet:
         self.detok: Any = None
         if any(r.needs_text for r in rules) and decode is not None:
             self.detok = decode.stream() if hasattr(decode, "stream") else IncrementalDetokenizer(decode)
+        self.min_new_tokens = min_new_tokens
         self.done = False
         self.fed = 0
         self.eos_noted = False
@@ -121,11 +130,15 @@ class RuleSet:
     def decision(self) -> Decision:
         if self.done or not self.rules:
             return CONTINUE
+        may_end = self.fed >= self.min_new_tokens
         if len(self.rules) == 1:  # the common case: nothing to combine
-            return self.rules[0].decision()
+            d = self.rules[0].decision()
+            return d if may_end or not d.force_eos else CONTINUE
         decisions = [r.decision() for r in self.rules]
         if any(d.force_eos for d in decisions):
-            return Decision(force_eos=True)
+            if may_end:
+                return Decision(force_eos=True)
+            decisions = [d for d in decisions if not d.force_eos]
         bias: dict[int, float] = {}
         for d in decisions:
             for tok, b in d.bias.items():

@@ -16,8 +16,9 @@ The rule is idempotent: applying it to its own output changes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -81,23 +82,46 @@ def truncate_at_stop(
     return text[: match.end if include_stop else match.start], match.stop
 
 
-def finish_reason(
-    token_ids: list[int], *, stop_token_ids: Iterable[int], matched_stop: str | None
-) -> tuple[str, str | int | None]:
-    """Classify how a row ended, from what it produced (never from a backend's own report).
+RULE_END_EVENTS = (("repeat_terminate", "repeat_terminate"), ("json_boundary_closed", "json_boundary"),
+                   ("min_length_capped", "min_length"))
+"""(event a rule reports, the rule's name): a row whose rules report one of these was ended by that rule."""
 
-    Returns ``(finish_reason, stop_reason)``: ``("stop", <stop string>)`` when a stop string matched,
-    ``("stop", <token id>)`` when the last token is EOS or a stop token id, otherwise ``("length", None)``.
+
+def ended_by_rule(events: Mapping[str, Any]) -> str | None:
+    """The rule that ended a row, from the events its rules reported (first in ``RULE_END_EVENTS`` order).
+
+    >>> ended_by_rule({"repeat_terminate": ("ngram_repeats", 12), "min_length_capped": False})
+    'repeat_terminate'
+    >>> ended_by_rule({"json_boundary_closed": False, "min_length_capped": False}) is None
+    True
+    """
+    return next((name for event, name in RULE_END_EVENTS if events.get(event)), None)
+
+
+def finish_reason(
+    token_ids: list[int], *, stop_token_ids: Iterable[int], matched_stop: str | None, ended_by: str | None = None
+) -> tuple[str, str | int | None]:
+    """Classify how a row ended, from what it produced and what its rules reported (never from a backend's own
+    finish report).
+
+    Returns ``(finish_reason, stop_reason)``: ``("stop", <stop string>)`` when a stop string matched (the text
+    ends there, before anything else), ``("stop", <rule name>)`` when a rule ended the row (``ended_by``: the
+    repeat guard, ``json_boundary``, the ``min_length`` cap), ``("stop", <token id>)`` when the last token is
+    EOS or a stop token id, otherwise ``("length", None)``.
 
     >>> finish_reason([5, 6, 2], stop_token_ids={2}, matched_stop=None)
     ('stop', 2)
     >>> finish_reason([5, 6, 7], stop_token_ids={2}, matched_stop="\\n")
     ('stop', '\\n')
+    >>> finish_reason([5, 6, 2], stop_token_ids={2}, matched_stop=None, ended_by="json_boundary")
+    ('stop', 'json_boundary')
     >>> finish_reason([5, 6, 7], stop_token_ids={2}, matched_stop=None)
     ('length', None)
     """
     if matched_stop is not None:
         return "stop", matched_stop
+    if ended_by is not None:
+        return "stop", ended_by
     if token_ids and token_ids[-1] in set(stop_token_ids):
         return "stop", token_ids[-1]
     return "length", None

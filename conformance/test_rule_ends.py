@@ -1,0 +1,122 @@
+"""One result contract for rows a rule ends, and the edges where backends differ natively.
+
+A row a rule ends (the repeat guard, ``json_boundary``, the ``min_length`` cap) ends with an EOS the rule forced,
+``finish_reason "stop"`` and ``stop_reason`` naming the rule, on every backend; every result field is compared
+across backends (``assert_same_results``). Expected values come from independent references: Python's own
+``json`` parser for the boundary, plain decoding and counting for the cap and the budget edges.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conformance.compare import assert_same_results
+from engine.metrics import TRUNCATED_RATE, rollout_metrics
+from fixtures import load_prompts
+
+CHAT = [p["messages"] for p in load_prompts("chat")]
+JSON = [p["messages"] for p in load_prompts("json") if p["id"] != "json-30-fruits"]
+JSON_BOUNDARY = [{"name": "json_boundary"}]
+
+
+def stdlib_json_end(text: str) -> int | None:
+    """Where the first top-level JSON object or array in ``text`` ends, by Python's own parser (None: the text
+    holds no parseable one there). Independent of ``engine.rules.json_boundary``."""
+    starts = [i for i in (text.find("{"), text.find("[")) if i >= 0]
+    if not starts:
+        return None
+    start = min(starts)
+    try:
+        _, length = json.JSONDecoder().raw_decode(text[start:])
+    except json.JSONDecodeError:
+        return None
+    return start + length
+
+
+def test_json_boundary_rows_end_alike_with_the_rule_named(engines):
+    opts = {"max_new_tokens": 96}
+    got = {}
+    checked = 0
+    for b, e in engines.items():
+        eos = e.tokenizer.eos_token_id
+        free = e.generate(JSON, options=opts)
+        cut = e.generate(JSON, options=opts, plugins=JSON_BOUNDARY)
+        for i, (f, c) in enumerate(zip(free, cut, strict=True)):
+            assert (c.finish_reason, c.stop_reason) == ("stop", "json_boundary"), f"{b} row {i}"
+            assert c.token_ids[-1] == eos and c.raw_text.endswith(e.tokenizer.eos_token), f"{b} row {i}"
+            assert c.token_ids[:-1] == f.token_ids[: len(c.token_ids) - 1], f"{b} row {i}: not the free row's prefix"
+            end = stdlib_json_end(f.text)
+            if end is not None:  # the model wrote valid JSON: the rule must cut exactly where json ends it
+                assert c.text == f.text[:end], f"{b} row {i}: {c.text!r} vs stdlib end {f.text[:end]!r}"
+                checked += 1
+        metrics = rollout_metrics(cut, guard_active=False)
+        assert metrics[TRUNCATED_RATE] == 0.0, f"{b}: rule-ended rows counted as truncated"
+        got[b] = cut
+    assert checked >= len(engines), "no row had stdlib-parseable JSON; the boundary was never checked"
+    assert_same_results(got, what="json_boundary")
+
+
+def test_json_boundary_inside_min_new_tokens_ends_the_row_at_min_new_tokens(engines):
+    """The rule asks for the end while min_new_tokens still holds EOS back: the row goes on and ends with the
+    rule's EOS exactly at index min_new_tokens (generation.min_new_tokens wins over every way to stop)."""
+    got = {}
+    for b, e in engines.items():
+        early = e.generate(JSON[:2], options={"max_new_tokens": 96}, plugins=JSON_BOUNDARY)
+        min_new = max(len(r.token_ids) for r in early) + 6
+        opts = {"max_new_tokens": min_new + 20, "min_new_tokens": min_new}
+        late = e.generate(JSON[:2], options=opts, plugins=JSON_BOUNDARY)
+        for i, r in enumerate(late):
+            assert len(r.token_ids) == min_new + 1 and r.token_ids[-1] == e.tokenizer.eos_token_id, (b, i, r.token_ids)
+            assert (r.finish_reason, r.stop_reason) == ("stop", "json_boundary"), (b, i)
+            assert e.tokenizer.eos_token_id not in r.token_ids[:-1]
+        got[b] = late
+    assert_same_results(got, what="json_boundary inside min_new_tokens")
+
+
+def test_min_length_cap_ends_rows_alike_right_after_crossing(engines):
+    cap = 60
+    plugins = [{"name": "min_length", "min_chars": 10, "max_chars": cap}]
+    got = {}
+    for b, e in engines.items():
+        decode = lambda ids: e.tokenizer.decode(list(ids), skip_special_tokens=True)  # noqa: B023, E731
+        rows = e.generate(CHAT, options={"max_new_tokens": 128}, plugins=plugins)
+        capped = [r for r in rows if r.meta["min_length_capped"]]
+        assert capped, f"{b}: no row reached the cap; the check would prove nothing"
+        for r in capped:
+            assert (r.finish_reason, r.stop_reason) == ("stop", "min_length")
+            assert r.token_ids[-1] == e.tokenizer.eos_token_id
+            body = r.token_ids[:-1]  # the forced EOS follows the first token whose text crosses the cap
+            assert len(decode(body[:-1])) < cap <= len(decode(body)), b
+        got[b] = rows
+    assert_same_results(got, what="min_length cap")
+
+
+def test_eos_as_the_last_allowed_token_is_a_stop(engines):
+    """A row whose EOS is its max_new_tokens-th token ends with "stop"; one token less of budget is "length"."""
+    got = {}
+    for b, e in engines.items():
+        eos = e.tokenizer.eos_token_id
+        free = e.generate(CHAT[:1], options={"max_new_tokens": 64})[0]
+        assert free.token_ids[-1] == eos, f"{b}: the prompt must end by itself within 64 tokens"
+        n = len(free.token_ids)
+        exact = e.generate(CHAT[:1], options={"max_new_tokens": n})[0]
+        short = e.generate(CHAT[:1], options={"max_new_tokens": n - 1})[0]
+        assert (exact.token_ids, exact.finish_reason, exact.stop_reason) == (free.token_ids, "stop", eos), b
+        assert (short.token_ids, short.finish_reason, short.stop_reason) == (free.token_ids[:-1], "length", None), b
+        got[b] = [exact, short]
+    assert_same_results(got, what="EOS as the last allowed token")
+
+
+def test_hf_stopping_criteria_mechanism_stops_on_the_closing_token(engines):
+    """HF-only ``mechanism: stopping_criteria``: the same row without the forced EOS, same reasons."""
+    if "hf" not in engines:
+        pytest.skip("needs the hf backend (the mechanism is HF stopping criteria)")
+    e = engines["hf"]
+    forced = e.generate(JSON, options={"max_new_tokens": 96}, plugins=JSON_BOUNDARY)
+    stopped = e.generate(JSON, options={"max_new_tokens": 96},
+                         plugins=[{"name": "json_boundary", "mechanism": "stopping_criteria"}])
+    for f, s in zip(forced, stopped, strict=True):
+        assert s.token_ids == f.token_ids[:-1] and s.text == f.text
+        assert (s.finish_reason, s.stop_reason) == ("stop", "json_boundary")
