@@ -109,3 +109,34 @@ def test_refuses_to_start_when_the_guard_cannot_be_activated(pool, backend_names
     cfg = pool.config("vllm", pool.options.model, repeat_terminate=LOOP_GUARD)
     with pytest.raises(UnsupportedCapabilityError, match=r"repeat_terminate.enabled.*cannot be activated"):
         GenerationEngine(cfg)
+
+
+def test_generation_min_new_tokens_gates_the_guard_alike(pool, backend_names, looper):
+    """``generation.min_new_tokens`` feeds the guard's gate: no trigger before it (the reference fires with
+    the larger of the two gates), and every backend ends the same rows at the same index."""
+    opts = {**BUDGET, "min_new_tokens": 14}
+    got = {}
+    for b in backend_names:
+        free = pool.engine(b, looper).generate(MIXED, options=opts)
+        got[b] = pool.engine(b, looper, repeat_terminate=LOOP_GUARD).generate(MIXED, options=opts)
+        eos = pool.engine(b, looper).tokenizer.eos_token_id
+        gate = {**LOOP_GUARD, "min_new_tokens": 14}
+        assert check_against_reference(free, got[b], gate, eos) > 0, b
+        assert all(r.meta["repeat_terminate_index"] >= 14 for r in got[b] if r.meta["repeat_terminate_triggered"])
+    assert_same_results(got, what="repeat guard gated by generation.min_new_tokens")
+
+
+def test_guarded_batch_larger_than_the_engine_queues_alike(pool, backend_names, looper):
+    """More rows than vLLM's ``max_num_seqs`` and HF's ``max_batch_size``: vLLM queues rows and reuses slots (rule
+    state must follow each request, not the slot), HF splits the batch; every row still ends where the
+    reference fires, and both backends agree on every field."""
+    rows = MIXED * 6  # 54 rows > max_num_seqs 4 and max_batch_size 8, looping and healthy rows interleaved
+    got = {}
+    for b in backend_names:
+        small = {"vllm": {**pool.config(b, looper)["vllm"], "max_num_seqs": 4}, "hf": {"max_batch_size": 8}}
+        free = pool.engine(b, looper).generate(rows, options=BUDGET)
+        got[b] = pool.engine(b, looper, repeat_terminate=LOOP_GUARD, **small).generate(rows, options=BUDGET)
+        eos = pool.engine(b, looper).tokenizer.eos_token_id
+        assert check_against_reference(free, got[b], LOOP_GUARD, eos) == 6 * sum(
+            r.meta["repeat_terminate_triggered"] for r in got[b][: len(MIXED)]), b
+    assert_same_results(got, what="guarded batch queued over small slots")

@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from engine.rules.stop import truncate_at_stop
+from conformance.compare import assert_same_results
 from fixtures import load_prompts
 
 CHAT = [p["messages"] for p in load_prompts("chat")]
+
+
+def reference_cut(text: str, stops: list[str]) -> tuple[str, str | None]:
+    """The text before the stop string that completes first (plain ``str.find``; the earlier start wins a tie),
+    and that stop. Written here, independent of ``engine.rules.stop``."""
+    found = [(text.find(s) + len(s), text.find(s), s) for s in stops if s in text]
+    if not found:
+        return text, None
+    _, start, stop = min(found)
+    return text[:start], stop
 
 
 @pytest.fixture(scope="session")
@@ -21,7 +31,7 @@ def test_stop_string_truncates_text_and_reports_it(engine, plain):
     results = engine.generate(CHAT, options={"max_new_tokens": 40}, stop={"strings": stops})
     matched = 0
     for free, r in zip(plain, results, strict=True):
-        expected_text, expected_stop = truncate_at_stop(free.text, stops)
+        expected_text, expected_stop = reference_cut(free.text, stops)
         if expected_stop is None:
             assert r.text == free.text and r.stop_reason == free.stop_reason
             continue
@@ -63,3 +73,44 @@ def test_stop_text_identical_across_backends(engines):
              for b, e in engines.items()}
     first, second = texts.values()
     assert first == second
+
+
+def reference_end_after(ids, stops, decode, head_chars):
+    """(tokens kept, text, stop) for the first stop occurrence that ends after ``head_chars`` characters,
+    found by decoding growing prefixes; None when no stop completes after the head."""
+    for j in range(1, len(ids) + 1):
+        text = decode(ids[:j])
+        found = [(i + len(s), i, s) for s in stops if (i := text.find(s, max(0, head_chars - len(s) + 1))) >= 0]
+        if found:
+            _, start, stop = min(found)
+            return ids[:j], text[:start], stop
+    return None
+
+
+def test_stop_strings_inside_min_new_tokens_do_not_count(engines):
+    """While ``min_new_tokens`` holds EOS back, stop strings are not matched either (vLLM's ``min_tokens``
+    rule, adopted by the engine): a stop string complete within the first N tokens is kept in ``text``, and the
+    row ends at the first stop string that completes after them."""
+    n, stops = 10, [".", ","]
+    opts = {"max_new_tokens": 40, "min_new_tokens": n}
+    got = {}
+    inside = after = 0
+    for b, e in engines.items():
+        decode = lambda ids: e.tokenizer.decode(list(ids), skip_special_tokens=True)  # noqa: B023, E731
+        held = e.generate(CHAT, options=opts)
+        rows = e.generate(CHAT, options=opts, stop={"strings": stops})
+        for i, (h, r) in enumerate(zip(held, rows, strict=True)):
+            head = decode(h.token_ids[:n])
+            inside += any(s in head for s in stops)
+            want = reference_end_after(h.token_ids, stops, decode, len(head))
+            if want is None:
+                assert (r.token_ids, r.text) == (h.token_ids, h.text), f"{b} row {i}"
+                continue
+            after += 1
+            ids, text, stop = want
+            assert r.token_ids == ids, f"{b} row {i}: stopped at {len(r.token_ids)} tokens, want {len(ids)}"
+            assert (r.text, r.finish_reason, r.stop_reason) == (text, "stop", stop), f"{b} row {i}"
+            assert len(r.token_ids) > n
+        got[b] = rows
+    assert inside and after, f"stops inside the first {n} tokens: {inside} rows, after them: {after}; proves little"
+    assert_same_results(got, what="stop strings inside min_new_tokens")

@@ -1,0 +1,105 @@
+"""Sampling options observed, not just passed through: seeds, top-k, top-p, temperature, repetition penalty,
+and the top-k log-probability sets, on every backend.
+
+Seeded samples are reproducible per backend, not across backends (their random streams differ), so seed checks
+compare a backend with itself; the limits of sampling (``top_k: 1``, a nucleus of one token) must equal greedy
+decoding, which is compared across backends too. Expected values are greedy outputs, never the sampler's own.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from conformance.compare import assert_same_results
+from engine.errors import ConfigError
+from fixtures import load_prompts
+
+PROMPTS = [p["messages"] for p in load_prompts("chat")[:4]]
+SAMPLE = {"max_new_tokens": 12, "temperature": 1.0}
+
+
+def greedy(engine, n: int = 12):
+    return engine.generate(PROMPTS, options={"max_new_tokens": n})
+
+
+def fields(results):
+    return [(r.token_ids, r.text, r.finish_reason, r.stop_reason) for r in results]
+
+
+def test_a_seed_reproduces_and_another_seed_changes_the_sample(engine, backend):
+    first = engine.generate(PROMPTS, options={**SAMPLE, "seed": 7})
+    again = engine.generate(PROMPTS, options={**SAMPLE, "seed": 7})
+    other = engine.generate(PROMPTS, options={**SAMPLE, "seed": 8})
+    assert fields(first) == fields(again), f"{backend}: the same seed gave different samples"
+    assert fields(first) != fields(other), f"{backend}: seeds 7 and 8 gave identical samples on every row"
+    assert fields(first) != fields(greedy(engine)), f"{backend}: temperature 1.0 sampled exactly the greedy rows"
+
+
+@pytest.mark.parametrize("limit", [{"top_k": 1}, {"top_p": 1e-6}], ids=["top_k-1", "top_p-tiny"])
+def test_a_one_token_candidate_set_is_greedy(engines, limit):
+    """``top_k: 1`` keeps one candidate; so does a nucleus smaller than any token's probability. Both must
+    reproduce greedy decoding whatever the temperature and the seed, and agree across backends."""
+    got = {}
+    for b, e in engines.items():
+        rows = e.generate(PROMPTS, options={**SAMPLE, "temperature": 1.5, "seed": 3, **limit})
+        assert fields(rows) == fields(greedy(e)), f"{b}: {limit} with temperature 1.5 is not greedy"
+        got[b] = rows
+    assert_same_results(got, what=f"sampling limited by {limit}")
+
+
+def test_greedy_with_a_nucleus_is_refused_before_generation(engine, count_backend_calls):
+    """``top_p`` or ``top_k`` with temperature 0 would be ignored by greedy decoding: the engine refuses it (a
+    typed error naming the field) rather than let one backend apply it and the other drop it."""
+    calls = count_backend_calls(engine)
+    for key, value in (("top_p", 0.5), ("top_k", 5)):
+        with pytest.raises(ConfigError) as info:
+            engine.generate(PROMPTS, options={"max_new_tokens": 4, key: value})
+        assert info.value.field == f"generation.{key}" and info.value.value == value
+    assert calls == [], "a refused request generated tokens"
+
+
+def test_repetition_penalty_greedy_parity(engines, pool):
+    """CTRL-style penalty on prompt and output tokens: the same greedy rows on every backend (fp32), and not
+    the unpenalised rows (the penalty is applied, not dropped)."""
+    if pool.options.dtype != "float32":
+        pytest.skip("exact greedy parity is defined in float32 only (--engine-dtype float32)")
+    opts = {"max_new_tokens": 24, "repetition_penalty": 1.3}
+    got = {}
+    for b, e in engines.items():
+        rows = e.generate(PROMPTS, options=opts)
+        plain = e.generate(PROMPTS, options={"max_new_tokens": 24})
+        assert [r.token_ids for r in rows] != [r.token_ids for r in plain], f"{b}: the penalty changed nothing"
+        got[b] = rows
+    assert_same_results(got, what="repetition_penalty 1.3")
+
+
+def test_top_k_logprob_sets_and_values_agree(engines, pool):
+    """Greedy with ``logprobs: 5``: per step, each backend returns the 5 most likely tokens (plus the chosen
+    one) of the raw distribution; the sets agree up to ties at the edge, and the values agree within 1e-3 in
+    fp32. Each backend's set is checked against its own ranking: every value returned is at least every value
+    it left out (it cannot know those, so: the set is the top 5, and the chosen token is the best)."""
+    k = 5
+    rows = {b: e.generate(PROMPTS[:2], options={"max_new_tokens": 8, "logprobs": k}) for b, e in engines.items()}
+    names = list(rows)
+    tol = 1e-3 if pool.options.dtype == "float32" else 5e-2
+    compared = 0
+    for i in range(len(PROMPTS[:2])):
+        a, b = rows[names[0]][i], rows[names[1]][i]
+        assert a.token_ids == b.token_ids, f"request {i}: greedy rows differ; compare logprobs on a shared prefix"
+        for step, chosen in enumerate(a.token_ids):
+            la, lb = a.logprobs[step], b.logprobs[step]
+            for name, lp in ((names[0], la), (names[1], lb)):
+                assert len(lp) == k, f"{name} request {i} step {step}: {len(lp)} entries, want {k} (chosen is top-1)"
+                assert max(lp, key=lp.get) == chosen, f"{name} request {i} step {step}: greedy token is not the max"
+                assert all(v <= 0.0 and math.isfinite(v) for v in lp.values()), f"{name}: not log-probabilities"
+            assert sum(math.exp(v) for v in la.values()) <= 1.0 + 1e-4, f"request {i} step {step}: mass above 1"
+            for t in set(la) & set(lb):
+                assert abs(la[t] - lb[t]) < tol, f"request {i} step {step} token {t}: {la[t]} vs {lb[t]}"
+            edge = min(min(la.values()), min(lb.values()))
+            for t in set(la) ^ set(lb):  # only a near-tie at the k-th place may differ
+                value = la.get(t, lb.get(t))
+                assert value - edge < tol, f"request {i} step {step}: token {t} ({value}) in one top-{k} only"
+            compared += 1
+    assert compared >= 8
