@@ -23,7 +23,7 @@ from engine.rules.base import RuleSpec
 from engine.rules.stop import ended_by_rule, finish_reason, truncate_at_stop
 from engine.templates import RenderedPrompt, render_prompt
 from engine.types import ChatRequest, GenerationResult
-from engine.vision import VisionRequest
+from engine.vision import VisionRequest, check_unresized
 
 log = logging.getLogger(__name__)
 
@@ -191,10 +191,25 @@ class GenerationEngine:
         plan = self._plan(options, stop, pixels, backend, active)
         if self.processor is None:
             raise UnsupportedCapabilityError(f"model {self.config.model.path!r} is not a vision-language model")
+        if not plan.pixels.do_resize:
+            grid = self._vision_grid()
+            for i, c in enumerate(checked):
+                check_unresized(c.image, index=i, grid=grid, min_pixels=plan.pixels.min_pixels,
+                                max_pixels=plan.pixels.max_pixels)
         rendered = [render_prompt(self.processor, r.messages, tokenizer=self.tokenizer) for r in checked]
         prompts = [Prompt(token_ids=r.token_ids, text=r.text, image=c.image) for r, c in zip(rendered, checked,
                                                                                              strict=True)]
         return self._run(backend, prompts, rendered, plan, fallback=fallback, plugins=active)
+
+    def _vision_grid(self) -> int:
+        """Pixels per merged patch side (patch size x merge size) of the image processor."""
+        proc = self.processor.image_processor
+        patch, merge = getattr(proc, "patch_size", None), getattr(proc, "merge_size", None)
+        if not isinstance(patch, int) or not isinstance(merge, int):
+            raise UnsupportedCapabilityError(f"vision.do_resize false needs an image processor with patch_size and "
+                                             f"merge_size (Qwen2-VL family); {type(proc).__name__} has neither. "
+                                             "Fix: set vision.do_resize true")
+        return patch * merge
 
     def _run(self, backend: Backend, prompts: list[Prompt], rendered: list[RenderedPrompt], plan: SamplingPlan,
              fallback: dict[str, Any] | None, plugins: list[Plugin]) -> list[GenerationResult]:

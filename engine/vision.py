@@ -77,9 +77,12 @@ Fix: add one {'type': 'image', 'image': ...} part (use generate() for text-only 
         images: list[tuple[str, Any]] = []
         for j, msg in enumerate(raw):
             at = f"{where}.messages[{j}]"
-            if not isinstance(msg, Mapping) or msg.get("role") not in ROLES:
-                raise RequestError(f"{at}.role", msg.get("role") if isinstance(msg, Mapping) else msg,
-                                   f"must be one of {', '.join(ROLES)}", fix="use a standard chat role")
+            if not isinstance(msg, Mapping):
+                raise RequestError(at, msg, "must be a mapping with 'role' and 'content'",
+                                   fix="write it as {'role': 'user', 'content': [...parts]}")
+            if msg.get("role") not in ROLES:
+                raise RequestError(f"{at}.role", msg.get("role"), f"must be one of {', '.join(ROLES)}",
+                                   fix="use a standard chat role")
             content = msg.get("content")
             if isinstance(content, str):
                 messages.append(dict(msg))
@@ -90,7 +93,10 @@ Fix: add one {'type': 'image', 'image': ...} part (use generate() for text-only 
             parts = []
             for k, part in enumerate(content):
                 pat = f"{at}.content[{k}]"
-                kind = part.get("type") if isinstance(part, Mapping) else None
+                if not isinstance(part, Mapping):
+                    raise RequestError(pat, part, "must be a mapping with a 'type'",
+                                       fix="write {'type': 'text', 'text': ...} or {'type': 'image', 'image': ...}")
+                kind = part.get("type")
                 if kind not in PART_TYPES:
                     raise RequestError(f"{pat}.type", kind, f"must be one of {', '.join(PART_TYPES)}",
                                        fix="mark each part as 'text' or 'image'")
@@ -108,3 +114,33 @@ Fix: add one {'type': 'image', 'image': ...} part (use generate() for text-only 
                                    "requests)" if not images else "send one image per request")
         (pat, value), = images
         return cls(messages=tuple(messages), image=load_image(value, pat))
+
+
+def check_unresized(image: Any, *, index: int, grid: int, min_pixels: int, max_pixels: int) -> None:
+    """With ``vision.do_resize: false`` the processor takes the image as it is: it must already fit the patch
+    grid (width and height multiples of ``grid``, patch x merge size) and the pixel budget, or the request is
+    refused here, before any generation, instead of failing inside the processor or ignoring the budget.
+
+    >>> from PIL import Image
+    >>> check_unresized(Image.new("RGB", (84, 56)), index=0, grid=28, min_pixels=3136, max_pixels=786432)
+    >>> check_unresized(Image.new("RGB", (64, 64)), index=2, grid=28, min_pixels=3136, max_pixels=786432)
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: requests[2].image must have width and height that are multiples of 28 when \
+vision.do_resize is false, got (64, 64). Fix: resize it to (56, 56) or (84, 84) yourself, or set vision.do_resize \
+true.
+    """
+    width, height = image.size
+    where = f"requests[{index}].image"
+    if width % grid or height % grid:
+        down = (max(grid, width // grid * grid), max(grid, height // grid * grid))
+        up = (-(-width // grid) * grid, -(-height // grid) * grid)
+        raise RequestError(where, (width, height),
+                           f"must have width and height that are multiples of {grid} when vision.do_resize is false",
+                           fix=f"resize it to {down} or {up} yourself, or set vision.do_resize true")
+    if not min_pixels <= width * height <= max_pixels:
+        raise RequestError(where, (width, height),
+                           f"has {width * height} pixels, outside the budget [{min_pixels}, {max_pixels}] that "
+                           "vision.do_resize false cannot enforce",
+                           fix="resize it into the budget yourself, widen vision.min_pixels/max_pixels, or set "
+                               "vision.do_resize true")

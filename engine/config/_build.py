@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -77,7 +78,7 @@ def _coerce(hint: Any, value: Any, path: str) -> Any:
     if dataclasses.is_dataclass(hint) and isinstance(hint, type):
         return build(hint, value, path)
     if origin is tuple:
-        if isinstance(value, (str, bytes)) or not isinstance(value, typing.Iterable):
+        if not isinstance(value, (list, tuple)):  # not a string's characters, a mapping's keys or a set's order
             raise ConfigError(path, value, "must be a list", fix="write it as a YAML list, e.g. [a, b]")
         return tuple(value)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
@@ -95,12 +96,22 @@ def check_type(path: str, value: Any, kind: type | tuple[type, ...], what: str) 
 
 def check_range(path: str, value: float, *, low: float | None = None, high: float | None = None,
                 low_open: bool = False, high_open: bool = False, fix: str | None = None) -> None:
-    """Check ``value`` lies in the interval, with a message that states exactly the interval checked."""
+    """Check ``value`` is finite and lies in the interval, with a message that states exactly the interval checked
+    and a fix (``fix``, or the interval itself).
+
+    >>> check_range("generation.temperature", float("nan"), low=0)
+    Traceback (most recent call last):
+    ...
+    engine.errors.ConfigError: generation.temperature must be a finite number, got nan. Fix: give a value in [0, inf).
+    """
+    left = "(" if low_open or low is None else "["
+    right = ")" if high_open or high is None else "]"
+    lo = "-inf" if low is None else f"{low:g}"
+    hi = "inf" if high is None else f"{high:g}"
+    interval = f"{left}{lo}, {hi}{right}"
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(path, value, "must be a finite number", fix=fix or f"give a value in {interval}")
     below = low is not None and (value <= low if low_open else value < low)
     above = high is not None and (value >= high if high_open else value > high)
     if below or above:
-        left = "(" if low_open else "["
-        right = ")" if high_open else "]"
-        lo = "-inf" if low is None else f"{low:g}"
-        hi = "inf" if high is None else f"{high:g}"
-        raise ConfigError(path, value, f"must be in {left}{lo}, {hi}{right}", fix=fix)
+        raise ConfigError(path, value, f"must be in {interval}", fix=fix or f"give a value in {interval}")
