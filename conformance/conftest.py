@@ -151,6 +151,12 @@ def engines(pool: EnginePool, backend_names: tuple[str, ...]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
+def vlm_engines(pool: EnginePool, backend_names: tuple[str, ...]) -> dict[str, Any]:
+    """The shared engine of every runnable backend on ``--engine-vlm-model``, by name."""
+    return {b: pool.engine(b, pool.options.vlm_model) for b in backend_names}
+
+
+@pytest.fixture(scope="session")
 def model_path(pool: EnginePool) -> Path:
     return Path(pool.options.model)
 

@@ -71,7 +71,13 @@ def test_json_boundary_inside_min_new_tokens_ends_the_row_at_min_new_tokens(engi
             assert len(r.token_ids) == min_new + 1 and r.token_ids[-1] == e.tokenizer.eos_token_id, (b, i, r.token_ids)
             assert (r.finish_reason, r.stop_reason) == ("stop", "json_boundary"), (b, i)
             assert e.tokenizer.eos_token_id not in r.token_ids[:-1]
-        got[b] = late
+        # No room for the rule's EOS (min_new_tokens == max_new_tokens): a "length" row, not a rule-ended one.
+        full = e.generate(JSON[:2], options={"max_new_tokens": min_new, "min_new_tokens": min_new},
+                          plugins=JSON_BOUNDARY)
+        for i, r in enumerate(full):
+            assert r.token_ids == late[i].token_ids[:-1], (b, i)
+            assert (r.finish_reason, r.stop_reason) == ("length", None), (b, i)
+        got[b] = [*late, *full]
     assert_same_results(got, what="json_boundary inside min_new_tokens")
 
 

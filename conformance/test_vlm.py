@@ -28,11 +28,6 @@ def images():
 
 
 @pytest.fixture(scope="session")
-def vlm_engines(pool, backend_names):
-    return {b: pool.engine(b, pool.options.vlm_model) for b in backend_names}
-
-
-@pytest.fixture(scope="session")
 def vlm_engine(pool, backend):
     from conformance.conftest import unavailable_reason
 

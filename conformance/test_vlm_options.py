@@ -9,29 +9,17 @@ from __future__ import annotations
 import pytest
 
 from conformance.compare import assert_same_results
+from conformance.test_vlm import image_tokens, vlm_request
 from engine.errors import PluginCompatibilityError, RequestError
 from engine.plugins import Plugin
 
 OPTS = {"max_new_tokens": 12}
 
 
-def vlm_request(image, text="Describe the image."):
-    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}]
-
-
 def flat_image(width: int, height: int):
     from PIL import Image
 
     return Image.new("RGB", (width, height), (120, 30, 200))
-
-
-def image_tokens(engine, result) -> int:
-    return list(result.prompt_token_ids).count(engine.processor.image_token_id)
-
-
-@pytest.fixture(scope="session")
-def vlm_engines(pool, backend_names):
-    return {b: pool.engine(b, pool.options.vlm_model) for b in backend_names}
 
 
 def test_a_configured_budget_binds(pool, backend_names):

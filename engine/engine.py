@@ -234,7 +234,8 @@ class GenerationEngine:
         text, matched = truncate_at_stop(full_text, plan.stop.strings, include_stop=plan.stop.include_stop_str,
                                          min_end=min_end)
         reason, stop_reason = finish_reason(ids, stop_token_ids=plan.terminal_token_ids, matched_stop=matched,
-                                            ended_by=ended_by_rule(out.events))
+                                            ended_by=ended_by_rule(out.events),
+                                            max_new_tokens=plan.options.max_new_tokens)
         for plugin in plugins:  # post-decode steps, in order, after stop truncation; raw_text is never touched
             text = plugin.post_decode(text)
         prompt_ids = out.prompt_token_ids or prompt.token_ids

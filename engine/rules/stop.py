@@ -99,7 +99,8 @@ def ended_by_rule(events: Mapping[str, Any]) -> str | None:
 
 
 def finish_reason(
-    token_ids: list[int], *, stop_token_ids: Iterable[int], matched_stop: str | None, ended_by: str | None = None
+    token_ids: list[int], *, stop_token_ids: Iterable[int], matched_stop: str | None, ended_by: str | None = None,
+    max_new_tokens: int | None = None,
 ) -> tuple[str, str | int | None]:
     """Classify how a row ended, from what it produced and what its rules reported (never from a backend's own
     finish report).
@@ -107,7 +108,10 @@ def finish_reason(
     Returns ``(finish_reason, stop_reason)``: ``("stop", <stop string>)`` when a stop string matched (the text
     ends there, before anything else), ``("stop", <rule name>)`` when a rule ended the row (``ended_by``: the
     repeat guard, ``json_boundary``, the ``min_length`` cap), ``("stop", <token id>)`` when the last token is
-    EOS or a stop token id, otherwise ``("length", None)``.
+    EOS or a stop token id, otherwise ``("length", None)``. A rule counts only if its end is in the row: its
+    forced EOS is the last token, or the row stopped short of ``max_new_tokens`` (HF stopping criteria stop on the
+    closing token itself). A rule that asked to end the row on its last budget token, with no room left for its
+    EOS, leaves a ``"length"`` row.
 
     >>> finish_reason([5, 6, 2], stop_token_ids={2}, matched_stop=None)
     ('stop', 2)
@@ -115,13 +119,17 @@ def finish_reason(
     ('stop', '\\n')
     >>> finish_reason([5, 6, 2], stop_token_ids={2}, matched_stop=None, ended_by="json_boundary")
     ('stop', 'json_boundary')
+    >>> finish_reason([5, 6, 7], stop_token_ids={2}, matched_stop=None, ended_by="json_boundary", max_new_tokens=3)
+    ('length', None)
     >>> finish_reason([5, 6, 7], stop_token_ids={2}, matched_stop=None)
     ('length', None)
     """
     if matched_stop is not None:
         return "stop", matched_stop
-    if ended_by is not None:
+    ends_with_stop_id = bool(token_ids) and token_ids[-1] in set(stop_token_ids)
+    stopped_short = max_new_tokens is not None and len(token_ids) < max_new_tokens
+    if ended_by is not None and (ends_with_stop_id or stopped_short):
         return "stop", ended_by
-    if token_ids and token_ids[-1] in set(stop_token_ids):
+    if ends_with_stop_id:
         return "stop", token_ids[-1]
     return "length", None
