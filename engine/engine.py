@@ -16,7 +16,7 @@ from typing import Any
 
 from engine.backends import Backend, BackendOutput, Prompt, SamplingPlan, backend_class
 from engine.config import EngineConfig, GenerationOptions, PixelBudget, StopPolicy
-from engine.errors import PluginCompatibilityError, UnsupportedCapabilityError
+from engine.errors import PluginCompatibilityError, RequestError, UnsupportedCapabilityError
 from engine.loading import load_processor, load_tokenizer
 from engine.plugins import POST_DECODE, Plugin, PluginContext, create_plugin
 from engine.rules.base import RuleSpec
@@ -60,6 +60,7 @@ class GenerationEngine:
         self._check_plugins(self.plugins, self.backend.name, self.backend.capabilities.hooks, kinds=None)
         self._fallback: Backend | None = None
         self._context: PluginContext | None = None
+        self._batcher: Any = None
 
     @staticmethod
     def _load_config(config: EngineConfig | Mapping[str, Any] | str | Path) -> EngineConfig:
@@ -72,11 +73,17 @@ class GenerationEngine:
     def _create_backend(self, name: str) -> Backend:
         cls = backend_class(name)
         settings = getattr(self.config, name)
+        if name == "vllm" and settings.async_engine:
+            from engine.backends.vllm_async import AsyncVllmBackend
+
+            cls = AsyncVllmBackend
         return cls(self.config.model, settings, self.tokenizer, processor=self.processor,
                    repeat_terminate=self.config.repeat_terminate)
 
     def close(self) -> None:
         """Release the backends' models and engines."""
+        if self._batcher is not None:
+            self._batcher.close()
         self.backend.close()
         if self._fallback is not None:
             self._fallback.close()
@@ -148,7 +155,14 @@ class GenerationEngine:
         self._check_plugins(active, self.backend.name, self.backend.capabilities.hooks, kinds="text")
         plan = self._plan(options, stop, None, self.backend, active)
         checked = [ChatRequest.of(r, index=i) for i, r in enumerate(requests)]
-        return [render_prompt(self.tokenizer, r.messages) for r in checked], plan
+        rendered = [render_prompt(self.tokenizer, r.messages) for r in checked]
+        limit = self.backend.capabilities.max_model_len
+        for i, r in enumerate(rendered):
+            if limit is not None and len(r.token_ids) >= limit:
+                raise RequestError(f"requests[{i}].messages", f"{len(r.token_ids)} prompt tokens",
+                                   f"leave no room to generate within the model's context length ({limit} tokens)",
+                                   fix="shorten the conversation, or raise model.max_model_len if the model allows")
+        return rendered, plan
 
     def _vlm_backend(self) -> tuple[Backend, dict[str, Any] | None]:
         """The backend that serves VLM requests, and the fallback record when it is not the configured one."""
@@ -176,6 +190,28 @@ class GenerationEngine:
         rendered, plan = self.prepare(requests, options=options, stop=stop, plugins=plugins)
         prompts = [Prompt(token_ids=r.token_ids, text=r.text) for r in rendered]
         return self._run(self.backend, prompts, rendered, plan, fallback=None, plugins=self._plugins(plugins))
+
+    async def agenerate(self, requests: Sequence[RequestLike], *, options: OptionsLike = None, stop: StopLike = None,
+                        plugins: PluginsLike = None) -> list[GenerationResult]:
+        """``generate`` for asyncio callers: concurrent calls share the backend (vLLM's ``AsyncLLM`` with
+        ``vllm.async_engine``; otherwise an :class:`~engine.batcher.AsyncBatcher` over the backend's batches).
+        Validation happens first, in the caller, and raises before anything is generated."""
+        rendered, plan = self.prepare(requests, options=options, stop=stop, plugins=plugins)
+        prompts = [Prompt(token_ids=r.token_ids, text=r.text) for r in rendered]
+        if not prompts:
+            return []
+        native = getattr(self.backend, "agenerate", None)
+        if native is not None:
+            outputs = await native(prompts, plan)
+        else:
+            if self._batcher is None:
+                from engine.batcher import AsyncBatcher
+
+                serve = self.config.serve
+                self._batcher = AsyncBatcher(self.backend, max_batch_size=serve.max_batch_size,
+                                             wait_s=serve.batch_wait_ms / 1000)
+            outputs = await self._batcher.submit(prompts, plan)
+        return self._finish(self.backend, rendered, outputs, plan, fallback=None, plugins=self._plugins(plugins))
 
     def generate_vlm(self, requests: Sequence[VisionRequestLike], *, options: OptionsLike = None,
                      stop: StopLike = None, pixels: PixelBudget | Mapping[str, Any] | None = None,
@@ -215,7 +251,10 @@ class GenerationEngine:
              fallback: dict[str, Any] | None, plugins: list[Plugin]) -> list[GenerationResult]:
         if not prompts:
             return []
-        outputs = backend.generate(prompts, plan)
+        return self._finish(backend, rendered, backend.generate(prompts, plan), plan, fallback, plugins)
+
+    def _finish(self, backend: Backend, rendered: list[RenderedPrompt], outputs: list[BackendOutput],
+                plan: SamplingPlan, fallback: dict[str, Any] | None, plugins: list[Plugin]) -> list[GenerationResult]:
         results = [self._result(r, o, plan, backend, plugins) for r, o in zip(rendered, outputs, strict=True)]
         for r in results:
             r.meta["fallback"] = fallback

@@ -31,6 +31,8 @@ class Capabilities:
     """Accepts image inputs for the loaded model."""
     hooks: frozenset[str] = field(default_factory=frozenset)
     """Generation-time hooks it offers plugins (e.g. "hf_logits_processor", "vllm_logits_processor")."""
+    max_model_len: int | None = None
+    """Context length (prompt + output) of the loaded model; a prompt must be shorter. None: unknown."""
 
 
 @dataclass(frozen=True)

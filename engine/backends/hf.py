@@ -117,7 +117,10 @@ class HfBackend:
         auto = transformers.AutoModelForImageTextToText if processor is not None else transformers.AutoModelForCausalLM
         self.model = auto.from_pretrained(model.path, **kwargs).to(self.device).eval()
         self.model.generation_config = transformers.GenerationConfig()  # no checkpoint defaults leak in
-        self.capabilities = Capabilities(name="hf", logprobs=True, supports_vlm=processor is not None, hooks=HOOKS)
+        text_config = getattr(self.model.config, "text_config", None) or self.model.config
+        lengths = [n for n in (model.max_model_len, getattr(text_config, "max_position_embeddings", None)) if n]
+        self.capabilities = Capabilities(name="hf", logprobs=True, supports_vlm=processor is not None, hooks=HOOKS,
+                                         max_model_len=min(lengths) if lengths else None)
 
     def close(self) -> None:
         self.model = None

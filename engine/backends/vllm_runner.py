@@ -59,6 +59,6 @@ def plan_runner(llm_kwargs: dict[str, Any]) -> RunnerPlan:
     return plan_for_config(EngineArgs(**llm_kwargs).create_engine_config())
 
 
-def started_runner(llm: Any) -> str:
-    """The runner a started ``vllm.LLM`` really uses."""
-    return V2 if llm.llm_engine.vllm_config.use_v2_model_runner else V1
+def started_runner(vllm_config: Any) -> str:
+    """The runner a started engine (``LLM.llm_engine.vllm_config``, ``AsyncLLM.vllm_config``) really uses."""
+    return V2 if vllm_config.use_v2_model_runner else V1

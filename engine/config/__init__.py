@@ -3,6 +3,7 @@
 from engine.config.engine_config import BACKENDS, DTYPES, EngineConfig, HfConfig, ModelConfig, VllmConfig
 from engine.config.generation import GenerationOptions, StopPolicy
 from engine.config.repeat import RepeatTerminateConfig
+from engine.config.serve import ServeConfig
 from engine.config.vision import PixelBudget
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "ModelConfig",
     "PixelBudget",
     "RepeatTerminateConfig",
+    "ServeConfig",
     "StopPolicy",
     "VllmConfig",
 ]

@@ -10,6 +10,7 @@ from engine.backends.registry import REGISTRY
 from engine.config._build import build, check_range, check_type, did_you_mean
 from engine.config.generation import GenerationOptions, StopPolicy
 from engine.config.repeat import RepeatTerminateConfig
+from engine.config.serve import ServeConfig
 from engine.config.vision import PixelBudget
 from engine.errors import ConfigError
 
@@ -95,6 +96,9 @@ class VllmConfig:
     multiprocessing: bool = False
     """Run vLLM's engine core in a child process (``VLLM_ENABLE_V1_MULTIPROCESSING=1``). false: in-process
     ("colocate"). Rule events reach the engine the same way in both modes (``collective_rpc``)."""
+    async_engine: bool = False
+    """Generate through ``AsyncLLM`` (continuous batching across concurrent callers; its engine core always runs
+    in a child process) instead of ``vllm.LLM``. The served engine sets it; ``generate`` works either way."""
     limit_images_per_prompt: int = 1
     """Images vLLM accepts per prompt for a vision-language model, in [0, 1]; 0 starts it text-only
     (then ``supports_vlm`` is False and VLM requests fail fast or go to ``fallback_backend``)."""
@@ -106,6 +110,7 @@ class VllmConfig:
         check_range("vllm.cpu_kv_cache_space_gib", self.cpu_kv_cache_space_gib, low=1)
         check_type("vllm.enforce_eager", self.enforce_eager, bool, "true or false")
         check_type("vllm.multiprocessing", self.multiprocessing, bool, "true or false")
+        check_type("vllm.async_engine", self.async_engine, bool, "true or false")
         for name in ("tensor_parallel_size", "data_parallel_size"):
             check_type(f"vllm.{name}", getattr(self, name), int, "an integer")
             check_range(f"vllm.{name}", getattr(self, name), low=1)
@@ -128,7 +133,7 @@ class EngineConfig:
     Traceback (most recent call last):
     ...
     engine.errors.ConfigError: genration is not a known key, got {}. Fix: did you mean 'generation'? \
-available: backend, fallback_backend, generation, hf, model, plugins, repeat_terminate, stop, vision, vllm.
+available: backend, fallback_backend, generation, hf, model, plugins, repeat_terminate, serve, stop, vision, vllm.
     """
 
     backend: str
@@ -147,6 +152,8 @@ available: backend, fallback_backend, generation, hf, model, plugins, repeat_ter
     """Repeat-aware termination guard (per-sequence EOS on degenerate repetition)."""
     plugins: tuple[Any, ...] = ()
     """Plugins enabled for every call, in order: mappings ``{name: ..., <params>}`` (see ``engine.plugins``)."""
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    """How ``python -m engine.serve`` serves this engine (host, port, envelope key, HF batcher); unused in-process."""
     fallback_backend: str | None = None
     """Where VLM requests go when ``backend`` cannot serve them (loaded lazily, on first need, and
     recorded in each result's meta and the log). None: such requests fail fast. Never silent."""

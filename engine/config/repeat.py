@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+from dataclasses import asdict, dataclass
 
 from engine.config._build import check_range, check_type
 from engine.errors import ConfigError
@@ -62,6 +64,24 @@ Fix: set max_consecutive_token_repeats, ngram_size + ngram_repeats, or max_objec
     def has_threshold(self) -> bool:
         return any(v is not None for v in (self.max_consecutive_token_repeats, self.ngram_size,
                                            self.max_object_keys))
+
+    def as_dict(self) -> dict[str, object]:
+        """Every key with its effective value (defaults filled in): what a server reports and hashes."""
+        return asdict(self)
+
+    def fingerprint(self) -> str:
+        """SHA-256 of the effective subtree (canonical JSON); equal for subtrees that differ only in omitted
+        defaults, different for any setting that changes the guard.
+
+        >>> a = RepeatTerminateConfig(enabled=True, max_consecutive_token_repeats=4)
+        >>> a.fingerprint() == RepeatTerminateConfig(enabled=True, max_consecutive_token_repeats=4,
+        ...                                          min_new_tokens=0).fingerprint()
+        True
+        >>> a.fingerprint() == RepeatTerminateConfig(enabled=True, max_consecutive_token_repeats=5).fingerprint()
+        False
+        """
+        canonical = json.dumps(self.as_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
 
     def thresholds(self, generation_min_new_tokens: int = 0) -> RepeatThresholds:
         """The pure rule's thresholds; the gate is the larger of both min_new_tokens."""

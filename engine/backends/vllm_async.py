@@ -1,0 +1,138 @@
+"""The vLLM backend over ``AsyncLLM`` (``vllm.async_engine: true``; the served engine's choice).
+
+Every prompt is its own vLLM request, so concurrent callers share the engine's continuous batching instead of
+waiting behind one another. ``AsyncLLM`` lives on an event loop of its own (a daemon thread), so it can be
+reached from any thread or loop: ``agenerate`` from an asyncio server, ``generate`` from plain code. Its engine
+core always runs in a child process; rule events come back through ``collective_rpc`` as for ``vllm.LLM``.
+The engine arguments, sampling parameters and output conversion are the ones :mod:`engine.backends.vllm` uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Awaitable, Sequence
+from typing import Any, TypeVar
+
+from engine.backends.base import BackendOutput, Prompt, SamplingPlan
+from engine.backends.vllm import (
+    HOOKS,
+    backend_output,
+    capabilities,
+    engine_input,
+    import_vllm,
+    prepare_environment,
+    request_params,
+    sampling_params,
+    start_arguments,
+)
+from engine.config import ModelConfig, VllmConfig
+from engine.errors import BackendUnavailableError
+
+T = TypeVar("T")
+
+
+class AsyncVllmBackend:
+    """Generate with ``vllm.v1.engine.async_llm.AsyncLLM``, one vLLM request per prompt.
+
+    Usually built by ``GenerationEngine`` with ``vllm: {async_engine: true}``::
+
+        engine = GenerationEngine({"backend": "vllm", "model": ".fixtures/smollm2-135m-instruct",
+                                   "vllm": {"async_engine": True}})
+        results = await engine.agenerate([[{"role": "user", "content": "Hi"}]])   # or engine.generate(...)
+    """
+
+    name = "vllm"
+    declared_hooks = HOOKS
+
+    def __init__(self, model: ModelConfig, settings: VllmConfig, tokenizer: Any, processor: Any = None,
+                 repeat_terminate: Any = None) -> None:
+        self.env = prepare_environment(settings)
+        vllm = import_vllm()
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from engine.backends import vllm_runner
+
+        self.tokenizer = tokenizer
+        self._final_only = RequestOutputKind.FINAL_ONLY
+        kwargs, plan = start_arguments(model, settings, processor, repeat_terminate)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="engine-async-vllm", daemon=True)
+        self._thread.start()
+
+        async def start() -> Any:  # built on its own loop, where its output handler will run
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+        try:
+            self.llm = self._call(start())
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.version = vllm.__version__
+        self.runner = vllm_runner.started_runner(self.llm.vllm_config)
+        if self.runner != plan.runner:
+            self.close()
+            raise BackendUnavailableError("vllm", f"vLLM was planned to run model runner {plan.runner} but started "
+                                          f"{self.runner}", "report this with your vLLM version and settings")
+        self.rules_problem = plan.problem
+        self.capabilities = capabilities(self.llm.model_config, settings, plan)
+
+    # -- the loop the engine lives on -----------------------------------------------------------------
+
+    def _call(self, coro: Awaitable[T]) -> T:
+        """Run ``coro`` on the engine's loop and wait for it (from any thread but that loop's)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()  # type: ignore[arg-type]
+
+    def _stop_loop(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+    def close(self) -> None:
+        """Shut the engine core down and stop the loop."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            async def shutdown() -> None:
+                llm.shutdown()
+
+            self._call(shutdown())
+        self._stop_loop()
+
+    # -- generation ------------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Prompt], plan: SamplingPlan) -> list[BackendOutput]:
+        return self._call(self._generate(prompts, plan))
+
+    async def agenerate(self, prompts: Sequence[Prompt], plan: SamplingPlan) -> list[BackendOutput]:
+        """``generate`` for a caller on another event loop. Cancelling the caller aborts its vLLM requests."""
+        future = asyncio.run_coroutine_threadsafe(self._generate(prompts, plan), self._loop)
+        return await asyncio.wrap_future(future)
+
+    async def _generate(self, prompts: Sequence[Prompt], plan: SamplingPlan) -> list[BackendOutput]:
+        if not prompts:
+            return []
+        base = sampling_params(plan, output_kind=self._final_only)
+        keys = [uuid.uuid4().hex for _ in prompts]
+        finals = await asyncio.gather(*(self._one(engine_input(p, plan), request_params(base, plan, key), key)
+                                         for p, key in zip(prompts, keys, strict=True)))
+        events = await self.rule_events(keys) if plan.rules else {}
+        return [backend_output(out, plan, events.get(key, {})) for key, out in zip(keys, finals, strict=True)]
+
+    async def _one(self, prompt: Any, params: Any, key: str) -> Any:
+        final = None
+        async for out in self.llm.generate(prompt, params, request_id=key):  # vLLM aborts it if we are cancelled
+            final = out
+        if final is None or not final.finished:
+            raise BackendUnavailableError("vllm", f"AsyncLLM ended request {key} without a final output",
+                                          "check the server log for an engine-core error")
+        return final
+
+    async def rule_events(self, keys: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """The rule events of finished requests, from the engine-core process where the processor ran."""
+        from engine.backends import vllm_rules
+
+        replies = await self.llm.collective_rpc(vllm_rules.EVENTS_METHOD, args=(list(keys),))
+        return vllm_rules.merge_worker_events(replies)

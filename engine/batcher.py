@@ -1,0 +1,130 @@
+"""``AsyncBatcher``: concurrent async callers of a synchronous backend (HF) share batched ``generate`` calls.
+
+A submission waits at most ``wait_s`` for others; up to ``max_batch_size`` prompts whose plans are equal run in
+one ``generate`` on a single worker thread (the model is never used by two threads at once). Seeded sampling is
+never merged with other submissions, so a seed reproduces what the same call gives in-process. When a merged
+batch fails, each submission is retried alone, so one bad request does not fail its neighbours. A submission
+whose caller went away (cancelled) before its batch started is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from engine.backends.base import BackendOutput, Prompt, SamplingPlan
+
+
+@dataclass
+class _Job:
+    prompts: Sequence[Prompt]
+    plan: SamplingPlan
+    future: asyncio.Future[list[BackendOutput]]
+
+
+def mergeable(a: SamplingPlan, b: SamplingPlan) -> bool:
+    """Two submissions may share one ``generate``: same plan, and not seeded sampling (a seed is per call).
+
+    >>> from engine.config import GenerationOptions, StopPolicy
+    >>> plan = lambda **o: SamplingPlan(GenerationOptions(**o), StopPolicy(), (2,))
+    >>> mergeable(plan(), plan()), mergeable(plan(), plan(max_new_tokens=8))
+    (True, False)
+    >>> mergeable(plan(temperature=1.0, seed=3), plan(temperature=1.0, seed=3))
+    False
+    """
+    seeded = not a.options.is_greedy and a.options.seed is not None
+    return a == b and not seeded
+
+
+class AsyncBatcher:
+    """Batch concurrent ``submit`` calls into few ``backend.generate`` calls.
+
+    Example (any object with ``generate(prompts, plan)`` works)::
+
+        batcher = AsyncBatcher(hf_backend, max_batch_size=32, wait_s=0.005)
+        outputs = await batcher.submit(prompts, plan)      # from many tasks at once
+    """
+
+    def __init__(self, backend: Any, *, max_batch_size: int = 32, wait_s: float = 0.005) -> None:
+        self.backend = backend
+        self.max_batch_size = max_batch_size
+        self.wait_s = wait_s
+        self.batches: list[int] = []
+        """Prompts per ``generate`` call made, in order (for tests and metrics)."""
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-batcher")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: asyncio.Queue[_Job] | None = None
+        self._worker: asyncio.Task[None] | None = None
+
+    async def submit(self, prompts: Sequence[Prompt], plan: SamplingPlan) -> list[BackendOutput]:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # first use, or a new loop (e.g. a second asyncio.run)
+            self._loop, self._queue = loop, asyncio.Queue()
+            self._worker = loop.create_task(self._work(), name="engine-batcher")
+        assert self._queue is not None
+        job = _Job(list(prompts), plan, loop.create_future())
+        await self._queue.put(job)
+        return await job.future
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _work(self) -> None:
+        assert self._queue is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            jobs = [await self._queue.get()]
+            deadline = loop.time() + self.wait_s
+            while sum(len(j.prompts) for j in jobs) < self.max_batch_size:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                try:
+                    jobs.append(await asyncio.wait_for(self._queue.get(), remaining))
+                except TimeoutError:
+                    break
+            for group in self._groups([j for j in jobs if not j.future.done()]):
+                await self._run(group, loop)
+
+    def _groups(self, jobs: list[_Job]) -> list[list[_Job]]:
+        groups: list[list[_Job]] = []
+        for job in jobs:
+            for group in groups:
+                size = sum(len(j.prompts) for j in group) + len(job.prompts)
+                if mergeable(group[0].plan, job.plan) and size <= self.max_batch_size:
+                    group.append(job)
+                    break
+            else:
+                groups.append([job])
+        return groups
+
+    async def _run(self, group: list[_Job], loop: asyncio.AbstractEventLoop) -> None:
+        prompts = [p for j in group for p in j.prompts]
+        try:
+            self.batches.append(len(prompts))
+            outputs = await loop.run_in_executor(self._executor, self.backend.generate, prompts, group[0].plan)
+        except Exception as err:
+            if len(group) == 1:
+                _settle(group[0].future, error=err)
+                return
+            for job in group:  # find the submission that fails; the others still get their answers
+                await self._run([job], loop)
+            return
+        start = 0
+        for job in group:
+            _settle(job.future, result=list(outputs[start : start + len(job.prompts)]))
+            start += len(job.prompts)
+
+
+def _settle(future: asyncio.Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:
+    if future.done():  # the caller was cancelled meanwhile
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -1,0 +1,128 @@
+"""Where the served engine's ``repeat_terminate`` subtree comes from, decided once at startup.
+
+Sources, in precedence order (the first one given wins; the served config's own subtree is the default):
+
+1. ``--repeat-terminate-from FILE.yaml:dotted.path`` -- a subtree inside the learner's own YAML, e.g.
+   ``train.yaml:custom.extra.rollout_matching.repeat_terminate``;
+2. ``ENGINE_REPEAT_TERMINATE_JSON`` -- the subtree as a JSON object string, in the server process's environment;
+3. ``ENGINE_REPEAT_TERMINATE_FILE`` -- a path to a JSON file holding the subtree;
+4. the served config's ``repeat_terminate`` key.
+
+Giving more than one of 1-3 is an error (which one was meant is ambiguous), as is a source that names nothing.
+The subtree is taken whole and unchanged, then validated with the rest of the config before vLLM or torch is
+imported. There is no request-time path: a request cannot turn the guard on or off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.errors import ConfigError
+
+ENV_JSON = "ENGINE_REPEAT_TERMINATE_JSON"
+ENV_FILE = "ENGINE_REPEAT_TERMINATE_FILE"
+FLAG = "--repeat-terminate-from"
+
+
+@dataclass(frozen=True)
+class Activation:
+    """The chosen subtree (unvalidated, as given) and where it came from (reported by ``/health``)."""
+
+    subtree: Any
+    source: str
+
+
+def subtree_from_yaml(spec: str) -> Any:
+    """The value at ``dotted.path`` inside ``FILE.yaml`` for a ``FILE.yaml:dotted.path`` spec.
+
+    >>> import tempfile, pathlib
+    >>> f = pathlib.Path(tempfile.mkdtemp()) / "train.yaml"
+    >>> _ = f.write_text("custom:\\n  rt: {enabled: true, ngram_size: 3, ngram_repeats: 2}\\n")
+    >>> subtree_from_yaml(f"{f}:custom.rt")["ngram_size"]
+    3
+    >>> subtree_from_yaml(f"{f}:custom.missing")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    engine.errors.ConfigError: --repeat-terminate-from custom.missing has no key 'missing' ...
+    """
+    import yaml
+
+    path, sep, dotted = spec.rpartition(":")
+    if not sep or not path or not dotted:
+        raise ConfigError(FLAG, spec, "must be FILE.yaml:dotted.path",
+                          fix="e.g. train.yaml:custom.extra.rollout_matching.repeat_terminate")
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as err:
+        raise ConfigError(FLAG, spec, f"names a file that cannot be read ({err.strerror})",
+                          fix="give an existing YAML file") from err
+    except yaml.YAMLError as err:
+        raise ConfigError(FLAG, spec, f"names a file that is not valid YAML ({err})", fix="fix the YAML") from err
+    node, walked = data, []
+    for key in dotted.split("."):
+        if not isinstance(node, Mapping) or key not in node:
+            available = ", ".join(sorted(map(str, node))) if isinstance(node, Mapping) else "none (not a mapping)"
+            raise ConfigError(f"{FLAG} {dotted}", spec, f"has no key {key!r} under {'.'.join(walked) or 'the top'}",
+                              fix=f"check the dotted path; keys there: {available}")
+        node = node[key]
+        walked.append(key)
+    return node
+
+
+def subtree_from_env(environ: Mapping[str, str]) -> tuple[Any, str] | None:
+    """The subtree from ``ENGINE_REPEAT_TERMINATE_JSON`` or ``..._FILE`` (never both), with its source name."""
+    text, path = environ.get(ENV_JSON), environ.get(ENV_FILE)
+    if text is not None and path is not None:
+        raise ConfigError(f"{ENV_JSON} and {ENV_FILE}", "both set", "are alternatives",
+                          fix="set one of them")
+    if text is not None:
+        return _json(text, ENV_JSON), f"env:{ENV_JSON}"
+    if path is not None:
+        try:
+            content = Path(path).read_text(encoding="utf-8")
+        except OSError as err:
+            raise ConfigError(ENV_FILE, path, f"cannot be read ({err.strerror})",
+                              fix="point it at a JSON file") from err
+        return _json(content, ENV_FILE), f"env:{ENV_FILE}={path}"
+    return None
+
+
+def _json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(where, text[:80], f"is not valid JSON ({err.msg} at char {err.pos})",
+                          fix='give a JSON object, e.g. {"enabled": true, "max_consecutive_token_repeats": 8}') from err
+
+
+def resolve(config: Mapping[str, Any], *, from_yaml: str | None = None,
+            environ: Mapping[str, str] | None = None) -> tuple[dict[str, Any], Activation]:
+    """The served config with the chosen ``repeat_terminate`` subtree in place, and the choice.
+
+    >>> cfg, act = resolve({"backend": "hf", "model": "/m"}, environ={ENV_JSON: '{"enabled": false}'})
+    >>> cfg["repeat_terminate"], act.source
+    ({'enabled': False}, 'env:ENGINE_REPEAT_TERMINATE_JSON')
+    >>> resolve({"backend": "hf", "model": "/m"}, environ={})[1].source
+    'default (disabled)'
+    """
+    environ = os.environ if environ is None else environ
+    from_env = subtree_from_env(environ)
+    if from_yaml is not None and from_env is not None:
+        raise ConfigError(FLAG, from_yaml, f"conflicts with {from_env[1].split('=')[0].removeprefix('env:')} "
+                          "in the environment", fix="give the subtree one way only")
+    if from_yaml is not None:
+        chosen: tuple[Any, str] | None = (subtree_from_yaml(from_yaml), f"{FLAG} {from_yaml}")
+    else:
+        chosen = from_env
+    out = dict(config)
+    if chosen is not None:
+        out["repeat_terminate"] = chosen[0]
+        return out, Activation(chosen[0], chosen[1])
+    if "repeat_terminate" in config:
+        return out, Activation(config["repeat_terminate"], "served config")
+    return out, Activation(None, "default (disabled)")

@@ -1,0 +1,50 @@
+"""The FastAPI app factory of the served engine: surfaces are routers, errors are OpenAI-style bodies."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from engine.errors import EngineError
+from engine.serve import protocol, rollout
+from engine.serve.service import ServedEngine
+
+log = logging.getLogger(__name__)
+
+
+def create_app(served: ServedEngine, *, close_engine: bool = True) -> FastAPI:
+    """The app serving ``served``; with ``close_engine`` the engine is released when the app shuts down.
+
+    Example (an engine already loaded; tests drive it with ``httpx.ASGITransport``)::
+
+        app = create_app(ServedEngine(engine, activation))
+        uvicorn.run(app, host="127.0.0.1", port=8000)
+    """
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if close_engine:  # uvicorn has drained in-flight requests by now (timeout_graceful_shutdown)
+            log.info("engine.serve: closing the engine")
+            served.engine.close()
+
+    app = FastAPI(title="engine.serve", lifespan=lifespan)
+    app.include_router(rollout.router(served))
+
+    @app.exception_handler(EngineError)
+    async def engine_error(request: Request, err: EngineError) -> JSONResponse:
+        return rollout.bad_request(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
+        first: dict[str, Any] = err.errors()[0] if err.errors() else {}
+        field = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return JSONResponse(protocol.error_body(f"{field or 'body'}: {first.get('msg', 'invalid')}", param=field), 400)
+
+    return app

@@ -1,0 +1,279 @@
+"""The ``/infer/`` wire format (ms-swift's rollout protocol), both ways, in one place.
+
+Server side: :func:`parse_infer` turns a request body into engine arguments, refusing unknown and unsupported
+fields with a :class:`RequestError` that names them; :func:`rollout_item` turns a ``GenerationResult`` into
+``{"response": <ChatCompletionResponse dict>, "<namespace>": {<envelope>}}``. Client side: :func:`result_from_item`
+reads an item back into a ``GenerationResult``. No web framework is imported here.
+
+The envelope is additive: ``response`` is byte-for-byte the item an unwrapped server returns (``namespace:
+null``); the namespace holds what the learner needs beyond it, first of all ``repeat_terminate_triggered``
+(0|1, reported by the guard itself), and what makes the result whole (``raw_text``, ``stop_reason``, the
+engine's per-token logprobs and ``meta``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import ConfigError, EngineError, RequestError
+from engine.types import GenerationResult
+
+# request_config keys swift's RequestConfig sends, and the value each must keep when we cannot honour another.
+REQUIRED_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "num_beams": (1,), "stream": (False,), "prompt_logprobs": (None,), "n": (1,), "best_of": (None, 1),
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "length_penalty": (1, 1.0),
+    "structured_outputs_regex": (None,), "min_p": (None, 0, 0.0),
+}
+MAPPED = ("max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop", "logprobs",
+          "top_logprobs", "return_details")
+TOP_LEVEL = ("infer_requests", "request_config", "metrics", "use_tqdm", "adapter_request", "engine")
+ITEM_KEYS = ("messages", "images", "audios", "videos", "tools", "objects", "chat_template_kwargs", "data_dict",
+             "uuid", "add_eos")
+ITEM_EMPTY = {"images": "image requests", "audios": "audio", "videos": "video", "tools": "tool calling",
+              "objects": "multimodal objects", "chat_template_kwargs": "template arguments (thinking is always off)"}
+EXTENSION_KEYS = ("options", "stop", "plugins")
+# Engine field -> wire field, so errors raised by the engine's own validation name what the client sent.
+WIRE_NAMES = {"generation.max_new_tokens": "request_config.max_tokens", "generation.temperature":
+              "request_config.temperature", "generation.top_p": "request_config.top_p", "generation.top_k":
+              "request_config.top_k", "generation.seed": "request_config.seed", "generation.repetition_penalty":
+              "request_config.repetition_penalty", "generation.logprobs": "request_config.top_logprobs"}
+
+
+@dataclass(frozen=True)
+class InferCall:
+    """One ``/infer/`` body, checked: what the engine is asked for and how to answer."""
+
+    requests: list[list[dict[str, Any]]]
+    options: dict[str, Any] = field(default_factory=dict)
+    stop: dict[str, Any] | None = None
+    plugins: list[Any] | None = None
+    return_details: bool = False
+    top_logprobs: int | None = None
+    """Top alternatives per token in ``choices[].logprobs`` (None: only the chosen token's)."""
+    logprobs: bool = False
+
+
+def _unknown(where: str, keys: Any, known: tuple[str, ...]) -> None:
+    from engine.config._build import did_you_mean
+
+    for key in keys:
+        if key not in known:
+            raise RequestError(f"{where}{key}", None, "is not a known field", fix=did_you_mean(str(key), known))
+
+
+def parse_infer(body: Any) -> InferCall:
+    """Check a ``/infer/`` body; raise ``RequestError`` naming the first bad field. Nothing is generated here.
+
+    >>> parse_infer({"infer_requests": [{"messages": [{"role": "user", "content": "Hi"}]}],
+    ...              "request_config": {"max_tokens": 8, "temperature": 0}}).options
+    {'max_new_tokens': 8, 'temperature': 0}
+    >>> parse_infer({"infer_requests": [], "request_config": {"n": 2}})
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: request_config.n is not supported by this server, got 2. Fix: use 1 (send \
+the prompt several times for several samples).
+    """
+    if not isinstance(body, Mapping):
+        raise RequestError("body", type(body).__name__, "must be a JSON object",
+                           fix='send {"infer_requests": [...], "request_config": {...}}')
+    _unknown("", body, TOP_LEVEL)
+    if body.get("metrics"):
+        raise RequestError("metrics", body["metrics"], "is not supported by this server",
+                           fix="leave it null; compute metrics on the learner")
+    if body.get("adapter_request") is not None:
+        raise RequestError("adapter_request", body["adapter_request"], "is not supported (no LoRA serving)",
+                           fix="leave it null")
+    config = body.get("request_config") or {}
+    if not isinstance(config, Mapping):
+        raise RequestError("request_config", config, "must be an object or null", fix="send a JSON object")
+    _unknown("request_config.", config, (*REQUIRED_DEFAULTS, *MAPPED))
+    for key, allowed in REQUIRED_DEFAULTS.items():
+        value = config.get(key, allowed[0])
+        if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
+            fix = "use 1 (send the prompt several times for several samples)" if key == "n" else \
+                f"leave it at {allowed[0]!r}"
+            raise RequestError(f"request_config.{key}", value, "is not supported by this server", fix=fix)
+    options: dict[str, Any] = {}
+    for wire, name in (("max_tokens", "max_new_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
+                       ("repetition_penalty", "repetition_penalty"), ("seed", "seed")):
+        if config.get(wire) is not None:
+            options[name] = config[wire]
+    top_k = config.get("top_k")
+    if top_k is not None:
+        options["top_k"] = 0 if top_k == -1 else top_k  # -1 is "off" in swift and vLLM, 0 in the engine
+    logprobs, top = config.get("logprobs", False), config.get("top_logprobs")
+    if not isinstance(logprobs, bool):
+        raise RequestError("request_config.logprobs", logprobs, "must be true or false", fix="send a boolean")
+    if top is not None and not logprobs:
+        raise RequestError("request_config.top_logprobs", top, "needs logprobs: true", fix="set logprobs to true")
+    if logprobs:
+        options["logprobs"] = 0 if top is None else top
+    details = config.get("return_details", False)
+    if not isinstance(details, bool):
+        raise RequestError("request_config.return_details", details, "must be true or false", fix="send a boolean")
+    stop = _stop(config.get("stop"))
+    extension = body.get("engine") or {}
+    if not isinstance(extension, Mapping):
+        raise RequestError("engine", extension, "must be an object", fix="send {options, stop, plugins}")
+    _unknown("engine.", extension, EXTENSION_KEYS)
+    extra = extension.get("options") or {}
+    if not isinstance(extra, Mapping):
+        raise RequestError("engine.options", extra, "must be an object", fix="send generation option fields")
+    clash = sorted(set(extra) & set(options))
+    if clash:
+        raise RequestError(f"engine.options.{clash[0]}", extra[clash[0]], "is also set through request_config",
+                           fix="set it in one place")
+    options.update(extra)
+    if extension.get("stop") is not None:
+        if stop is not None:
+            raise RequestError("engine.stop", extension["stop"], "conflicts with request_config.stop",
+                               fix="give stop strings in one place")
+        stop = dict(extension["stop"]) if isinstance(extension["stop"], Mapping) else extension["stop"]
+    requests = _requests(body.get("infer_requests"))
+    return InferCall(requests=requests, options=options, stop=stop, plugins=extension.get("plugins"),
+                     return_details=details, top_logprobs=top, logprobs=logprobs)
+
+
+def _stop(value: Any) -> dict[str, Any] | None:
+    if value is None or value == []:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise RequestError("request_config.stop", value, "must be a list of strings", fix='e.g. ["\\n\\n"]')
+    return {"strings": value}
+
+
+def _requests(items: Any) -> list[list[dict[str, Any]]]:
+    if not isinstance(items, list):
+        raise RequestError("infer_requests", items, "must be a list of {messages: [...]} objects",
+                           fix='send [{"messages": [{"role": "user", "content": "..."}]}]')
+    out = []
+    for i, item in enumerate(items):
+        where = f"infer_requests[{i}]"
+        if not isinstance(item, Mapping):
+            raise RequestError(where, item, "must be an object with messages", fix='send {"messages": [...]}')
+        _unknown(f"{where}.", item, ITEM_KEYS)
+        if "messages" not in item:
+            raise RequestError(f"{where}.messages", None, "is required", fix="add the conversation")
+        for key, what in ITEM_EMPTY.items():
+            if item.get(key):
+                raise RequestError(f"{where}.{key}", item[key], f"is not supported here ({what})",
+                                   fix="leave it empty")
+        if item.get("add_eos") is not None:
+            raise RequestError(f"{where}.add_eos", item["add_eos"], "is not supported (no scoring)",
+                               fix="leave it null")
+        out.append(item["messages"])
+    return out
+
+
+def wire_error(err: EngineError) -> EngineError:
+    """An engine error with its field named as the client sent it (``requests[2]`` -> ``infer_requests[2]``)."""
+    if isinstance(err, (ConfigError, RequestError)):
+        name = WIRE_NAMES.get(err.field, err.field)
+        if name.startswith("requests["):
+            name = "infer_" + name
+        elif name.startswith(("generation.", "stop.")):
+            name = "engine." + name.replace("generation.", "options.", 1)
+        if name != err.field:
+            return type(err)(name, err.value, err.problem, fix=err.fix)
+    return err
+
+
+def error_body(message: str, *, kind: str = "invalid_request_error", param: str | None = None,
+               code: int = 400) -> dict[str, Any]:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# -- responses ------------------------------------------------------------------------------------------
+
+
+def _logprobs_content(result: GenerationResult, tokenizer: Any, top: int | None) -> dict[str, Any] | None:
+    """Per-token logprobs in swift's (OpenAI's) shape: token, logprob, bytes, and ``top`` alternatives."""
+    if result.logprobs is None:
+        return None
+    content = []
+    for token_id, step in zip(result.token_ids, result.logprobs, strict=True):
+        token = tokenizer.decode([token_id])
+        entry: dict[str, Any] = {"token": token, "logprob": step[token_id], "bytes": list(token.encode("utf8"))}
+        if top is not None:
+            best = sorted(step.items(), key=lambda kv: -kv[1])[:top]
+            entry["top_logprobs"] = [{"token": (t := tokenizer.decode([k])), "logprob": lp,
+                                      "bytes": list(t.encode("utf8"))} for k, lp in best]
+        content.append(entry)
+    return {"content": content}
+
+
+def chat_completion(result: GenerationResult, call: InferCall, *, model: str, tokenizer: Any) -> dict[str, Any]:
+    """The ``ChatCompletionResponse`` dict an unwrapped swift rollout server returns for one request."""
+    details = call.return_details
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": result.text, "tool_calls": None, "reasoning_content": None},
+        "finish_reason": result.finish_reason,
+        "logprobs": _logprobs_content(result, tokenizer, call.top_logprobs) if call.logprobs else None,
+        "token_ids": list(result.token_ids) if details else None,
+        "routed_experts": None,
+    }
+    prompt, completion = len(result.prompt_token_ids), len(result.token_ids)
+    return {
+        "model": model,
+        "choices": [choice],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "prompt_token_ids": list(result.prompt_token_ids) if details else None,
+        "prompt_logprobs": None,
+        "images_size": None,
+    }
+
+
+def envelope(result: GenerationResult) -> dict[str, Any]:
+    """The namespace's content: the guard's own flag first, then what makes the result whole."""
+    return {
+        "repeat_terminate_triggered": int(result.meta.get("repeat_terminate_triggered", 0)),
+        "repeat_terminate_index": result.meta.get("repeat_terminate_index"),
+        "repeat_terminate_reason": result.meta.get("repeat_terminate_reason"),
+        "stop_reason": result.stop_reason,
+        "raw_text": result.raw_text,
+        "token_logprobs": None if result.logprobs is None else [sorted(s.items()) for s in result.logprobs],
+        "meta": result.meta,
+    }
+
+
+def rollout_item(result: GenerationResult, call: InferCall, *, model: str, tokenizer: Any,
+                 namespace: str | None) -> dict[str, Any]:
+    """One ``/infer/`` item: the bare response when ``namespace`` is None, else ``{response, namespace: ...}``."""
+    response = chat_completion(result, call, model=model, tokenizer=tokenizer)
+    if namespace is None:
+        return response
+    return {"response": response, namespace: envelope(result)}
+
+
+def result_from_item(item: Mapping[str, Any], namespace: str) -> GenerationResult:
+    """A ``GenerationResult`` from an enveloped item (sent with ``return_details: true``).
+
+    The trigger flag comes from the envelope, never from the finish reason."""
+    if namespace not in item:
+        raise RequestError(f"item.{namespace}", sorted(item), "is missing: the server sends no envelope under "
+                           "this namespace", fix="start the server with serve.namespace set to it")
+    response, env = item["response"], item[namespace]
+    choice = response["choices"][0]
+    if choice.get("token_ids") is None or response.get("prompt_token_ids") is None:
+        raise RequestError("request_config.return_details", False, "must be true to rebuild results",
+                           fix="send return_details: true")
+    logprobs = None
+    if env.get("token_logprobs") is not None:
+        logprobs = tuple({int(k): float(v) for k, v in step} for step in env["token_logprobs"])
+    meta = dict(env.get("meta") or {})
+    meta["repeat_terminate_triggered"] = int(env["repeat_terminate_triggered"])
+    return GenerationResult(text=choice["message"]["content"], raw_text=env["raw_text"],
+                            token_ids=tuple(choice["token_ids"]), prompt_token_ids=tuple(response["prompt_token_ids"]),
+                            finish_reason=choice["finish_reason"], stop_reason=env["stop_reason"], logprobs=logprobs,
+                            meta=meta)

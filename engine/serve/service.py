@@ -1,0 +1,68 @@
+"""``ServedEngine``: one loaded ``GenerationEngine`` plus what the server reports about it.
+
+The HTTP layer only translates; every generation goes through ``GenerationEngine.agenerate``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from engine.serve.activation import Activation
+from engine.serve.metrics import ServeMetrics
+
+
+class ServedEngine:
+    """A loaded engine, the guard's startup activation, and the server's counters.
+
+    Example (needs a built model)::
+
+        served = ServedEngine(GenerationEngine(cfg), Activation(None, "default (disabled)"))
+        app = create_app(served)          # engine.serve.app
+    """
+
+    def __init__(self, engine: Any, activation: Activation) -> None:
+        self.engine = engine
+        self.activation = activation
+        self.serve = engine.config.serve
+        self.metrics = ServeMetrics()
+        self.in_flight = 0
+        self.started = time.time()
+
+    @property
+    def model_name(self) -> str:
+        return self.serve.model_name or Path(self.engine.config.model.path).name
+
+    @property
+    def guard_active(self) -> int:
+        """1 when the repeat guard runs on every request: enabled, and the backend offers its hook (an engine
+        whose guard cannot run refuses to start, so this equals ``enabled``)."""
+        return int(self.engine.config.repeat_terminate.enabled)
+
+    def health(self) -> dict[str, Any]:
+        cfg = self.engine.config
+        backend = self.engine.backend
+        vllm = cfg.vllm
+        return {
+            "status": "ok",
+            "backend": backend.name,
+            "model": self.model_name,
+            "model_path": cfg.model.path,
+            "dtype": cfg.model.dtype,
+            "runner": getattr(backend, "runner", None),
+            "engine_core": "child process" if backend.name == "vllm" and (vllm.async_engine or vllm.multiprocessing)
+            else "in-process",
+            "repeat_terminate_active": self.guard_active,
+            "repeat_terminate": cfg.repeat_terminate.as_dict(),
+            "repeat_terminate_hash": cfg.repeat_terminate.fingerprint(),
+            "repeat_terminate_source": self.activation.source,
+            "namespace": self.serve.namespace,
+            "max_model_len": backend.capabilities.max_model_len,
+            "uptime_s": round(time.time() - self.started, 3),
+        }
+
+    def world_size(self) -> int:
+        if self.engine.backend.name == "vllm":
+            return self.engine.config.vllm.tensor_parallel_size * self.engine.config.vllm.data_parallel_size
+        return 1
