@@ -68,3 +68,19 @@ def assert_same_results(results: dict[str, Sequence[Any]], *, what: str) -> None
             meta_0 = {k: v for k, v in r0.meta.items() if k not in BACKEND_OWN_META}
             meta_1 = {k: v for k, v in r1.meta.items() if k not in BACKEND_OWN_META}
             assert meta_0 == meta_1, f"{what}: request {i} meta: {name_0}={meta_0!r} vs {name_1}={meta_1!r}"
+
+
+def assert_served_equal(served: Sequence[Any], local: Sequence[Any], *, what: str, logprob_tol: float = 1e-4) -> None:
+    """Results reached through the server equal the in-process ones: every field (prompt ids and the whole meta
+    included); logprobs have the same token sets and values within ``logprob_tol`` (float noise of batching)."""
+    assert len(served) == len(local), f"{what}: served {len(served)} results, in-process {len(local)}"
+    for i, (s, r) in enumerate(zip(served, local, strict=True)):
+        for field_name in (*RESULT_FIELDS, "prompt_token_ids"):
+            a, b = getattr(s, field_name), getattr(r, field_name)
+            assert a == b, f"{what}: request {i} {field_name}: served={a!r} vs in-process={b!r}"
+        assert s.meta == r.meta, f"{what}: request {i} meta: served={s.meta!r} vs in-process={r.meta!r}"
+        assert (s.logprobs is None) == (r.logprobs is None), f"{what}: request {i}: logprobs on one side only"
+        for step, (ls, lr) in enumerate(zip(s.logprobs or (), r.logprobs or (), strict=True)):
+            assert set(ls) == set(lr), f"{what}: request {i} step {step}: top-k ids {sorted(ls)} vs {sorted(lr)}"
+            worst = max(abs(ls[k] - lr[k]) for k in ls)
+            assert worst <= logprob_tol, f"{what}: request {i} step {step}: logprobs differ by {worst:.2e}"

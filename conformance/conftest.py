@@ -2,7 +2,7 @@
 
 Options (all under "engine conformance" in ``pytest --help``):
 ``--engine-backends``, ``--engine-require``, ``--engine-model``, ``--engine-vlm-model``, ``--engine-dtype``,
-``--engine-device``, ``--engine-vllm-multiprocessing``.
+``--engine-device``, ``--engine-vllm-multiprocessing``, ``--engine-served``.
 Defaults are the fixture models built by ``python -m fixtures build``. A backend that cannot run here is
 skipped with its reason printed in the summary, never silently, unless ``--engine-require`` lists it: then the
 session fails before any test (``nox -s conformance`` requires hf and vllm). After each run a per-backend x per-check
@@ -49,6 +49,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--engine-vllm-multiprocessing", action="store_true", default=False,
                     help="run every vLLM engine core in a child process (VLLM_ENABLE_V1_MULTIPROCESSING=1), as "
                          "servers and multi-GPU runs do (default: in-process)")
+    group.addoption("--engine-served", action="store_true", default=False,
+                    help="also reach every engine through python -m engine.serve and assert the served results "
+                         "equal the in-process ones field by field (see conformance/served.py)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -64,12 +67,21 @@ def pytest_configure(config: pytest.Config) -> None:
         dtype=config.getoption("--engine-dtype"),
         device=config.getoption("--engine-device"),
         vllm_multiprocessing=config.getoption("--engine-vllm-multiprocessing"),
+        served=config.getoption("--engine-served"),
     )
     pool = EnginePool(options)
     config.stash[POOL_KEY] = pool
     context = lambda: {"vllm_runner": ",".join(sorted(pool.runners)) or "none started",  # noqa: E731
-                       "vllm_engine_core": pool.vllm_mode}
+                       "vllm_engine_core": pool.vllm_mode, "served": pool.options.served}
     config.pluginmanager.register(SummaryCollector(Path(config.rootpath) / "reports", context), "engine-summary")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """``--engine-served`` must really have served: a run whose checks never reached a server fails."""
+    pool = session.config.stash.get(POOL_KEY, None)
+    if pool is not None and pool.options.served and exitstatus == 0 and pool.served_total == 0:
+        print("\n--engine-served: no check reached a server (select checks that generate)", flush=True)
+        session.exitstatus = 1
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

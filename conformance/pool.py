@@ -15,6 +15,10 @@ class PoolOptions:
     device: str
     vllm_multiprocessing: bool = False
     """vLLM engine cores in child processes (``vllm.multiprocessing: true``) instead of in-process."""
+    served: bool = False
+    """Reach every pooled engine through ``python -m engine.serve`` too (see ``conformance.served``)."""
+    max_servers: int = 2
+    """Servers kept alive at once under ``served`` (least recently used ones are stopped)."""
 
 
 @dataclass
@@ -24,6 +28,7 @@ class EnginePool:
     options: PoolOptions
     _engines: dict[tuple[str, str, str], Any] = field(default_factory=dict)
     _raw: dict[tuple[str, ...], Any] = field(default_factory=dict)
+    _servers: dict[tuple[str, str, str], Any] = field(default_factory=dict)
     runners: set[str] = field(default_factory=set)
     """The model runners the started vLLM engines really use ("v1"/"v2"), for the header and the report."""
 
@@ -45,7 +50,25 @@ class EnginePool:
             runner = getattr(self._engines[key].backend, "runner", None)
             if runner is not None:
                 self.runners.add(runner)
+            if self.options.served:
+                from conformance.served import ServedTwin
+
+                local, config = self._engines[key], self.config(backend, model, **sections)
+                self._engines[key] = ServedTwin(local, lambda: self.server(key, config))
         return self._engines[key]
+
+    def server(self, key: tuple[str, str, str], config: dict[str, Any]) -> Any:
+        """The running server for ``key`` (started on first need; least recently used ones stop beyond
+        ``max_servers``, to bound memory)."""
+        from engine.client import launch_server
+
+        if key in self._servers:
+            self._servers[key] = self._servers.pop(key)  # most recently used last
+            return self._servers[key]
+        while len(self._servers) >= self.options.max_servers:
+            self._servers.pop(next(iter(self._servers))).stop()
+        self._servers[key] = launch_server({**config, "serve": {"port": 0}})
+        return self._servers[key]
 
     @property
     def vllm_mode(self) -> str:
@@ -64,7 +87,14 @@ class EnginePool:
             self._raw[key] = factory()
         return self._raw[key]
 
+    served_total: int = 0
+    """Calls answered through a server under ``served`` (summed at close; a served run with none fails)."""
+
     def close(self) -> None:
+        self.served_total += sum(getattr(e, "served_calls", 0) for e in self._engines.values())
+        for server in self._servers.values():
+            server.stop()
+        self._servers.clear()
         for eng in self._engines.values():
             eng.close()
         self._engines.clear()

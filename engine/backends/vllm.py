@@ -99,6 +99,12 @@ def start_arguments(model: ModelConfig, settings: VllmConfig, processor: Any,
 
 
 def import_vllm() -> Any:
+    """``vllm``, with :mod:`engine.compat.torchvision` active first where torchvision is absent: vLLM loads every
+    installed general plugin at engine start (ms-swift's imports vLLM's Qwen-VL models, which import
+    torchvision-backed transformers modules), in this process and in its engine-core children."""
+    from engine.compat import torchvision as tv_compat
+
+    tv_compat.install()
     try:
         import vllm
     except ImportError as err:

@@ -13,6 +13,7 @@ engine's per-token logprobs and ``meta``).
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Mapping
@@ -177,6 +178,8 @@ def wire_error(err: EngineError) -> EngineError:
         name = WIRE_NAMES.get(err.field, err.field)
         if name.startswith("requests["):
             name = "infer_" + name
+        elif name.startswith("plugins["):
+            name = "engine." + name
         elif name.startswith(("generation.", "stop.")):
             name = "engine." + name.replace("generation.", "options.", 1)
         if name != err.field:
@@ -192,6 +195,21 @@ def error_body(message: str, *, kind: str = "invalid_request_error", param: str 
 
 # -- responses ------------------------------------------------------------------------------------------
 
+FLOOR = -9999.0
+"""What ``choices[].logprobs`` shows for a -inf log-probability (JSON has no infinities; vLLM's OpenAI server uses
+the same floor). The envelope's ``token_logprobs`` keeps the exact value, as the string "-inf"."""
+
+
+def shown_logprob(value: float) -> float:
+    """>>> shown_logprob(float("-inf")), shown_logprob(-0.5)
+    (-9999.0, -0.5)
+    """
+    return value if math.isfinite(value) else FLOOR
+
+
+def _exact(value: float) -> float | str:
+    return value if math.isfinite(value) else repr(value)
+
 
 def _logprobs_content(result: GenerationResult, tokenizer: Any, top: int | None) -> dict[str, Any] | None:
     """Per-token logprobs in swift's (OpenAI's) shape: token, logprob, bytes, and ``top`` alternatives."""
@@ -200,10 +218,11 @@ def _logprobs_content(result: GenerationResult, tokenizer: Any, top: int | None)
     content = []
     for token_id, step in zip(result.token_ids, result.logprobs, strict=True):
         token = tokenizer.decode([token_id])
-        entry: dict[str, Any] = {"token": token, "logprob": step[token_id], "bytes": list(token.encode("utf8"))}
+        entry: dict[str, Any] = {"token": token, "logprob": shown_logprob(step[token_id]),
+                                 "bytes": list(token.encode("utf8"))}
         if top is not None:
             best = sorted(step.items(), key=lambda kv: -kv[1])[:top]
-            entry["top_logprobs"] = [{"token": (t := tokenizer.decode([k])), "logprob": lp,
+            entry["top_logprobs"] = [{"token": (t := tokenizer.decode([k])), "logprob": shown_logprob(lp),
                                       "bytes": list(t.encode("utf8"))} for k, lp in best]
         content.append(entry)
     return {"content": content}
@@ -242,7 +261,8 @@ def envelope(result: GenerationResult) -> dict[str, Any]:
         "repeat_terminate_reason": result.meta.get("repeat_terminate_reason"),
         "stop_reason": result.stop_reason,
         "raw_text": result.raw_text,
-        "token_logprobs": None if result.logprobs is None else [sorted(s.items()) for s in result.logprobs],
+        "token_logprobs": None if result.logprobs is None else [[[k, _exact(v)] for k, v in sorted(s.items())]
+                                                                for s in result.logprobs],
         "meta": result.meta,
     }
 

@@ -22,10 +22,11 @@ class ServedEngine:
         app = create_app(served)          # engine.serve.app
     """
 
-    def __init__(self, engine: Any, activation: Activation) -> None:
+    def __init__(self, engine: Any, activation: Activation, serve: Any = None) -> None:
         self.engine = engine
         self.activation = activation
-        self.serve = engine.config.serve
+        self.serve = serve or engine.config.serve
+        """The ``ServeConfig`` in effect (the engine's own unless given)."""
         self.metrics = ServeMetrics()
         self.in_flight = 0
         self.started = time.time()

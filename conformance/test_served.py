@@ -1,0 +1,346 @@
+"""The served engine (``python -m engine.serve``) on both backends, driven by clients nobody here wrote (ms-swift's
+rollout client, curl) and by ours: the envelope, activation checks, bad input, load, disconnects, kills, drain.
+
+Servers bind 127.0.0.1 only; every request loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conformance.compare import assert_served_equal
+from conformance.test_repeat import BUDGET, LOOP_GUARD, MIXED
+from engine.config import RepeatTerminateConfig
+from fixtures import fixture_path
+
+pytestmark = pytest.mark.slow
+NS = "coordexp"
+GREEDY = {"max_tokens": BUDGET["max_new_tokens"], "temperature": 0, "return_details": True}
+
+
+@pytest.fixture(scope="session")
+def looper_path() -> str:
+    return str(fixture_path("tiny-looper"))
+
+
+@pytest.fixture(scope="session")
+def served_config(pool, looper_path):
+    def make(backend: str) -> dict:
+        return {**pool.config(backend, looper_path), "serve": {"port": 0, "namespace": NS}}
+    return make
+
+
+@pytest.fixture(scope="session")
+def server(pool, backend, served_config):
+    """One server per backend on the looper fixture, its guard activated from the environment at startup."""
+    from conformance.conftest import unavailable_reason
+    from engine.client import launch_server
+
+    if unavailable_reason(backend):
+        pytest.skip(unavailable_reason(backend))
+    handle = launch_server(served_config(backend), repeat_terminate=LOOP_GUARD)
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture(scope="session")
+def reference(pool, backend, looper_path):
+    """The in-process engine with the same config: what every served answer must equal."""
+    return pool.engine(backend, looper_path, repeat_terminate=LOOP_GUARD)
+
+
+def post(url: str, body, timeout: float = 120.0):
+    import httpx
+
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(f"{url}/infer/", content=content, headers={"content-type": "application/json"},
+                      timeout=timeout)
+
+
+def generated_sequences(url: str) -> int:
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return int(next(line.split()[1] for line in text.splitlines() if line.startswith("engine_sequences_total ")))
+
+
+def test_health_reports_the_startup_activation(server, backend):
+    import httpx
+
+    health = httpx.get(f"{server.url}/health", timeout=10).json()
+    expected = RepeatTerminateConfig(**LOOP_GUARD)
+    assert health["status"] == "ok" and health["backend"] == backend
+    assert health["repeat_terminate_active"] == 1
+    assert health["repeat_terminate"] == expected.as_dict()
+    assert health["repeat_terminate_hash"] == expected.fingerprint()
+    assert health["repeat_terminate_source"] == "env:ENGINE_REPEAT_TERMINATE_JSON"
+    if backend == "vllm":
+        assert health["runner"] in ("v1", "v2") and health["engine_core"] == "child process"
+    assert httpx.get(f"{server.url}/get_world_size/", timeout=10).json() == {"world_size": 1}
+    assert httpx.post(f"{server.url}/get_engine_type/", timeout=10).json()["engine_type"] == "AsyncLLMEngine"
+
+
+def test_swift_client_drives_infer_and_parses_every_item(server, reference):
+    """ms-swift's own VLLMInferClient: its health check, its /infer/ body (every RequestConfig field), its parser."""
+    from swift.infer_engine import RequestConfig
+    from swift.infer_engine.protocol import RolloutInferRequest, RolloutOutput
+    from swift.rlhf_trainers.vllm_client import VLLMInferClient
+
+    client = VLLMInferClient(base_urls=[server.url], connection_timeout=30)
+    outputs = client.infer([RolloutInferRequest(messages=m) for m in MIXED],
+                           RequestConfig(max_tokens=BUDGET["max_new_tokens"], temperature=0, return_details=True))
+    local = reference.generate(MIXED, options=BUDGET)
+    assert len(outputs) == len(local)
+    for i, (out, ref) in enumerate(zip(outputs, local, strict=True)):
+        assert isinstance(out, RolloutOutput), f"item {i} parsed as {type(out).__name__}, not swift's RolloutOutput"
+        choice = out.response.choices[0]
+        assert choice.message.content == ref.text and tuple(choice.token_ids) == ref.token_ids, f"item {i}"
+        assert choice.finish_reason == ref.finish_reason
+        assert tuple(out.response.prompt_token_ids) == ref.prompt_token_ids
+        assert out.response.usage.completion_tokens == len(ref.token_ids)
+    assert {r.meta["repeat_terminate_triggered"] for r in local} == {0, 1}, "MIXED must hold looping and clean rows"
+
+
+def test_envelope_flags_equal_the_in_process_meta(server, reference):
+    from engine.serve.protocol import result_from_item, shown_logprob
+
+    body = {"infer_requests": [{"messages": m} for m in MIXED], "request_config": {**GREEDY, "logprobs": True,
+                                                                                   "top_logprobs": 2}}
+    r = post(server.url, body)
+    assert r.status_code == 200, r.text
+    items = r.json()
+    served = [result_from_item(item, NS) for item in items]
+    local = reference.generate(MIXED, options={**BUDGET, "logprobs": 2})
+    assert_served_equal(served, local, what="served vs in-process")
+    for item, ref in zip(items, local, strict=True):
+        assert set(item) == {"response", NS}
+        assert item[NS]["repeat_terminate_triggered"] == ref.meta["repeat_terminate_triggered"]
+        content = item["response"]["choices"][0]["logprobs"]["content"]
+        chosen = [shown_logprob(ref.logprobs[k][t]) for k, t in enumerate(ref.token_ids)]
+        assert [c["logprob"] for c in content] == chosen
+        assert all(len(c["top_logprobs"]) == 2 for c in content)
+
+
+def test_curl_sees_the_raw_wire_format(server):
+    curl = shutil.which("curl")
+    if curl is None:
+        pytest.fail("curl is not installed; the wire-format check needs it (apt-get install curl)")
+    body = json.dumps({"infer_requests": [{"messages": MIXED[0]}], "request_config": {"max_tokens": 8,
+                                                                                     "temperature": 0}})
+    out = subprocess.run([curl, "-sS", "--max-time", "60", "-X", "POST", f"{server.url}/infer/", "-H",
+                          "Content-Type: application/json", "-d", body], capture_output=True, text=True, check=True)
+    [item] = json.loads(out.stdout)
+    response = item["response"]
+    assert set(response) == {"model", "choices", "usage", "id", "object", "created", "prompt_token_ids",
+                             "prompt_logprobs", "images_size"}
+    assert response["object"] == "chat.completion" and response["id"].startswith("chatcmpl-")
+    assert response["prompt_token_ids"] is None and response["choices"][0]["token_ids"] is None  # no details
+    assert item[NS]["repeat_terminate_triggered"] in (0, 1)
+    bad = subprocess.run([curl, "-sS", "--max-time", "30", "-w", "\n%{http_code}", "-X", "POST",
+                          f"{server.url}/infer/", "-H", "Content-Type: application/json", "-d", "{oops"],
+                         capture_output=True, text=True, check=True)
+    text, code = bad.stdout.rsplit("\n", 1)
+    assert code == "400" and json.loads(text)["error"]["param"] == "body"
+
+
+def test_envelope_is_additive(pool, looper_path):
+    """The wrapped item's ``response`` equals what the same app returns with no envelope (namespace null)."""
+    import asyncio
+
+    import httpx
+
+    from engine.config import ServeConfig
+    from engine.serve.activation import Activation
+    from engine.serve.app import create_app
+    from engine.serve.service import ServedEngine
+
+    local = pool.engine("hf", looper_path, repeat_terminate=LOOP_GUARD)
+    body = {"infer_requests": [{"messages": m} for m in MIXED], "request_config": {**GREEDY, "logprobs": True}}
+
+    async def ask(namespace):
+        app = create_app(ServedEngine(local, Activation(LOOP_GUARD, "test"), ServeConfig(namespace=namespace)),
+                         close_engine=False)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return (await c.post("/infer/", json=body, timeout=120)).json()
+
+    wrapped, bare = asyncio.run(ask(NS)), asyncio.run(ask(None))
+    strip = lambda d: {k: v for k, v in d.items() if k not in ("id", "created")}  # noqa: E731
+    assert [strip(w["response"]) for w in wrapped] == [strip(b) for b in bare]
+    assert all(set(b) == set(w["response"]) for w, b in zip(wrapped, bare, strict=True))
+
+
+BAD_BODIES = [
+    (b"{not json", "body"),
+    ({"infer_requests": [{"messages": MIXED[0]}], "request_config": {"n": 2}}, "request_config.n"),
+    ({"infer_requests": [{"messages": MIXED[0]}], "request_config": {"beam_width": 2}}, "request_config.beam_width"),
+    ({"infer_requests": [{"messages": MIXED[0]}], "request_config": {"num_beams": 4}}, "request_config.num_beams"),
+    ({"infer_requests": [{"messages": MIXED[0]}], "request_config": {"stream": True}}, "request_config.stream"),
+    ({"infer_requests": [{"messages": MIXED[0]}], "request_config": {"top_p": 1.5, "temperature": 1}},
+     "request_config.top_p"),
+    ({"infer_requests": [{"messages": MIXED[0], "images": ["x.png"]}]}, "infer_requests[0].images"),
+    ({"infer_requests": [{"messages": []}]}, "infer_requests[0].messages"),
+    ({"infer_requests": [{"messages": MIXED[0]}, {"messages": [{"role": "robot", "content": "x"}]}]},
+     "infer_requests[1].messages[0].role"),
+    ({"infer_requests": [{"messages": MIXED[0]}], "extra": 1}, "extra"),
+    ({"infer_requests": [{"messages": MIXED[0]}], "engine": {"options": {"min_new_tokens": -1}}},
+     "engine.options.min_new_tokens"),
+    ({"infer_requests": [{"messages": MIXED[0]}], "engine": {"plugins": [{"name": "nope"}]}}, "engine.plugins[0].name"),
+]
+
+
+def test_bad_requests_are_refused_naming_the_field_and_generate_nothing(server):
+    before = generated_sequences(server.url)
+    long_prompt = [{"role": "user", "content": "word " * 2100}]  # beyond the looper's 2048-token context
+    cases = [*BAD_BODIES, ({"infer_requests": [{"messages": long_prompt}]}, "infer_requests[0].messages")]
+    for body, field in cases:
+        r = post(server.url, body)
+        assert r.status_code == 400, (field, r.status_code, r.text)
+        error = r.json()["error"]
+        assert error["param"] == field and field in error["message"], (field, error)
+        assert "Fix:" in error["message"] or "did you mean" in error["message"], error
+    assert generated_sequences(server.url) == before, "a refused request generated something"
+    good = post(server.url, {"infer_requests": [{"messages": MIXED[0]}], "request_config": GREEDY})
+    assert good.status_code == 200  # refusals did not poison the server
+
+
+def test_client_refuses_a_server_whose_guard_differs(server):
+    from engine.client import RolloutClient, RolloutServerError
+
+    other = {**LOOP_GUARD, "ngram_repeats": 5}
+    with RolloutClient(server.url, repeat_terminate=other, health_timeout=10) as client, \
+            pytest.raises(RolloutServerError, match=r"differs from the server's") as info:
+        client.wait_ready()
+    assert RepeatTerminateConfig(**other).fingerprint()[:12] in str(info.value)
+    assert RepeatTerminateConfig(**LOOP_GUARD).fingerprint()[:12] in str(info.value)
+    with RolloutClient(server.url, repeat_terminate=LOOP_GUARD, namespace="other", health_timeout=10) as client, \
+            pytest.raises(RolloutServerError, match="namespace"):
+        client.wait_ready()
+
+
+def test_64_concurrent_clients_get_their_own_answers(server, reference):
+    """64 clients x 10 requests: nothing lost, nothing cross-wired (each answer equals its own prompt's)."""
+    from engine.client import RolloutClient
+
+    prompts = MIXED
+    local = reference.generate(prompts, options=BUDGET)
+    results: dict[tuple[int, int], object] = {}
+
+    def client_loop(c: int) -> None:
+        with RolloutClient(server.url, repeat_terminate=LOOP_GUARD, timeout=300, health_timeout=30) as client:
+            for k in range(10):
+                i = (c + k) % len(prompts)
+                [results[(c, k)]] = client.infer([prompts[i]], {"max_tokens": BUDGET["max_new_tokens"],
+                                                                "temperature": 0})
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=64) as pool_:
+        list(pool_.map(client_loop, range(64)))
+    elapsed = time.perf_counter() - start
+    assert len(results) == 640, f"lost {640 - len(results)} answers"
+    for (c, k), got in results.items():
+        ref = local[(c + k) % len(prompts)]
+        assert got.token_ids == ref.token_ids and got.text == ref.text, f"client {c} request {k} got another answer"
+        assert got.meta["repeat_terminate_triggered"] == ref.meta["repeat_terminate_triggered"]
+    print(f"640 requests from 64 clients in {elapsed:.1f}s ({640 / elapsed:.1f} req/s)")
+
+
+def test_client_disconnect_cancels_only_its_request(server):
+    import httpx
+
+    body = json.dumps({"infer_requests": [{"messages": MIXED[0]}] * 8,
+                       "request_config": {"max_tokens": 2000, "temperature": 0}}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /infer/ HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while "engine_requests_cancelled_total 1" not in httpx.get(f"{server.url}/metrics", timeout=10).text:
+        assert time.monotonic() < deadline, "the server never noticed the disconnect"
+        time.sleep(0.25)
+    r = post(server.url, {"infer_requests": [{"messages": MIXED[0]}], "request_config": GREEDY})
+    assert r.status_code == 200
+
+
+def test_graceful_shutdown_drains_then_a_killed_server_fails_the_client_fast(served_config):
+    """SIGTERM: the in-flight request still gets its answer. SIGKILL mid-batch: the client raises within 5 s."""
+    from engine.client import RolloutClient, RolloutServerError, launch_server
+
+    config = served_config("hf")
+    slow = {"max_tokens": 400, "temperature": 0}
+    handle = launch_server(config, repeat_terminate=LOOP_GUARD)
+    with RolloutClient(handle.url, repeat_terminate=LOOP_GUARD, timeout=120, health_timeout=30) as client:
+        box: dict[str, object] = {}
+        t = threading.Thread(target=lambda: box.update(r=client.infer([MIXED[0]] * 4, slow)))
+        t.start()
+        time.sleep(1.0)
+        handle.process.send_signal(signal.SIGTERM)
+        t.join(120)
+        assert handle.process.wait(60) == 0
+    assert len(box.get("r", [])) == 4, "SIGTERM dropped an in-flight request instead of draining it"
+
+    handle = launch_server(config, repeat_terminate=LOOP_GUARD)
+    with RolloutClient(handle.url, repeat_terminate=LOOP_GUARD, timeout=120, health_timeout=30) as client:
+        box = {}
+
+        def run() -> None:
+            try:
+                client.infer([MIXED[0]] * 8, slow)
+            except RolloutServerError as err:
+                box["error"], box["at"] = err, time.monotonic()
+
+        t = threading.Thread(target=run)
+        t.start()
+        time.sleep(1.0)
+        killed = time.monotonic()
+        handle.process.kill()
+        t.join(30)
+        assert "error" in box, "the client did not raise after the server was killed"
+        assert box["at"] - killed < 5, f"the client raised {box['at'] - killed:.1f}s after the kill"
+    handle.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_guard_that_cannot_run_exits_before_binding(pool, served_config, tmp_path):
+    """vLLM without its runner's logits-processor interface: exit 3 with the reason; the port is never bound."""
+    from conformance.conftest import unavailable_reason
+
+    if unavailable_reason("vllm"):
+        pytest.skip(unavailable_reason("vllm"))
+    import yaml
+
+    path = tmp_path / "served.yaml"
+    path.write_text(yaml.safe_dump({**served_config("vllm"), "repeat_terminate": LOOP_GUARD}))
+    port = free_port()
+    code = ("import sys; sys.modules['vllm.v1.sample.logits_processor'] = None; "
+            "sys.modules['vllm.v1.worker.gpu.sample.logits_processor'] = None; "
+            "from engine.serve.launch import main; sys.exit(main(sys.argv[1:]))")
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", code, "--config", str(path), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    bound = False
+    while proc.poll() is None and time.perf_counter() - start < 120:
+        with socket.socket() as s:
+            bound = bound or s.connect_ex(("127.0.0.1", port)) == 0
+        time.sleep(0.1)
+    _out, err = proc.communicate(timeout=60)
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 3, (proc.returncode, err[-2000:])
+    assert "cannot start" in err and "repeat_terminate.enabled is true, but the guard cannot be activated" in err
+    assert not bound, "the port was bound although the guard could not run"
+    print(f"guard refusal: exit 3 after {elapsed:.1f}s, port never bound")

@@ -1,0 +1,113 @@
+"""``AsyncBatcher`` scheduling: concurrent submissions share ``generate`` calls, unequal or seeded plans never do,
+one failing submission does not fail the others. The backend here is a recording stand-in: the batcher's rule is
+what is under test (the real backends run through it in conformance/test_served.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from engine.backends.base import BackendOutput, Prompt, SamplingPlan
+from engine.batcher import AsyncBatcher
+from engine.config import GenerationOptions, StopPolicy
+
+
+class Recorder:
+    """Answers each prompt with its own ids reversed; raises for a prompt holding id 666."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[tuple[int, ...]]] = []
+        self.threads: set[int] = set()
+
+    def generate(self, prompts, plan):
+        self.threads.add(threading.get_ident())
+        self.calls.append([p.token_ids for p in prompts])
+        if any(666 in p.token_ids for p in prompts):
+            raise RuntimeError("poisoned prompt")
+        return [BackendOutput(token_ids=tuple(reversed(p.token_ids))) for p in prompts]
+
+
+def plan(**options) -> SamplingPlan:
+    return SamplingPlan(GenerationOptions(**options), StopPolicy(), (2,))
+
+
+def prompt(*ids: int) -> Prompt:
+    return Prompt(token_ids=ids, text="")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_concurrent_submissions_share_one_generate_and_get_their_own_rows():
+    backend = Recorder()
+    batcher = AsyncBatcher(backend, max_batch_size=32, wait_s=0.05)
+
+    async def main():
+        return await asyncio.gather(*(batcher.submit([prompt(i, i + 1), prompt(i, 7)], plan()) for i in range(10)))
+
+    results = run(main())
+    assert len(backend.calls) == 1 and len(backend.calls[0]) == 20
+    for i, rows in enumerate(results):
+        assert [r.token_ids for r in rows] == [(i + 1, i), (7, i)]
+    assert len(backend.threads) == 1
+
+
+def test_batches_respect_the_size_limit():
+    backend = Recorder()
+    batcher = AsyncBatcher(backend, max_batch_size=4, wait_s=0.05)
+
+    async def main():
+        return await asyncio.gather(*(batcher.submit([prompt(i)], plan()) for i in range(10)))
+
+    results = run(main())
+    assert [r[0].token_ids for r in results] == [(i,) for i in range(10)]
+    assert all(len(c) <= 4 for c in backend.calls) and sum(map(len, backend.calls)) == 10
+
+
+def test_different_plans_and_seeded_sampling_are_never_merged():
+    backend = Recorder()
+    batcher = AsyncBatcher(backend, max_batch_size=32, wait_s=0.05)
+    seeded = plan(temperature=1.0, seed=5)
+
+    async def main():
+        await asyncio.gather(batcher.submit([prompt(1)], plan()), batcher.submit([prompt(2)], plan(max_new_tokens=9)),
+                             batcher.submit([prompt(3)], seeded), batcher.submit([prompt(4)], seeded))
+
+    run(main())
+    assert sorted(len(c) for c in backend.calls) == [1, 1, 1, 1]
+
+
+def test_a_failing_submission_does_not_fail_its_neighbours():
+    backend = Recorder()
+    batcher = AsyncBatcher(backend, max_batch_size=32, wait_s=0.05)
+
+    async def main():
+        return await asyncio.gather(batcher.submit([prompt(1)], plan()), batcher.submit([prompt(666)], plan()),
+                                    batcher.submit([prompt(3)], plan()), return_exceptions=True)
+
+    good_1, bad, good_3 = run(main())
+    assert isinstance(bad, RuntimeError) and "poisoned" in str(bad)
+    assert good_1[0].token_ids == (1,) and good_3[0].token_ids == (3,)
+
+
+def test_a_cancelled_submission_is_dropped_before_its_batch():
+    backend = Recorder()
+    batcher = AsyncBatcher(backend, max_batch_size=32, wait_s=0.2)
+
+    async def main():
+        gone = asyncio.ensure_future(batcher.submit([prompt(9)], plan()))
+        kept = asyncio.ensure_future(batcher.submit([prompt(1)], plan()))
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        return await kept
+
+    assert run(main())[0].token_ids == (1,)
+    assert backend.calls == [[(1,)]]
+
+
+def test_a_second_event_loop_gets_a_working_batcher():
+    backend = Recorder()
+    batcher = AsyncBatcher(backend, wait_s=0.0)
+    assert run(batcher.submit([prompt(1)], plan()))[0].token_ids == (1,)
+    assert run(batcher.submit([prompt(2)], plan()))[0].token_ids == (2,)

@@ -1,0 +1,106 @@
+"""Startup of ``python -m engine.serve``: the guard's subtree from config, environment or the learner's YAML,
+validated before torch or vLLM is imported; bad input exits non-zero within seconds, before any model load."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from engine.errors import ConfigError
+from engine.serve.activation import ENV_FILE, ENV_JSON, resolve
+
+BASE = {"backend": "hf", "model": {"path": "/models/none", "dtype": "float32"}}
+GUARD = {"enabled": True, "ngram_size": 3, "ngram_repeats": 3}
+PROBE = ("import sys; from engine.serve.launch import main; code = main(sys.argv[1:]); "
+         "heavy = sorted(m for m in ('torch', 'vllm', 'transformers', 'fastapi', 'uvicorn') if m in sys.modules); "
+         "print('HEAVY=' + ','.join(heavy)); sys.exit(code)")
+
+
+def serve(tmp_path, config: dict, *args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    import os
+
+    path = tmp_path / "served.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    start = time.perf_counter()
+    clean = {k: v for k, v in os.environ.items() if k not in (ENV_JSON, ENV_FILE)}
+    proc = subprocess.run([sys.executable, "-c", PROBE, "--config", str(path), *args], capture_output=True,
+                          text=True, env={**clean, **(env or {})}, timeout=60)
+    return proc, time.perf_counter() - start
+
+
+@pytest.mark.parametrize(("subtree", "message"), [
+    ({"enabled": True}, "repeat_terminate.enabled has no threshold set"),
+    ({"enabled": True, "ngram_size": 3}, "repeat_terminate.ngram_repeats must be set together"),
+    ({"enabled": "yes", "max_consecutive_token_repeats": 4}, "repeat_terminate.enabled must be true or false"),
+    ({"enabled": True, "max_consecutive_token_repeat": 4}, "did you mean 'max_consecutive_token_repeats'"),
+])
+@pytest.mark.parametrize("source", ["config", "env-json", "env-file", "learner-yaml"])
+def test_bad_subtree_exits_2_fast_before_heavy_imports(tmp_path, subtree, message, source):
+    config, args, env = dict(BASE), [], {}
+    if source == "config":
+        config["repeat_terminate"] = subtree
+    elif source == "env-json":
+        env[ENV_JSON] = json.dumps(subtree)
+    elif source == "env-file":
+        (tmp_path / "rt.json").write_text(json.dumps(subtree))
+        env[ENV_FILE] = str(tmp_path / "rt.json")
+    else:
+        (tmp_path / "train.yaml").write_text(json.dumps({"custom": {"extra": {"rollout": {"rt": subtree}}}}))
+        args = ["--repeat-terminate-from", f"{tmp_path / 'train.yaml'}:custom.extra.rollout.rt"]
+    proc, seconds = serve(tmp_path, config, *args, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "engine.serve: config error:" in proc.stderr and message in proc.stderr
+    assert "HEAVY=\n" in proc.stdout, f"imported before validating: {proc.stdout}"
+    assert seconds < 5, f"took {seconds:.1f}s"
+
+
+def test_check_reports_the_source_and_hash_without_loading(tmp_path):
+    from engine.config import RepeatTerminateConfig
+
+    (tmp_path / "train.yaml").write_text("custom:\n  extra:\n    rt: {enabled: true, ngram_size: 3, ngram_repeats: 3}")
+    spec = f"{tmp_path / 'train.yaml'}:custom.extra.rt"
+    proc, _ = serve(tmp_path, BASE, "--check", "--repeat-terminate-from", spec)
+    assert proc.returncode == 0, proc.stderr
+    assert "source=--repeat-terminate-from" in proc.stdout
+    assert RepeatTerminateConfig(**GUARD).fingerprint()[:12] in proc.stdout
+
+
+def test_missing_dotted_path_names_the_key_and_what_is_there(tmp_path):
+    (tmp_path / "train.yaml").write_text("custom:\n  extra: {rollout_matching: {}}\n")
+    proc, _ = serve(tmp_path, BASE, "--check", "--repeat-terminate-from",
+                    f"{tmp_path / 'train.yaml'}:custom.extra.rollout.repeat_terminate")
+    assert proc.returncode == 2
+    assert "has no key 'rollout' under custom.extra" in proc.stderr and "rollout_matching" in proc.stderr
+
+
+def test_precedence_flag_then_env_json_then_env_file_then_config(tmp_path):
+    (tmp_path / "train.yaml").write_text(json.dumps({"rt": {"enabled": False}}))
+    (tmp_path / "rt.json").write_text(json.dumps({"enabled": True, "max_consecutive_token_repeats": 5}))
+    config = {**BASE, "repeat_terminate": GUARD}
+    assert resolve(config, environ={})[1].source == "served config"
+    file_env = {ENV_FILE: str(tmp_path / "rt.json")}
+    assert resolve(config, environ=file_env)[0]["repeat_terminate"]["max_consecutive_token_repeats"] == 5
+    assert resolve(config, environ={ENV_JSON: '{"enabled": false}'})[0]["repeat_terminate"] == {"enabled": False}
+    got, act = resolve(config, from_yaml=f"{tmp_path / 'train.yaml'}:rt", environ={})
+    assert got["repeat_terminate"] == {"enabled": False} and act.source.startswith("--repeat-terminate-from")
+
+
+@pytest.mark.parametrize(("environ", "flag", "message"), [
+    ({ENV_JSON: "{}", ENV_FILE: "/x.json"}, None, "are alternatives"),
+    ({ENV_JSON: "{}"}, "t.yaml:a", "conflicts with ENGINE_REPEAT_TERMINATE_JSON"),
+    ({ENV_JSON: "{enabled: true"}, None, "is not valid JSON"),
+    ({ENV_FILE: "/nonexistent/rt.json"}, None, "cannot be read"),
+    ({}, "no-colon", "must be FILE.yaml:dotted.path"),
+])
+def test_ambiguous_or_unreadable_sources_are_errors(environ, flag, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve(BASE, from_yaml=flag, environ=environ)
+
+
+def test_namespace_must_not_shadow_the_response(tmp_path):
+    proc, _ = serve(tmp_path, {**BASE, "serve": {"namespace": "response"}}, "--check")
+    assert proc.returncode == 2 and "serve.namespace must not be 'response'" in proc.stderr
