@@ -82,5 +82,5 @@ def assert_served_equal(served: Sequence[Any], local: Sequence[Any], *, what: st
         assert (s.logprobs is None) == (r.logprobs is None), f"{what}: request {i}: logprobs on one side only"
         for step, (ls, lr) in enumerate(zip(s.logprobs or (), r.logprobs or (), strict=True)):
             assert set(ls) == set(lr), f"{what}: request {i} step {step}: top-k ids {sorted(ls)} vs {sorted(lr)}"
-            worst = max(abs(ls[k] - lr[k]) for k in ls)
+            worst = max(0.0 if ls[k] == lr[k] else abs(ls[k] - lr[k]) for k in ls)  # -inf == -inf
             assert worst <= logprob_tol, f"{what}: request {i} step {step}: logprobs differ by {worst:.2e}"
