@@ -201,7 +201,9 @@ the same floor). The envelope's ``token_logprobs`` keeps the exact value, as the
 
 
 def shown_logprob(value: float) -> float:
-    """>>> shown_logprob(float("-inf")), shown_logprob(-0.5)
+    """The value shown in ``choices[].logprobs``.
+
+    >>> shown_logprob(float("-inf")), shown_logprob(-0.5)
     (-9999.0, -0.5)
     """
     return value if math.isfinite(value) else FLOOR
