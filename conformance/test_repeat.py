@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 from conformance.compare import assert_same_results
@@ -104,8 +102,12 @@ def test_real_model_loop_triggers_and_near_miss_does_not(pool, backend, engine, 
 def test_refuses_to_start_when_the_guard_cannot_be_activated(pool, backend_names, monkeypatch):
     """A vLLM without the V1 logits-processor interface: the engine refuses before starting vLLM."""
     from engine import GenerationEngine
+    from engine.backends import vllm_rules
 
-    monkeypatch.setitem(sys.modules, "vllm.v1.sample.logits_processor", None)  # import now fails
+    # This vLLM "lacks" both runners' interfaces (hiding vLLM's own module would break vLLM's import when it is
+    # not imported yet, e.g. when this check runs alone).
+    monkeypatch.setitem(vllm_rules.INTERFACES, "v1", "engine_absent.v1")
+    monkeypatch.setitem(vllm_rules.INTERFACES, "v2", "engine_absent.v2")
     cfg = pool.config("vllm", pool.options.model, repeat_terminate=LOOP_GUARD)
     with pytest.raises(UnsupportedCapabilityError, match=r"repeat_terminate.enabled.*cannot be activated"):
         GenerationEngine(cfg)

@@ -96,6 +96,9 @@ class _Base:
         self.health = health
         return health
 
+    def _not_ready(self) -> RolloutServerError:
+        return RolloutServerError(f"{self.base_url}/health did not answer within {self.health_timeout}s")
+
     def _parse(self, response: Any) -> list[GenerationResult]:
         if response.status_code != 200:
             try:
@@ -153,7 +156,7 @@ class RolloutClient(_Base):
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                raise RolloutServerError(f"{self.base_url}/health did not answer within {self.health_timeout}s")
+                raise self._not_ready()
             time.sleep(0.5)
 
     def _post(self, body: dict[str, Any]) -> list[GenerationResult]:
@@ -208,7 +211,7 @@ class AsyncRolloutClient(_Base):
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                raise RolloutServerError(f"{self.base_url}/health did not answer within {self.health_timeout}s")
+                raise self._not_ready()
             await asyncio.sleep(0.5)
 
     async def infer(self, requests: Sequence[Any], request_config: Mapping[str, Any] | None = None, *,

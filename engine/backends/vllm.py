@@ -122,6 +122,19 @@ def capabilities(model_config: Any, settings: VllmConfig, plan: Any) -> Capabili
                         max_model_len=int(model_config.max_model_len))
 
 
+def checked_runner(backend: Any, vllm_config: Any, plan: Any) -> str:
+    """The runner a started engine uses; if it is not the planned one (whose processor was registered), the
+    backend is closed and the start refused."""
+    from engine.backends import vllm_runner
+
+    runner = vllm_runner.started_runner(vllm_config)
+    if runner != plan.runner:
+        backend.close()
+        raise BackendUnavailableError("vllm", f"vLLM was planned to run model runner {plan.runner} but started "
+                                      f"{runner}", "report this with your vLLM version and settings")
+    return runner
+
+
 def sampling_params(plan: SamplingPlan, **extra: Any) -> Any:
     """The complete ``SamplingParams`` for ``plan`` (``extra``: e.g. ``output_kind``)."""
     from vllm import SamplingParams
@@ -195,17 +208,11 @@ class VllmBackend:
                  repeat_terminate: Any = None) -> None:
         self.env = prepare_environment(settings)
         vllm = import_vllm()
-        from engine.backends import vllm_runner
-
         self.tokenizer = tokenizer
         kwargs, plan = start_arguments(model, settings, processor, repeat_terminate)
         self.llm = vllm.LLM(**kwargs)
         self.version = vllm.__version__
-        self.runner = vllm_runner.started_runner(self.llm.llm_engine.vllm_config)
-        if self.runner != plan.runner:  # the processor registered would not be the one that runs
-            self.close()
-            raise BackendUnavailableError("vllm", f"vLLM was planned to run model runner {plan.runner} but started "
-                                          f"{self.runner}", "report this with your vLLM version and settings")
+        self.runner = checked_runner(self, self.llm.llm_engine.vllm_config, plan)
         self.rules_problem = plan.problem
         self.capabilities = capabilities(self.llm.llm_engine.model_config, settings, plan)
 

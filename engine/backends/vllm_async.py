@@ -20,6 +20,7 @@ from engine.backends.vllm import (
     HOOKS,
     backend_output,
     capabilities,
+    checked_runner,
     engine_input,
     import_vllm,
     prepare_environment,
@@ -54,8 +55,6 @@ class AsyncVllmBackend:
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from engine.backends import vllm_runner
-
         self.tokenizer = tokenizer
         self._final_only = RequestOutputKind.FINAL_ONLY
         kwargs, plan = start_arguments(model, settings, processor, repeat_terminate)
@@ -72,11 +71,7 @@ class AsyncVllmBackend:
             self._stop_loop()
             raise
         self.version = vllm.__version__
-        self.runner = vllm_runner.started_runner(self.llm.vllm_config)
-        if self.runner != plan.runner:
-            self.close()
-            raise BackendUnavailableError("vllm", f"vLLM was planned to run model runner {plan.runner} but started "
-                                          f"{self.runner}", "report this with your vLLM version and settings")
+        self.runner = checked_runner(self, self.llm.vllm_config, plan)
         self.rules_problem = plan.problem
         self.capabilities = capabilities(self.llm.model_config, settings, plan)
 
