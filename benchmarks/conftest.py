@@ -168,10 +168,20 @@ class BenchSession:
 
         return self._keep(("raw", "vllm"), build)
 
+    def server(self, backend: str) -> Any:
+        """``python -m engine.serve`` on the plain engine's config (a free port on 127.0.0.1); the HF batcher may
+        merge as many requests as the largest served concurrency, as the in-process variant batches them."""
+        from engine.client import launch_server
+
+        serve = {"port": 0, "max_batch_size": max(self.size.served_concurrency)}
+        return self._keep(("server", backend), lambda: launch_server({**self.config_for(backend), "serve": serve}))
+
     def close(self) -> None:
         for key, obj in reversed(list(self._objects.items())):
             if key[0] == "engine":
                 obj.close()
+            elif key[0] == "server":
+                obj.stop()
         self._objects.clear()
 
     # -- measuring and recording ----------------------------------------------------------------------

@@ -15,12 +15,37 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class Answered:
+    """What a round of a variant that times each request returns: the tokens over all its requests, and each
+    request's latency (issue to answer) in seconds."""
+
+    tokens: int
+    latencies_s: tuple[float, ...]
+
+
+@dataclass(frozen=True)
 class Variant:
-    """One way to serve the case's requests. ``run`` returns the tokens it generated over the whole batch."""
+    """One way to serve the case's requests. ``run`` returns the tokens it generated over the whole batch, or an
+    :class:`Answered` when it times each request too."""
 
     name: str
     role: str  # "reference" or "subject"
-    run: Callable[[], int]
+    run: Callable[[], int | Answered]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) by linear interpolation between closest ranks, as numpy's default.
+
+    >>> percentile([1.0, 2.0, 3.0, 4.0], 50), percentile([5.0], 99), percentile(list(range(101)), 99)
+    (2.5, 5.0, 99.0)
+    """
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("percentile of no values")
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def sync() -> None:
@@ -41,6 +66,8 @@ class Rounds:
     label: str
     calls: int = 0
     samples: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+    latencies: dict[str, list[tuple[float, ...]]] = field(default_factory=dict)
+    """Per measured round, each request's latency (variants that return :class:`Answered` only)."""
 
     def __call__(self) -> None:
         kept = self.calls >= self.warmup
@@ -49,12 +76,15 @@ class Rounds:
         for v in order:
             sync()
             start = time.perf_counter()
-            tokens = v.run()
+            out = v.run()
             sync()
             wall = time.perf_counter() - start
+            tokens = out.tokens if isinstance(out, Answered) else out
             done.append(f"{v.name} {wall:.3f}s/{tokens}tok")
             if kept:
                 self.samples.setdefault(v.name, []).append((wall, tokens))
+                if isinstance(out, Answered):
+                    self.latencies.setdefault(v.name, []).append(out.latencies_s)
         step = "warm-up" if not kept else f"round {self.calls - self.warmup + 1}/{self.total}"
         self.progress(f"{self.label} {step}: {', '.join(done)}")
         self.calls += 1
@@ -70,7 +100,19 @@ class Rounds:
     def tokens(self, name: str) -> set[int]:
         return {t for _, t in self.samples[name]}
 
+    def all_latencies(self, name: str) -> list[float]:
+        """Every measured request latency of ``name``, all rounds together."""
+        return [s for lat in self.latencies[name] for s in lat]
+
     def rows(self) -> list[dict[str, Any]]:
         roles = {v.name: v.role for v in self.variants}
-        return [{"variant": name, "role": roles[name], "round": i, "wall_s": wall, "output_tokens": tokens}
-                for name, samples in self.samples.items() for i, (wall, tokens) in enumerate(samples)]
+        out = []
+        for name, samples in self.samples.items():
+            for i, (wall, tokens) in enumerate(samples):
+                row = {"variant": name, "role": roles[name], "round": i, "wall_s": wall, "output_tokens": tokens}
+                if name in self.latencies:
+                    lat = self.latencies[name][i]
+                    row.update(requests=len(lat), p50_latency_ms=percentile(lat, 50) * 1e3,
+                               p99_latency_ms=percentile(lat, 99) * 1e3)
+                out.append(row)
+        return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.harness import Rounds, Variant
+from benchmarks.harness import Answered, Rounds, Variant
 from benchmarks.workload import SIZES, batch_messages
 
 
@@ -39,11 +39,26 @@ def test_speed_ratio_is_reference_median_over_subject_median():
     assert rounds.speed_ratio("engine", "raw") == pytest.approx(2.0 / 2.5)  # medians, not means
 
 
+def test_timed_requests_give_latency_percentiles_per_measured_round():
+    answers = iter([Answered(8, (9.0, 9.0)),  # warm-up: dropped
+                    Answered(8, (0.1, 0.3)), Answered(8, tuple(float(i) for i in range(101)))])
+    rounds = Rounds([Variant("served", "subject", lambda: next(answers))], warmup=1, total=2,
+                    progress=lambda line: None, label="case")
+    for _ in range(3):
+        rounds()
+    first, second = rounds.rows()
+    assert (first["requests"], first["p50_latency_ms"], first["p99_latency_ms"]) == (2, pytest.approx(200.0),
+                                                                                      pytest.approx(298.0))
+    assert (second["requests"], second["p50_latency_ms"], second["p99_latency_ms"]) == (101, 50_000.0, 99_000.0)
+    assert rounds.tokens("served") == {8} and sorted(rounds.all_latencies("served"))[-1] == 100.0
+
+
 def test_smoke_measures_engine_vs_raw_at_every_batch_and_full_adds_lengths():
     smoke, full = SIZES["smoke"], SIZES["full"]
     assert smoke.batches == (1, 8, 64) and "none" in smoke.guard_sets
     assert {"repeat", "min_length"} <= set(smoke.guard_sets) and smoke.guard_batches
     assert len(full.prompt_lens) > 1 and len(full.new_tokens) > 1 and full.rounds >= smoke.rounds
+    assert smoke.served_concurrency == full.served_concurrency == (1, 8, 64)
 
 
 def test_batches_cycle_prompts_and_long_prompts_carry_the_context():

@@ -27,6 +27,8 @@ def cfg(**over):
         ({**BASE, "model": {"path": "/m", "dtype": "fp16"}}, "model.dtype", "float16"),
         ({**BASE, "model": {"path": "/m", "device": "tpu"}}, "model.device", "cuda:N"),
         ({**BASE, "vllm": {"gpu_memory_utilization": 1.5}}, "vllm.gpu_memory_utilization", "(0, 1]"),
+        ({**BASE, "vllm": {"cpu_kv_cache_space_gib": 0}}, "vllm.cpu_kv_cache_space_gib", "(0, inf)"),
+        ({**BASE, "vllm": {"cpu_kv_cache_space_gib": "1G"}}, "vllm.cpu_kv_cache_space_gib", "a number"),
         ({**BASE, "hf": {"max_batch_size": 0}}, "hf.max_batch_size", "[1, inf)"),
         ({**BASE, "stop": {"strings": "abc"}}, "stop.strings", "must be a list"),
         ({"backend": "hf"}, "model", "is required"),
@@ -51,6 +53,20 @@ def test_greedy_conflicts_are_errors():
 def test_model_shorthand_and_defaults():
     c = EngineConfig.from_dict({"backend": "vllm", "model": "/m"})
     assert c.model.path == "/m" and c.generation.max_new_tokens == 256 and c.stop == StopPolicy()
+
+
+def test_cpu_kv_cache_is_given_per_engine_in_bytes():
+    pytest.importorskip("torch", reason="llm_kwargs asks torch whether CUDA is present")
+    import torch
+
+    from engine.backends.vllm import llm_kwargs
+
+    c = EngineConfig.from_dict({"backend": "vllm", "model": "/m", "vllm": {"cpu_kv_cache_space_gib": 0.5}})
+    kwargs = llm_kwargs(c.model, c.vllm)
+    if torch.cuda.is_available():
+        assert "kv_cache_memory_bytes" not in kwargs  # gpu_memory_utilization sizes it there
+    else:
+        assert kwargs["kv_cache_memory_bytes"] == 2**29
 
 
 def test_configs_are_frozen():

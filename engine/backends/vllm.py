@@ -38,8 +38,6 @@ def prepare_environment(settings: VllmConfig) -> dict[str, str]:
     wanted = "1" if settings.multiprocessing else "0"
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != wanted:
         changed["VLLM_ENABLE_V1_MULTIPROCESSING"] = wanted
-    if not _has_cuda() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-        changed["VLLM_CPU_KVCACHE_SPACE"] = str(settings.cpu_kv_cache_space_gib)
     os.environ.update(changed)
     return changed
 
@@ -74,6 +72,8 @@ def llm_kwargs(model: ModelConfig, settings: VllmConfig) -> dict[str, Any]:
         kwargs["max_model_len"] = model.max_model_len
     if settings.max_num_seqs is not None:
         kwargs["max_num_seqs"] = settings.max_num_seqs
+    if not _has_cuda():  # per engine (an environment variable would be one value for the whole process)
+        kwargs["kv_cache_memory_bytes"] = int(settings.cpu_kv_cache_space_gib * 2**30)
     return kwargs
 
 

@@ -83,8 +83,9 @@ class VllmConfig:
 
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may take, in (0, 1]."""
-    cpu_kv_cache_space_gib: int = 1
-    """KV-cache size on CPU hosts (sets ``VLLM_CPU_KVCACHE_SPACE`` if unset), in [1, inf)."""
+    cpu_kv_cache_space_gib: float = 1
+    """KV-cache size on CPU hosts in GiB, > 0 (vLLM's ``kv_cache_memory_bytes``; it must hold one sequence of the
+    model's context length). vLLM's own ``VLLM_CPU_KVCACHE_SPACE``, when set in the environment, wins."""
     enforce_eager: bool = False
     """Disable CUDA graphs (faster start, slower decode)."""
     tensor_parallel_size: int = 1
@@ -106,8 +107,8 @@ class VllmConfig:
     def __post_init__(self) -> None:
         check_type("vllm.gpu_memory_utilization", self.gpu_memory_utilization, (int, float), "a number")
         check_range("vllm.gpu_memory_utilization", self.gpu_memory_utilization, low=0, high=1, low_open=True)
-        check_type("vllm.cpu_kv_cache_space_gib", self.cpu_kv_cache_space_gib, int, "an integer")
-        check_range("vllm.cpu_kv_cache_space_gib", self.cpu_kv_cache_space_gib, low=1)
+        check_type("vllm.cpu_kv_cache_space_gib", self.cpu_kv_cache_space_gib, (int, float), "a number")
+        check_range("vllm.cpu_kv_cache_space_gib", self.cpu_kv_cache_space_gib, low=0, low_open=True)
         check_type("vllm.enforce_eager", self.enforce_eager, bool, "true or false")
         check_type("vllm.multiprocessing", self.multiprocessing, bool, "true or false")
         check_type("vllm.async_engine", self.async_engine, bool, "true or false")

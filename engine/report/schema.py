@@ -11,7 +11,7 @@ Bump :data:`SCHEMA_VERSION` on any change of a column's name, type or meaning, a
 >>> [c.name for c in COLUMNS][:3]
 ['schema_version', 'run_id', 'timestamp']
 >>> sorted(RATIO_COLUMNS)
-['engine_over_raw', 'fast_over_reference', 'guard_on_over_off', 'ours_over_native']
+['engine_over_raw', 'fast_over_reference', 'guard_on_over_off', 'ours_over_native', 'served_over_inprocess']
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -46,13 +46,14 @@ RUN_COLUMNS = (
 )
 CASE_COLUMNS = (
     Column("benchmark", "string", "case id: group[backend-bN-prompt-oN-guard]; the comparison key with variant"),
-    Column("group", "string", "throughput, repeat_vs_native or rule_cost"),
+    Column("group", "string", "throughput, repeat_vs_native, rule_cost or served"),
     Column("backend", "string", "hf or vllm"),
     Column("model", "string", "model name (fixture name or folder name)"),
     Column("dtype", "string", "model dtype"),
-    Column("batch", "int64", "requests per call"),
+    Column("batch", "int64", "requests per call; served: concurrent clients, each posting one request at a time "
+                             "(the in-process variant calls generate with batches of this size)"),
     Column("prompt_len", "string", "prompt length class: short, long, or the prompt set's name"),
-    Column("prompt_tokens", "int64", "prompt tokens over the whole batch"),
+    Column("prompt_tokens", "int64", "prompt tokens over the whole batch (served: over the round's requests)"),
     Column("new_tokens", "int64", "output budget per row (max_new_tokens)"),
     Column("fixed_length", "bool", "EOS was suppressed so every row generates exactly new_tokens"),
     Column("guard_set", "string", "none, repeat or min_length (what the subject variant adds); rule_cost: the rule "
@@ -65,6 +66,11 @@ ROUND_COLUMNS = (
     Column("round", "int64", "measured round (warm-up rounds are not written)"),
     Column("wall_s", "float64", "wall time of the call, device synchronized before and after"),
     Column("output_tokens", "int64", "generated tokens over the whole batch"),
+    Column("requests", "int64", "requests answered in the round (the batch, or the served round's requests)"),
+    Column("requests_per_s", "float64", "requests / wall_s"),
+    Column("p50_latency_ms", "float64", "median request latency in the round, issue to answer (NaN where requests "
+                                        "are not timed one by one: every request of a batched call takes its wall)"),
+    Column("p99_latency_ms", "float64", "99th percentile of the request latencies in the round (NaN as above)"),
     Column("tokens_per_s", "float64", "output_tokens / wall_s"),
     Column("us_per_token", "float64", "wall_s / output_tokens in microseconds; rule_cost: per token per row"),
 )
@@ -72,6 +78,9 @@ RATIO_COLUMNS = {
     "engine_over_raw": "engine speed / raw backend call's, same prompt ids and settings",
     "guard_on_over_off": "speed with the guard / without it, both through the engine",
     "ours_over_native": "speed with our repeat guard (engine) / with vLLM's native repetition_detection (raw LLM)",
+    "served_over_inprocess": "served: speed of the engine behind python -m engine.serve (concurrent clients, one "
+                             "request per post to /infer/) / in-process generate in batches of that size, same "
+                             "requests",
     "fast_over_reference": "rule_cost: speed of a rule's fast path (byte table, vectorized ids) / its reference "
                            "path (decode per token, per-row Python), same token stream",
 }

@@ -32,8 +32,10 @@ class ReportWriter:
         if unknown:
             raise ValueError(f"unknown ratio or figure columns {sorted(unknown)}; known: {sorted(known)}")
         for r in rounds:
-            row = {**self.run, **case, **r}
+            row = {"requests": case.get("batch"), "p50_latency_ms": math.nan, "p99_latency_ms": math.nan,
+                   **self.run, **case, **r}
             row["tokens_per_s"] = r["output_tokens"] / r["wall_s"]
+            row["requests_per_s"] = row["requests"] / r["wall_s"] if row["requests"] is not None else math.nan
             row["us_per_token"] = r["wall_s"] / r["output_tokens"] * 1e6 if r["output_tokens"] else math.nan
             for name in known:
                 row[name] = float(ratios.get(name, math.nan))
