@@ -74,6 +74,12 @@ class Plugin(ABC):
         """The post-decode text step (after stop truncation); identity by default."""
         return text
 
+    def stream_prefix(self, text: str) -> str:
+        """The part of ``post_decode(more)`` that is fixed for every ``more`` extending ``text``: what a stream may
+        emit before the answer is complete. Default: all of ``text`` when ``post_decode`` is the identity, else
+        nothing (the step's output is then streamed once the answer is complete)."""
+        return text if type(self).post_decode is Plugin.post_decode else ""
+
     def result_meta(self, *, generated_text: str, text: str, events: Mapping[str, Any]) -> dict[str, Any]:
         """Facts this plugin adds to each result's meta."""
         return {}

@@ -16,7 +16,7 @@ from engine.plugins.base import (
     PluginContext,
 )
 from engine.rules.base import RuleSpec
-from engine.rules.cleanup import cleanup
+from engine.rules.cleanup import cleanup, stable_prefix
 
 MECHANISMS = ("auto", "stopping_criteria", "logits_processor")
 
@@ -64,6 +64,9 @@ class CleanupPlugin(Plugin):
 
     def post_decode(self, text: str) -> str:
         return cleanup(text, **self.settings)
+
+    def stream_prefix(self, text: str) -> str:
+        return stable_prefix(text, **self.settings)
 
 
 class MinLengthPlugin(Plugin):

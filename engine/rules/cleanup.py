@@ -55,3 +55,24 @@ def cleanup(text: str, *, trim_whitespace: bool = True, close_brackets: bool = F
     if close_brackets:
         text = close_unbalanced(text)
     return text.strip() if trim_whitespace else text
+
+
+def stable_prefix(text: str, *, trim_whitespace: bool = True, close_brackets: bool = False,
+                  sentence_end: bool = False) -> str:
+    """The part of ``cleanup(more)`` fixed for every ``more`` that extends ``text`` (what streaming may emit).
+
+    The sentence trim keeps at least everything through the last sentence end so far (and all of ``text`` when it
+    has none: the trim then cuts later, or not at all), less trailing whitespace, which the trim may drop; bracket
+    closing only appends; the whitespace trim drops leading whitespace and may drop trailing whitespace, so that
+    is held back too.
+
+    >>> stable_prefix("  First one. Second", sentence_end=True)
+    'First one.'
+    >>> stable_prefix('{"a": [1, ', close_brackets=True)
+    '{"a": [1,'
+    """
+    if sentence_end:  # the trim also drops trailing whitespace (all of a blank text)
+        last = max(text.rfind(c) for c in SENTENCE_ENDS)
+        text = text[: last + 1] if last >= 0 else text.rstrip()
+    del close_brackets  # only appends at the end
+    return text.strip() if trim_whitespace else text
