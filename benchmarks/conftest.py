@@ -40,9 +40,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _cuda() -> bool:
-    import torch
+    from engine.backends.vllm import has_cuda
 
-    return torch.cuda.is_available()
+    return has_cuda()
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -100,10 +100,6 @@ class Rounds:
     def tokens(self, name: str) -> set[int]:
         return {t for _, t in self.samples[name]}
 
-    def all_latencies(self, name: str) -> list[float]:
-        """Every measured request latency of ``name``, all rounds together."""
-        return [s for lat in self.latencies[name] for s in lat]
-
     def rows(self) -> list[dict[str, Any]]:
         roles = {v.name: v.role for v in self.variants}
         out = []

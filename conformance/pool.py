@@ -3,22 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Any
 
 # On CPU hosts the suite's vLLM engines start eager with a small KV cache: a fixture engine then starts in about
 # 10 s instead of 45 s (torch.compile buys about 10 % of decode speed on these models, which no check measures),
 # and takes about 0.8 GiB less memory. The benchmarks keep vLLM's defaults.
 CPU_VLLM = {"enforce_eager": True, "cpu_kv_cache_space_gib": 0.5}
-
-
-@cache
-def _host_has_cuda() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
 
 
 @dataclass(frozen=True)
@@ -48,11 +38,13 @@ class EnginePool:
     """The model runners the started vLLM engines really use ("v1"/"v2"), for the header and the report."""
 
     def config(self, backend: str, model: str, **sections: Any) -> dict[str, Any]:
+        from engine.backends.vllm import has_cuda
+
         model_cfg: dict[str, Any] = {"path": model, "dtype": self.options.dtype}
         if backend == "hf":
             model_cfg["device"] = self.options.device
         vllm = {"max_num_seqs": 16, "multiprocessing": self.options.vllm_multiprocessing,
-                **({} if _host_has_cuda() else CPU_VLLM)}
+                **({} if has_cuda() else CPU_VLLM)}
         return {"backend": backend, "model": model_cfg, "generation": {"max_new_tokens": 48}, "vllm": vllm,
                 **sections}
 

@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 HOOKS = frozenset({"vllm_logits_processor"})
 
 
-def _has_cuda() -> bool:
+def has_cuda() -> bool:
+    """Whether torch sees a CUDA device (False without torch)."""
     try:
         import torch
 
@@ -72,7 +73,7 @@ def llm_kwargs(model: ModelConfig, settings: VllmConfig) -> dict[str, Any]:
         kwargs["max_model_len"] = model.max_model_len
     if settings.max_num_seqs is not None:
         kwargs["max_num_seqs"] = settings.max_num_seqs
-    if not _has_cuda():  # per engine (an environment variable would be one value for the whole process)
+    if not has_cuda():  # per engine (an environment variable would be one value for the whole process)
         kwargs["kv_cache_memory_bytes"] = int(settings.cpu_kv_cache_space_gib * 2**30)
     return kwargs
 
