@@ -4,18 +4,23 @@ A submission waits at most ``wait_s`` for others; up to ``max_batch_size`` promp
 one ``generate`` on a single worker thread (the model is never used by two threads at once). Seeded sampling is
 never merged with other submissions, so a seed reproduces what the same call gives in-process. When a merged
 batch fails, each submission is retried alone, so one bad request does not fail its neighbours. A submission
-whose caller went away (cancelled) before its batch started is dropped.
+whose caller went away (cancelled) before its batch started is dropped. A streaming submission (``on_token``)
+hears each of its tokens on the caller's loop while the merged ``generate`` runs; a retry repeats the positions.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from engine.backends.base import BackendOutput, Prompt, SamplingPlan
+
+TokenSink = Callable[[int, int, int], None]
+"""``on_token(prompt_index, position, token_id)``: one token of one prompt of a submission."""
 
 
 @dataclass
@@ -23,6 +28,7 @@ class _Job:
     prompts: Sequence[Prompt]
     plan: SamplingPlan
     future: asyncio.Future[list[BackendOutput]]
+    on_token: TokenSink | None = None
 
 
 def mergeable(a: SamplingPlan, b: SamplingPlan) -> bool:
@@ -59,13 +65,16 @@ class AsyncBatcher:
         self._queue: asyncio.Queue[_Job] | None = None
         self._worker: asyncio.Task[None] | None = None
 
-    async def submit(self, prompts: Sequence[Prompt], plan: SamplingPlan) -> list[BackendOutput]:
+    async def submit(self, prompts: Sequence[Prompt], plan: SamplingPlan, *,
+                     on_token: TokenSink | None = None) -> list[BackendOutput]:
+        """The outputs for ``prompts``; ``on_token`` (needs a backend whose ``generate`` takes it, like HF's) is
+        called on this loop for every token as it is sampled."""
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # first use, or a new loop (e.g. a second asyncio.run)
             self._loop, self._queue = loop, asyncio.Queue()
             self._worker = loop.create_task(self._work(), name="engine-batcher")
         assert self._queue is not None
-        job = _Job(list(prompts), plan, loop.create_future())
+        job = _Job(list(prompts), plan, loop.create_future(), on_token)
         await self._queue.put(job)
         return await job.future
 
@@ -107,7 +116,9 @@ class AsyncBatcher:
         prompts = [p for j in group for p in j.prompts]
         try:
             self.batches.append(len(prompts))
-            outputs = await loop.run_in_executor(self._executor, self.backend.generate, prompts, group[0].plan)
+            kwargs = {"on_token": _fan_out(group, loop)} if any(j.on_token for j in group) else {}
+            outputs = await loop.run_in_executor(self._executor,
+                                                 partial(self.backend.generate, prompts, group[0].plan, **kwargs))
         except Exception as err:
             if len(group) == 1:
                 _settle(group[0].future, error=err)
@@ -119,6 +130,17 @@ class AsyncBatcher:
         for job in group:
             _settle(job.future, result=list(outputs[start : start + len(job.prompts)]))
             start += len(job.prompts)
+
+
+def _fan_out(group: list[_Job], loop: asyncio.AbstractEventLoop) -> TokenSink:
+    """One ``on_token`` for a merged batch: each row's tokens go to its submission's sink, on the loop's thread."""
+    rows: list[tuple[TokenSink | None, int]] = [(job.on_token, i) for job in group for i in range(len(job.prompts))]
+
+    def on_token(row: int, position: int, token: int) -> None:
+        sink, index = rows[row]
+        if sink is not None:
+            loop.call_soon_threadsafe(sink, index, position, token)
+    return on_token
 
 
 def _settle(future: asyncio.Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.backends import Backend, BackendOutput, Prompt, SamplingPlan, backend_class
 from engine.config import EngineConfig, GenerationOptions, PixelBudget, StopPolicy
@@ -20,10 +20,14 @@ from engine.errors import PluginCompatibilityError, RequestError, UnsupportedCap
 from engine.loading import load_processor, load_tokenizer
 from engine.plugins import POST_DECODE, Plugin, PluginContext, create_plugin
 from engine.rules.base import RuleSpec
+from engine.rules.min_length import is_sentence_end_token
 from engine.rules.stop import ended_by_rule, finish_reason, truncate_at_stop
 from engine.templates import RenderedPrompt, render_prompt
 from engine.types import ChatRequest, GenerationResult
 from engine.vision import VisionRequest, check_unresized
+
+if TYPE_CHECKING:
+    from engine.streaming import ResultStream
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +36,6 @@ VisionRequestLike = VisionRequest | Sequence[Mapping[str, Any]]
 OptionsLike = GenerationOptions | Mapping[str, Any] | None
 StopLike = StopPolicy | Mapping[str, Any] | None
 PluginsLike = Sequence[Plugin | Mapping[str, Any]] | None
-SENTENCE_ENDS = (".", "!", "?")
 
 
 class GenerationEngine:
@@ -123,7 +126,7 @@ class GenerationEngine:
             ends: tuple[int, ...] = ()
             if wants_ends:
                 decode = self.tokenizer.decode
-                ends = tuple(i for i in range(len(self.tokenizer)) if decode([i]).rstrip().endswith(SENTENCE_ENDS))
+                ends = tuple(i for i in range(len(self.tokenizer)) if is_sentence_end_token(decode([i])))
             self._context = PluginContext(eos_token_id=self.load_info.eos_token_ids[0], sentence_end_ids=ends)
         return self._context
 
@@ -204,14 +207,28 @@ class GenerationEngine:
         if native is not None:
             outputs = await native(prompts, plan)
         else:
-            if self._batcher is None:
-                from engine.batcher import AsyncBatcher
-
-                serve = self.config.serve
-                self._batcher = AsyncBatcher(self.backend, max_batch_size=serve.max_batch_size,
-                                             wait_s=serve.batch_wait_ms / 1000)
-            outputs = await self._batcher.submit(prompts, plan)
+            outputs = await self.batcher().submit(prompts, plan)
         return self._finish(self.backend, rendered, outputs, plan, fallback=None, plugins=self._plugins(plugins))
+
+    def astream(self, request: RequestLike, *, options: OptionsLike = None, stop: StopLike = None,
+                plugins: PluginsLike = None) -> ResultStream:
+        """One text request as a stream of text deltas, the last carrying the ``GenerationResult``
+        (see :class:`~engine.streaming.ResultStream`). Validation happens here, before anything is generated;
+        the deltas concatenate to the result's ``text`` (the same text ``generate`` gives)."""
+        from engine.streaming import ResultStream
+
+        rendered, plan = self.prepare([request], options=options, stop=stop, plugins=plugins)
+        return ResultStream(self, rendered[0], plan, self._plugins(plugins))
+
+    def batcher(self) -> Any:
+        """The :class:`~engine.batcher.AsyncBatcher` that async callers of a synchronous backend share."""
+        if self._batcher is None:
+            from engine.batcher import AsyncBatcher
+
+            serve = self.config.serve
+            self._batcher = AsyncBatcher(self.backend, max_batch_size=serve.max_batch_size,
+                                         wait_s=serve.batch_wait_ms / 1000)
+        return self._batcher
 
     def generate_vlm(self, requests: Sequence[VisionRequestLike], *, options: OptionsLike = None,
                      stop: StopLike = None, pixels: PixelBudget | Mapping[str, Any] | None = None,
@@ -260,16 +277,27 @@ class GenerationEngine:
             r.meta["fallback"] = fallback
         return results
 
+    def visible_text(self, ids: Sequence[int], plan: SamplingPlan, *, partial: bool = False) -> tuple[str, int | None]:
+        """The decoded text of generated ``ids`` before stop truncation, and where stop strings may start
+        counting (the text length of the first ``min_new_tokens`` tokens). A terminal stop token id belongs to no
+        text (as in vLLM) unless the policy keeps stops. ``partial`` (ids still growing): the second value is
+        None while fewer than ``min_new_tokens`` ids exist."""
+        decode = self.tokenizer.decode
+        ids = list(ids)
+        ends_on_stop_id = bool(ids) and ids[-1] in plan.terminal_token_ids and not plan.stop.include_stop_str
+        text = decode(ids[:-1] if ends_on_stop_id else ids, skip_special_tokens=True)
+        min_new = plan.options.min_new_tokens
+        if not min_new:
+            return text, 0
+        if partial and len(ids) < min_new:
+            return text, None
+        return text, len(decode(ids[:min_new], skip_special_tokens=True))
+
     def _result(self, prompt: RenderedPrompt, out: BackendOutput, plan: SamplingPlan, backend: Backend,
                 plugins: list[Plugin]) -> GenerationResult:
         ids = list(out.token_ids)
-        decode = self.tokenizer.decode
-        raw_text = decode(ids, skip_special_tokens=False)
-        # A terminal stop token id belongs to no text (as in vLLM) unless the policy keeps stops.
-        ends_on_stop_id = bool(ids) and ids[-1] in plan.terminal_token_ids and not plan.stop.include_stop_str
-        full_text = decode(ids[:-1] if ends_on_stop_id else ids, skip_special_tokens=True)
-        min_new = plan.options.min_new_tokens
-        min_end = len(decode(ids[:min_new], skip_special_tokens=True)) if min_new else 0
+        raw_text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        full_text, min_end = self.visible_text(ids, plan)
         text, matched = truncate_at_stop(full_text, plan.stop.strings, include_stop=plan.stop.include_stop_str,
                                          min_end=min_end)
         reason, stop_reason = finish_reason(ids, stop_token_ids=plan.terminal_token_ids, matched_stop=matched,

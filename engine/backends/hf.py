@@ -8,7 +8,7 @@ repetition penalty, max_length) leaks in. A finished row keeps being padded by `
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine.backends.base import BackendOutput, Capabilities, Prompt, SamplingPlan
@@ -46,7 +46,8 @@ class RowFinishRecorder:
     ``lengths[row]`` is the number of generated tokens the row kept (None while it runs). Stop strings
     count only once more than ``min_new_tokens`` tokens exist, as in vLLM. ``rule_sets`` (one per row) are
     the rules plugged in through the "hf_stopping_criteria" hook: a row stops right after the token that
-    makes its rules demand an end (no EOS appended).
+    makes its rules demand an end (no EOS appended). ``on_token(row, position, token)`` (streaming) hears every
+    token a row keeps, the one that ends it included, as soon as it exists.
 
     >>> import torch
     >>> rec = RowFinishRecorder(prompt_len=2, terminal_ids=[0], stop_criteria=None, min_new_tokens=0)
@@ -57,7 +58,7 @@ class RowFinishRecorder:
     """
 
     def __init__(self, prompt_len: int, terminal_ids: Sequence[int], stop_criteria: Any, min_new_tokens: int,
-                 rule_sets: list[Any] | None = None):
+                 rule_sets: list[Any] | None = None, on_token: Callable[[int, int, int], None] | None = None):
         import torch
 
         self.prompt_len = prompt_len
@@ -65,6 +66,7 @@ class RowFinishRecorder:
         self.stop_criteria = stop_criteria
         self.min_new_tokens = min_new_tokens
         self.rule_sets = rule_sets or []
+        self.on_token = on_token
         self.lengths: list[int | None] = []
 
     def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
@@ -84,6 +86,10 @@ class RowFinishRecorder:
             feed_new_tokens(self.rule_sets, input_ids, self.prompt_len)
             ended = torch.tensor([rs.decision().force_eos for rs in self.rule_sets], device=done.device)
             done = done | ended
+        if self.on_token is not None:
+            for row, token in enumerate(last.tolist()):
+                if self.lengths[row] is None:
+                    self.on_token(row, step - 1, token)
         for row in torch.nonzero(done).flatten().tolist():
             if self.lengths[row] is None:
                 self.lengths[row] = step
@@ -102,6 +108,8 @@ class HfBackend:
 
     name = "hf"
     declared_hooks = HOOKS
+    streams_tokens = True
+    """``generate`` takes ``on_token`` (the engine streams through it)."""
 
     def __init__(self, model: ModelConfig, settings: HfConfig, tokenizer: Any, processor: Any = None,
                  repeat_terminate: Any = None) -> None:
@@ -125,11 +133,18 @@ class HfBackend:
     def close(self) -> None:
         self.model = None
 
-    def generate(self, prompts: Sequence[Prompt], plan: SamplingPlan) -> list[BackendOutput]:
+    def generate(self, prompts: Sequence[Prompt], plan: SamplingPlan, *,
+                 on_token: Callable[[int, int, int], None] | None = None) -> list[BackendOutput]:
+        """Outputs in prompt order. ``on_token(prompt_index, position, token_id)`` (for streaming) is called from
+        inside ``generate`` for every token a row keeps, as soon as it is sampled."""
         size = self.settings.max_batch_size or max(len(prompts), 1)
         outputs: list[BackendOutput] = []
         for start in range(0, len(prompts), size):
-            outputs.extend(self._generate_batch(prompts[start : start + size], plan))
+            sink = None
+            if on_token is not None:
+                def sink(row: int, position: int, token: int, start: int = start) -> None:
+                    on_token(start + row, position, token)
+            outputs.extend(self._generate_batch(prompts[start : start + size], plan, sink))
         return outputs
 
     def generation_config(self, plan: SamplingPlan) -> Any:
@@ -198,7 +213,8 @@ class HfBackend:
                                   "the checkpoint's processor and tokenizer disagree")
         return {k: v.to(self.device) for k, v in batch.items()}
 
-    def _generate_batch(self, prompts: Sequence[Prompt], plan: SamplingPlan) -> list[BackendOutput]:
+    def _generate_batch(self, prompts: Sequence[Prompt], plan: SamplingPlan,
+                        on_token: Callable[[int, int, int], None] | None = None) -> list[BackendOutput]:
         import torch
         from transformers import LogitsProcessorList, StoppingCriteriaList, StopStringCriteria
 
@@ -214,7 +230,7 @@ class HfBackend:
                               min_new_tokens=min_new)
         stop_criteria = StopStringCriteria(self.tokenizer, list(plan.stop.strings)) if plan.stop.strings else None
         recorder = RowFinishRecorder(width, plan.terminal_token_ids, stop_criteria, plan.options.min_new_tokens,
-                                     stop_sets if stop_specs else None)
+                                     stop_sets if stop_specs else None, on_token=on_token)
         processors = []
         if logit_specs:
             processors.append(HfRowRules(logit_specs, prompt_len=width, eos_id=plan.eos_token_ids[0],

@@ -10,9 +10,10 @@ The engine arguments, sampling parameters and output conversion are the ones :mo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import uuid
-from collections.abc import Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
 from engine.backends.base import BackendOutput, Prompt, SamplingPlan
@@ -57,6 +58,7 @@ class AsyncVllmBackend:
 
         self.tokenizer = tokenizer
         self._final_only = RequestOutputKind.FINAL_ONLY
+        self._cumulative = RequestOutputKind.CUMULATIVE
         kwargs, plan = start_arguments(model, settings, processor, repeat_terminate)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="engine-async-vllm", daemon=True)
@@ -124,6 +126,46 @@ class AsyncVllmBackend:
             raise BackendUnavailableError("vllm", f"AsyncLLM ended request {key} without a final output",
                                           "check the server log for an engine-core error")
         return final
+
+    async def astream(self, prompt: Prompt, plan: SamplingPlan) -> AsyncIterator[tuple[int, ...] | BackendOutput]:
+        """One prompt's token ids so far after every engine step (cumulative), then its final ``BackendOutput``.
+
+        Runs on the caller's loop; the request runs on the engine's. Closing the iterator, or cancelling the
+        caller, aborts the vLLM request."""
+        caller = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        key = uuid.uuid4().hex
+        params = request_params(sampling_params(plan, output_kind=self._cumulative), plan, key)
+
+        def send(kind: str, value: Any) -> None:
+            with contextlib.suppress(RuntimeError):  # the caller's loop is gone: nobody is listening
+                caller.call_soon_threadsafe(queue.put_nowait, (kind, value))
+
+        async def produce() -> None:
+            try:
+                final = None
+                async for out in self.llm.generate(engine_input(prompt, plan), params, request_id=key):
+                    final = out
+                    send("ids", tuple(out.outputs[0].token_ids))
+                if final is None or not final.finished:
+                    raise BackendUnavailableError("vllm", f"AsyncLLM ended request {key} without a final output",
+                                                  "check the server log for an engine-core error")
+                events = await self.rule_events([key]) if plan.rules else {}
+                send("done", backend_output(final, plan, events.get(key, {})))
+            except Exception as err:  # handed to the caller, who raises it
+                send("error", err)
+
+        future = asyncio.run_coroutine_threadsafe(produce(), self._loop)
+        try:
+            while True:
+                kind, value = await queue.get()
+                if kind == "error":
+                    raise value
+                yield value
+                if kind == "done":
+                    return
+        finally:
+            future.cancel()  # vLLM aborts the request when its generator is cancelled
 
     async def rule_events(self, keys: Sequence[str]) -> dict[str, dict[str, Any]]:
         """The rule events of finished requests, from the engine-core process where the processor ran."""

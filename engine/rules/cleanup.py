@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from engine.rules.json_text import STRING, JsonStringState
 
-SENTENCE_ENDS = ".!?"
+SENTENCE_ENDS = ".!?\u3002\uff1f\uff01"
+"""Characters that end a sentence: ASCII full stop, question and exclamation marks, and their CJK full-width forms
+(\u3002 \uff1f \uff01). The min-length rule's punctuation bias and the sentence trim read this one set."""
 PAIRS = {"(": ")", "[": "]", "{": "}"}
 
 

@@ -8,6 +8,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from engine.rules.base import CONTINUE, Decision, RowRule
+from engine.rules.cleanup import SENTENCE_ENDS
+
+
+def is_sentence_end_token(text: str) -> bool:
+    """A token the punctuation bias nudges: its text ends a sentence (``.!?`` or the CJK full stop, question and
+    exclamation marks, trailing whitespace aside) or ends a line.
+
+    >>> [is_sentence_end_token(t) for t in [".", " !", "\\u3002", "\\uff1f", ".\\n", "\\n", "Hello", "3.5x"]]
+    [True, True, True, True, True, True, False, False]
+    """
+    return text.endswith("\n") or text.rstrip().endswith(tuple(SENTENCE_ENDS))
 
 
 def min_length_decision(chars: int, *, min_chars: int, max_chars: int | None, punctuation_bias: float,
