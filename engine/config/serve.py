@@ -3,12 +3,64 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.config._build import check_range, check_type
 from engine.errors import ConfigError
 
 NAMESPACE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class PatternCConfig:
+    """Defaults of ``POST /chat`` (Pattern C): min-length control inside generation, then cleanup.
+
+    ``min_len``/``max_len`` are what a request gets when it sends none (``MIN_LEN``/``MAX_LEN`` in the server's
+    environment override them at startup). The rest applies to every ``/chat`` request.
+
+    >>> PatternCConfig().min_len, PatternCConfig().max_len, PatternCConfig().punctuation_bias
+    (120, 240, 0.3)
+    >>> PatternCConfig(min_len=300)
+    Traceback (most recent call last):
+    ...
+    engine.errors.ConfigError: serve.chat.max_len must be in [300, inf), got 240. Fix: keep max_len at least min_len.
+    """
+
+    min_len: int = 120
+    """EOS is suppressed while the answer has fewer characters, in [0, inf)."""
+    max_len: int = 240
+    """Hard cap in characters: the row ends once the answer reaches it, in [max(1, min_len), inf)."""
+    punctuation_bias: float = 0.3
+    """Logit bias on sentence-ending tokens (``.!?``, CJK full stop/question/exclamation marks, newline) once
+    ``min_len`` is reached, in [0, inf)."""
+    temperature: float = 0.7
+    """Sampling temperature, in [0, inf); 0 is greedy."""
+    top_p: float = 0.95
+    """Nucleus sampling mass, in (0, 1]."""
+    max_new_tokens: int = 512
+    """Token budget behind the character cap, in [1, inf)."""
+    close_brackets: bool = True
+    """Close an unterminated quote and open brackets at the end of the answer."""
+    sentence_end: bool = True
+    """Trim a trailing unfinished sentence (the safe trim after a cap)."""
+
+    def __post_init__(self) -> None:
+        w = "serve.chat"
+        for name in ("min_len", "max_len", "max_new_tokens"):
+            check_type(f"{w}.{name}", getattr(self, name), int, "an integer")
+        check_range(f"{w}.min_len", self.min_len, low=0)
+        check_range(f"{w}.max_len", self.max_len, low=max(1, self.min_len), fix="keep max_len at least min_len")
+        check_range(f"{w}.max_new_tokens", self.max_new_tokens, low=1)
+        for name in ("punctuation_bias", "temperature", "top_p"):
+            check_type(f"{w}.{name}", getattr(self, name), (int, float), "a number")
+        check_range(f"{w}.punctuation_bias", self.punctuation_bias, low=0, fix="use 0 to disable the bias")
+        check_range(f"{w}.temperature", self.temperature, low=0)
+        check_range(f"{w}.top_p", self.top_p, low=0, high=1, low_open=True)
+        if self.temperature == 0 and self.top_p != 1.0:  # the engine refuses the pair on every request
+            raise ConfigError(f"{w}.top_p", self.top_p, "has no effect with temperature 0 (greedy)",
+                              fix="set serve.chat.top_p to 1.0 for greedy answers, or temperature > 0")
+        for name in ("close_brackets", "sentence_end"):
+            check_type(f"{w}.{name}", getattr(self, name), bool, "true or false")
 
 
 @dataclass(frozen=True)
@@ -39,6 +91,8 @@ got 'response'. Fix: pick another key, e.g. 'coordexp'.
     """HF backend: most prompts per batched ``generate`` call, in [1, inf)."""
     drain_timeout_s: float = 30.0
     """On shutdown, how long in-flight requests may take to finish, in [0, inf)."""
+    chat: PatternCConfig = field(default_factory=PatternCConfig)
+    """Defaults of the Pattern C ``POST /chat`` endpoint."""
 
     def __post_init__(self) -> None:
         check_type("serve.host", self.host, str, "an address string")

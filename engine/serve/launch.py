@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from engine.config.serve import PatternCConfig
 from engine.errors import ConfigError, EngineError
 from engine.serve.activation import FLAG, Activation, resolve
 
@@ -76,11 +77,38 @@ def served_config(args: argparse.Namespace, environ: Any = None) -> tuple[Any, A
             serve[key] = getattr(args, key)
     if args.namespace is not None:
         serve["namespace"] = None if args.namespace.lower() == "none" else args.namespace
+    serve["chat"] = chat_environment(dict(serve.get("chat") or {}), os.environ if environ is None else environ)
     data["serve"] = serve
     if data.get("backend") == "vllm":  # concurrent requests share vLLM's continuous batching
         data["vllm"] = {**(data.get("vllm") or {}), "async_engine": True}
     data, activation = resolve(data, from_yaml=args.repeat_terminate_from, environ=environ)
     return EngineConfig.from_dict(data), activation
+
+
+CHAT_ENVIRONMENT = {"MIN_LEN": "min_len", "MAX_LEN": "max_len"}
+
+
+def chat_environment(chat: dict[str, Any], environ: Any) -> dict[str, Any]:
+    """``serve.chat`` with ``MIN_LEN``/``MAX_LEN`` from the environment applied (they win over the config file,
+    as in the Pattern C deployments that set them).
+
+    >>> chat_environment({"min_len": 50}, {"MAX_LEN": "400"})
+    {'min_len': 50, 'max_len': 400}
+    >>> chat_environment({}, {"MIN_LEN": "ten"})
+    Traceback (most recent call last):
+    ...
+    engine.errors.ConfigError: MIN_LEN (environment) must be an integer, got 'ten'. Fix: e.g. MIN_LEN=120.
+    """
+    for var, key in CHAT_ENVIRONMENT.items():
+        raw = environ.get(var)
+        if raw is None or raw == "":
+            continue
+        try:
+            chat[key] = int(raw)
+        except ValueError:
+            raise ConfigError(f"{var} (environment)", raw, "must be an integer",
+                              fix=f"e.g. {var}={getattr(PatternCConfig, key)}") from None
+    return chat
 
 
 def fail(code: int, stage: str, err: BaseException) -> int:

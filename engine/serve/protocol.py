@@ -213,7 +213,7 @@ def _exact(value: float) -> float | str:
     return value if math.isfinite(value) else repr(value)
 
 
-def _logprobs_content(result: GenerationResult, tokenizer: Any, top: int | None) -> dict[str, Any] | None:
+def logprobs_content(result: GenerationResult, tokenizer: Any, top: int | None) -> dict[str, Any] | None:
     """Per-token logprobs in swift's (OpenAI's) shape: token, logprob, bytes, and ``top`` alternatives."""
     if result.logprobs is None:
         return None
@@ -237,7 +237,7 @@ def chat_completion(result: GenerationResult, call: InferCall, *, model: str, to
         "index": 0,
         "message": {"role": "assistant", "content": result.text, "tool_calls": None, "reasoning_content": None},
         "finish_reason": result.finish_reason,
-        "logprobs": _logprobs_content(result, tokenizer, call.top_logprobs) if call.logprobs else None,
+        "logprobs": logprobs_content(result, tokenizer, call.top_logprobs) if call.logprobs else None,
         "token_ids": list(result.token_ids) if details else None,
         "routed_experts": None,
     }
