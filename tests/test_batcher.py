@@ -111,3 +111,36 @@ def test_a_second_event_loop_gets_a_working_batcher():
     batcher = AsyncBatcher(backend, wait_s=0.0)
     assert run(batcher.submit([prompt(1)], plan()))[0].token_ids == (1,)
     assert run(batcher.submit([prompt(2)], plan()))[0].token_ids == (2,)
+
+
+class TokenRecorder(Recorder):
+    """Also streams: each row's answer ids one by one through ``on_token``, as the HF backend does."""
+
+    def generate(self, prompts, plan, on_token=None):
+        outputs = super().generate(prompts, plan)
+        if on_token is not None:
+            for step in range(max(len(o.token_ids) for o in outputs)):
+                for row, out in enumerate(outputs):
+                    if step < len(out.token_ids):
+                        on_token(row, step, out.token_ids[step])
+        return outputs
+
+
+def test_streaming_submissions_hear_only_their_own_tokens_in_a_merged_batch():
+    backend = TokenRecorder()
+    batcher = AsyncBatcher(backend, max_batch_size=32, wait_s=0.05)
+    heard: dict[int, list[tuple[int, int, int]]] = {0: [], 1: []}
+
+    async def main():
+        streaming = [batcher.submit([prompt(1, 2, 3), prompt(9)], plan(),
+                                    on_token=lambda i, pos, tok, k=k: heard[k].append((i, pos, tok)))
+                     for k in (0, 1)]
+        quiet = batcher.submit([prompt(5, 6)], plan())
+        return await asyncio.gather(*streaming, quiet)
+
+    results = run(main())
+    assert len(backend.calls) == 1 and len(backend.calls[0]) == 5  # all three shared one generate
+    for k in (0, 1):
+        assert sorted(heard[k]) == [(0, 0, 3), (0, 1, 2), (0, 2, 1), (1, 0, 9)]
+        assert [r.token_ids for r in results[k]] == [(3, 2, 1), (9,)]
+    assert [r.token_ids for r in results[2]] == [(6, 5)]

@@ -30,3 +30,14 @@ def test_stop_strings_wait_for_min_new_tokens():
     assert rec(torch.tensor([[0, 9, 9]]), None).tolist() == [False]
     assert rec(torch.tensor([[0, 9, 9, 9]]), None).tolist() == [True]
     assert rec.lengths == [3]
+
+
+def test_on_token_hears_every_kept_token_and_nothing_after_a_row_ends():
+    heard = []
+    rec = RowFinishRecorder(prompt_len=1, terminal_ids=[2], stop_criteria=FakeStopStrings(), min_new_tokens=0,
+                            on_token=lambda row, pos, tok: heard.append((row, pos, tok)))
+    rec(torch.tensor([[0, 5], [0, 2]]), None)
+    rec(torch.tensor([[0, 5, 9], [0, 2, 0]]), None)      # row 1 ended on EOS: its pad token is not heard
+    rec(torch.tensor([[0, 5, 9, 0], [0, 2, 0, 0]]), None)  # row 0 ended on the stop string at position 1
+    assert heard == [(0, 0, 5), (1, 0, 2), (0, 1, 9)]
+    assert rec.lengths == [2, 1]

@@ -1,0 +1,125 @@
+"""The chat wire formats (``/v1/chat/completions`` and Pattern C ``/chat``) as pure functions: what is accepted,
+what is refused and under which field name, and the shapes of answers and stream chunks. The servers are tested
+with the official openai client in conformance/test_chat.py."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from engine.config.serve import PatternCConfig
+from engine.errors import ConfigError, RequestError
+from engine.serve.chat_protocol import chunk, completion_body, parse_completion, wire_error
+from engine.serve.pattern_c import parse_pattern_c, pattern_c_body
+from engine.serve.pattern_c import wire_error as pattern_c_wire_error
+from engine.types import GenerationResult
+
+MSGS = [{"role": "user", "content": "Hi"}]
+
+
+def body(**fields):
+    return {"model": "m", "messages": MSGS, **fields}
+
+
+def result(**meta) -> GenerationResult:
+    return GenerationResult(text="Hello.", raw_text="Hello.<eos>", token_ids=(5, 6, 2), prompt_token_ids=(1, 2, 3, 4),
+                            finish_reason="stop", stop_reason=2, meta=meta)
+
+
+def test_fields_map_to_engine_options_and_stop():
+    call = parse_completion(body(max_completion_tokens=12, temperature=0.5, top_p=0.9, seed=3, stop=["a", "b"],
+                                 logprobs=True, top_logprobs=3, stream=True, stream_options={"include_usage": True},
+                                 user="u1", frequency_penalty=0, n=1, engine={"options": {"top_k": 5}}))
+    assert call.options == {"max_new_tokens": 12, "temperature": 0.5, "top_p": 0.9, "seed": 3, "logprobs": 3,
+                            "top_k": 5}
+    assert call.stop == {"strings": ["a", "b"]} and call.stream and call.include_usage
+    assert parse_completion(body(max_tokens=7, max_completion_tokens=7)).options == {"max_new_tokens": 7}
+
+
+@pytest.mark.parametrize(("fields", "field"), [
+    ({"n": 2}, "n"), ({"n": True}, "n"), ({"best_of": 1}, "best_of"), ({"presence_penalty": 0.1}, "presence_penalty"),
+    ({"logit_bias": {"1": 5}}, "logit_bias"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"), ({"model": None}, "model"),
+    ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": "yes"}, "logprobs"), ({"stream": 1}, "stream"), ({"stream_options": {}}, "stream_options"),
+    ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ({"stream": True, "stream_options": {"foo": 1}}, "stream_options.foo"), ({"stop": [1]}, "stop"),
+    ({"engine": {"bogus": 1}}, "engine.bogus"),
+    ({"engine": {"options": {"seed": 1}}, "seed": 2}, "engine.options.seed"),
+    ({"engine": {"stop": {"strings": ["x"]}}, "stop": "y"}, "engine.stop"), ({"messages": []}, "messages"),
+    ({"messages": "Hi"}, "messages"), ({"user": 5}, "user"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0]"),
+])
+def test_bad_fields_are_named(fields, field):
+    with pytest.raises(RequestError) as err:
+        parse_completion(body(**fields))
+    assert err.value.field == field
+    assert "Fix:" in str(err.value)
+
+
+def test_engine_errors_are_renamed_to_the_wire_field():
+    renamed = wire_error(ConfigError("generation.max_new_tokens", 0, "must be in [1, inf)"))
+    assert renamed.field == "max_tokens" and isinstance(renamed, ConfigError)
+    assert wire_error(RequestError("requests[0].messages[2].role", "x", "bad")).field == "messages[2].role"
+    assert wire_error(ConfigError("plugins[1].name", "x", "bad")).field == "engine.plugins[1].name"
+    assert wire_error(ConfigError("generation.min_new_tokens", -1, "bad")).field == "engine.options.min_new_tokens"
+    assert pattern_c_wire_error(RequestError("requests[0].messages", [], "bad")).field == "messages"
+
+
+def test_completion_and_chunks_have_openai_shapes():
+    call = parse_completion(body(stream=True, stream_options={"include_usage": True}))
+    full = completion_body(result(), call, model="m", tokenizer=None)
+    assert full["object"] == "chat.completion" and full["choices"][0]["message"] == {"role": "assistant",
+                                                                                      "content": "Hello."}
+    assert full["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    delta = chunk("id1", 1, "m", call, delta={"content": "He"})
+    assert delta["object"] == "chat.completion.chunk" and delta["usage"] is None
+    assert delta["choices"][0] == {"index": 0, "delta": {"content": "He"}, "logprobs": None, "finish_reason": None}
+    last = chunk("id1", 1, "m", call, result=result(), tokenizer=None)
+    assert last["choices"][0]["finish_reason"] == "stop" and last["choices"][0]["delta"] == {}
+    tail = chunk("id1", 1, "m", call, result=result(), usage_only=True)
+    assert tail["choices"] == [] and tail["usage"]["total_tokens"] == 7
+    assert "usage" not in chunk("id1", 1, "m", parse_completion(body(stream=True)), delta={"content": "x"})
+
+
+def test_pattern_c_fills_defaults_and_builds_the_two_plugins():
+    defaults = PatternCConfig(min_len=10, max_len=50, punctuation_bias=0.5, temperature=0.7, top_p=0.9)
+    call = parse_pattern_c({"messages": MSGS, "max_len": 70, "model": "m", "stream": True}, defaults)
+    assert (call.min_len, call.max_len, call.stream) == (10, 70, True)
+    assert call.plugins == [
+        {"name": "min_length", "min_chars": 10, "max_chars": 70, "punctuation_bias": 0.5},
+        {"name": "cleanup", "trim_whitespace": True, "close_brackets": True, "sentence_end": True}]
+    assert call.options == {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 512}
+    meta = {"generated_chars": 9, "returned_chars": 6, "eos_suppressed": True, "min_length_capped": False}
+    answer = pattern_c_body(result(**meta), call, model="m")
+    assert answer["text"] == "Hello." and answer["meta"]["returned_chars"] == len(answer["text"])
+    assert answer["meta"]["strategy"] == "logits_processor" and answer["meta"]["usage"]["total_tokens"] == 7
+
+
+@pytest.mark.parametrize(("fields", "field"), [
+    ({"min_len": 300, "max_len": 200}, "min_len"), ({"min_len": -1}, "min_len"), ({"max_len": 0}, "max_len"),
+    ({"min_len": 1.5}, "min_len"), ({"max_len": True}, "max_len"), ({"stream": "yes"}, "stream"),
+    ({"model": 3}, "model"), ({"temperature": 0.2}, "temperature"), ({"messages": []}, "messages"),
+])
+def test_pattern_c_bad_fields_are_named(fields, field):
+    with pytest.raises(RequestError) as err:
+        parse_pattern_c({"messages": MSGS, **fields}, PatternCConfig())
+    assert err.value.field == field
+
+
+def test_pattern_c_config_and_environment():
+    from engine.serve.launch import served_config
+
+    with pytest.raises(ConfigError, match=r"serve\.chat\.top_p"):
+        PatternCConfig(temperature=0)  # greedy with top_p 0.95 would fail every request
+    with pytest.raises(ConfigError, match=r"serve\.chat\.max_len"):
+        PatternCConfig(min_len=100, max_len=50)
+    args = argparse.Namespace(config=None, backend="hf", model="/m", dtype=None, host=None, port=None,
+                              namespace=None, repeat_terminate_from=None)
+    config, _ = served_config(args, environ={"MIN_LEN": "60", "MAX_LEN": "150"})
+    assert (config.serve.chat.min_len, config.serve.chat.max_len) == (60, 150)
+    with pytest.raises(ConfigError, match="MAX_LEN"):
+        served_config(args, environ={"MAX_LEN": "lots"})
+    with pytest.raises(ConfigError, match=r"serve\.chat\.max_len"):
+        served_config(args, environ={"MIN_LEN": "500"})  # above the default max_len: refused at startup
