@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ class Answered:
 
     tokens: int
     latencies_s: tuple[float, ...]
+    ttft_s: tuple[float, ...] = ()
+    """Each request's time to its first token (streamed: the first content delta), where measured."""
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,39 @@ class Variant:
     name: str
     role: str  # "reference" or "subject"
     run: Callable[[], int | Answered]
+
+
+def closed_loop(n: int, concurrency: int, one: Callable[[int], tuple[int, float, float | None]]) -> Answered:
+    """Answer requests ``0..n-1`` with ``concurrency`` client threads, each sending its next request when the last
+    one is answered. ``one(i)`` sends request ``i`` and returns (tokens, latency s, time to first token s or None).
+    The first error stops every thread and is raised."""
+    queue = list(range(n))
+    lock = threading.Lock()
+    answers: list[tuple[int, float, float | None]] = [(0, 0.0, None)] * n
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not queue or errors:
+                    return
+                i = queue.pop()
+            try:
+                answers[i] = one(i)
+            except BaseException as err:  # surfaced below, after every thread has stopped
+                with lock:
+                    errors.append(err)
+                return
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    ttft = tuple(a[2] for a in answers if a[2] is not None)
+    return Answered(sum(a[0] for a in answers), tuple(a[1] for a in answers), ttft if len(ttft) == n else ())
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -68,6 +104,8 @@ class Rounds:
     samples: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
     latencies: dict[str, list[tuple[float, ...]]] = field(default_factory=dict)
     """Per measured round, each request's latency (variants that return :class:`Answered` only)."""
+    ttfts: dict[str, list[tuple[float, ...]]] = field(default_factory=dict)
+    """Per measured round, each request's time to first token (variants that measure it)."""
 
     def __call__(self) -> None:
         kept = self.calls >= self.warmup
@@ -85,6 +123,8 @@ class Rounds:
                 self.samples.setdefault(v.name, []).append((wall, tokens))
                 if isinstance(out, Answered):
                     self.latencies.setdefault(v.name, []).append(out.latencies_s)
+                    if out.ttft_s:
+                        self.ttfts.setdefault(v.name, []).append(out.ttft_s)
         step = "warm-up" if not kept else f"round {self.calls - self.warmup + 1}/{self.total}"
         self.progress(f"{self.label} {step}: {', '.join(done)}")
         self.calls += 1
@@ -96,6 +136,11 @@ class Rounds:
         """Median wall time of ``reference`` / of ``subject``: how fast the subject serves the same requests
         relative to the reference (= the token-throughput ratio when both generate the same tokens)."""
         return self.median_wall(reference) / self.median_wall(subject)
+
+    def token_rate_ratio(self, subject: str, reference: str) -> float:
+        """Median tokens/s of ``subject`` / of ``reference`` (for variants that generate different lengths)."""
+        rate = {n: statistics.median(t / w for w, t in self.samples[n]) for n in (subject, reference)}
+        return rate[subject] / rate[reference]
 
     def tokens(self, name: str) -> set[int]:
         return {t for _, t in self.samples[name]}
@@ -110,5 +155,7 @@ class Rounds:
                     lat = self.latencies[name][i]
                     row.update(requests=len(lat), p50_latency_ms=percentile(lat, 50) * 1e3,
                                p99_latency_ms=percentile(lat, 99) * 1e3)
+                if name in self.ttfts:
+                    row["p50_ttft_ms"] = percentile(self.ttfts[name][i], 50) * 1e3
                 out.append(row)
         return out

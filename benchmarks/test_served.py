@@ -17,14 +17,13 @@ requests/s and p50/p99 request latency of both variants per round (``reports/REA
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
 import pytest
 
 from benchmarks.conftest import SESSION_KEY
-from benchmarks.harness import Answered, Variant
+from benchmarks.harness import Answered, Variant, closed_loop
 from benchmarks.workload import batch_messages, fixed_length
 
 NEW_TOKENS = 16
@@ -58,39 +57,12 @@ def served(client: Any, messages: list[Any], concurrency: int) -> Variant:
     request_config = {"max_tokens": NEW_TOKENS}
     extension = {"options": {"min_new_tokens": NEW_TOKENS}}
 
-    def run() -> Answered:
-        queue = list(range(len(messages)))
-        lock = threading.Lock()
-        latencies: list[float] = [0.0] * len(messages)
-        tokens = [0] * len(messages)
-        errors: list[BaseException] = []
+    def one(i: int) -> tuple[int, float, None]:
+        began = time.perf_counter()
+        [result] = client.infer([messages[i]], request_config, engine=extension)
+        return len(result.token_ids), time.perf_counter() - began, None
 
-        def worker() -> None:
-            while True:
-                with lock:
-                    if not queue or errors:
-                        return
-                    i = queue.pop()
-                began = time.perf_counter()
-                try:
-                    [result] = client.infer([messages[i]], request_config, engine=extension)
-                except BaseException as err:  # surfaced below, after every thread has stopped
-                    with lock:
-                        errors.append(err)
-                    return
-                latencies[i] = time.perf_counter() - began
-                tokens[i] = len(result.token_ids)
-
-        threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        return Answered(sum(tokens), tuple(latencies))
-
-    return Variant("served", "subject", run)
+    return Variant("served", "subject", lambda: closed_loop(len(messages), concurrency, one))
 
 
 def test_served_vs_in_process(bench, benchmark, served_case: tuple[str, int]) -> None:

@@ -20,6 +20,8 @@ class Size:
     native_budget: int  # output budget of the repeat-vs-native cases
     served_concurrency: tuple[int, ...]  # concurrent clients of the served cases (= in-process batch size)
     served_requests: int  # requests per round of a served case, at least (the concurrency when larger)
+    chat_concurrency: tuple[int, ...]  # concurrent clients of the streamed-vs-plain chat cases
+    chat_requests: int  # requests per round of a chat case, at least (the concurrency when larger)
     rounds: int
     warmup: int
 
@@ -29,11 +31,13 @@ SIZES = {
     # the guards at batch 8; served vs in-process at 1, 8 and 64 concurrent clients.
     "smoke": Size(batches=(1, 8, 64), prompt_lens=("short",), new_tokens=(16,),
                   guard_sets=("none", "repeat", "min_length"), guard_batches=(8,), native_budget=96,
-                  served_concurrency=(1, 8, 64), served_requests=16, rounds=3, warmup=1),
+                  served_concurrency=(1, 8, 64), served_requests=16, chat_concurrency=(1, 16), chat_requests=8,
+                  rounds=3, warmup=1),
     # For GPU runners: both prompt lengths, short and long outputs, batch 256 too, more rounds.
     "full": Size(batches=(1, 8, 64, 256), prompt_lens=("short", "long"), new_tokens=(64, 256),
                  guard_sets=("none", "repeat", "min_length"), guard_batches=(1, 8, 64, 256), native_budget=256,
-                 served_concurrency=(1, 8, 64), served_requests=128, rounds=5, warmup=1),
+                 served_concurrency=(1, 8, 64), served_requests=128, chat_concurrency=(1, 16), chat_requests=64,
+                 rounds=5, warmup=1),
 }
 
 # The repeat guard under test; thresholds that never fire on the healthy prompts, and catch SmolLM2's

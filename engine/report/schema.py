@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ RUN_COLUMNS = (
 )
 CASE_COLUMNS = (
     Column("benchmark", "string", "case id: group[backend-bN-prompt-oN-guard]; the comparison key with variant"),
-    Column("group", "string", "throughput, repeat_vs_native, rule_cost or served"),
+    Column("group", "string", "throughput, repeat_vs_native, rule_cost, served, chat_stream or pattern_c"),
     Column("backend", "string", "hf or vllm"),
     Column("model", "string", "model name (fixture name or folder name)"),
     Column("dtype", "string", "model dtype"),
@@ -71,6 +71,9 @@ ROUND_COLUMNS = (
     Column("p50_latency_ms", "float64", "median request latency in the round, issue to answer (NaN where requests "
                                         "are not timed one by one: every request of a batched call takes its wall)"),
     Column("p99_latency_ms", "float64", "99th percentile of the request latencies in the round (NaN as above)"),
+    Column("p50_ttft_ms", "float64", "median time to first token in the round: a streamed request's issue to its "
+                                     "first content delta, a non-streamed one's issue to its answer (NaN where "
+                                     "requests are not timed one by one)"),
     Column("tokens_per_s", "float64", "output_tokens / wall_s"),
     Column("us_per_token", "float64", "wall_s / output_tokens in microseconds; rule_cost: per token per row"),
 )
@@ -81,6 +84,11 @@ RATIO_COLUMNS = {
     "served_over_inprocess": "served: speed of the engine behind python -m engine.serve (concurrent clients, one "
                              "request per post to /infer/) / in-process generate in batches of that size, same "
                              "requests",
+    "streamed_over_plain": "chat_stream: speed of streamed /v1/chat/completions requests (SSE) / non-streamed ones, "
+                           "same requests, fixed length, concurrent clients",
+    "pattern_c_over_chat": "pattern_c: tokens/s of Pattern C /chat requests (min-length rule + cleanup) / of plain "
+                           "/v1/chat/completions requests, same prompts, sampling and concurrency (a token-rate "
+                           "ratio: Pattern C answers are longer by design; per-request latency is in p50_latency_ms)",
     "fast_over_reference": "rule_cost: speed of a rule's fast path (byte table, vectorized ids) / its reference "
                            "path (decode per token, per-row Python), same token stream",
 }

@@ -33,6 +33,7 @@ class ReportWriter:
             raise ValueError(f"unknown ratio or figure columns {sorted(unknown)}; known: {sorted(known)}")
         for r in rounds:
             row = {"requests": case.get("batch"), "p50_latency_ms": math.nan, "p99_latency_ms": math.nan,
+                   "p50_ttft_ms": math.nan,
                    **self.run, **case, **r}
             row["tokens_per_s"] = r["output_tokens"] / r["wall_s"]
             row["requests_per_s"] = row["requests"] / r["wall_s"] if row["requests"] is not None else math.nan
