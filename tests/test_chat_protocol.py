@@ -7,10 +7,13 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.config.serve import PatternCConfig
 from engine.errors import ConfigError, RequestError
-from engine.serve.chat_protocol import chunk, completion_body, parse_completion, wire_error
+from engine.serve.chat_protocol import FIELDS as COMPLETION_FIELDS
+from engine.serve.chat_protocol import NEUTRAL, chunk, completion_body, parse_completion, wire_error
 from engine.serve.pattern_c import parse_pattern_c, pattern_c_body
 from engine.serve.pattern_c import wire_error as pattern_c_wire_error
 from engine.types import GenerationResult
@@ -123,3 +126,44 @@ def test_pattern_c_config_and_environment():
         served_config(args, environ={"MAX_LEN": "lots"})
     with pytest.raises(ConfigError, match=r"serve\.chat\.max_len"):
         served_config(args, environ={"MIN_LEN": "500"})  # above the default max_len: refused at startup
+
+
+# -- fuzzing: a body is parsed, or refused with a RequestError naming a field it has; nothing else escapes ------
+
+JSON_JUNK = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-5, 10**6), st.floats(allow_nan=False), st.text(max_size=5)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+    max_leaves=6)
+COMPLETION_KEYS = st.sampled_from([*COMPLETION_FIELDS, *NEUTRAL, "messages", "engine", "bogus"])
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "x"]),
+                                 "content": st.one_of(st.text(max_size=4), JSON_JUNK)})
+
+
+def _named(err: RequestError, body: dict) -> bool:
+    root = err.field.split(".")[0].split("[")[0]
+    return root in body or root in ("body", "model", "messages")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(COMPLETION_KEYS, st.one_of(JSON_JUNK, st.lists(MESSAGE, max_size=2)), max_size=5))
+def test_fuzzed_completion_bodies_parse_or_are_refused_by_field(fields):
+    body = {"model": "m", "messages": MSGS, **fields}
+    try:
+        parse_completion(body)
+    except RequestError as err:
+        assert _named(err, body), (err.field, body)
+        assert str(err).startswith(err.field) and "Fix:" in str(err)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(["model", "messages", "min_len", "max_len", "stream", "extra"]),
+                       st.one_of(JSON_JUNK, st.lists(MESSAGE, max_size=2)), max_size=4))
+def test_fuzzed_pattern_c_bodies_parse_or_are_refused_by_field(fields):
+    body = {"messages": MSGS, **fields}
+    try:
+        call = parse_pattern_c(body, PatternCConfig())
+    except RequestError as err:
+        assert _named(err, body), (err.field, body)
+        assert str(err).startswith(err.field) and "Fix:" in str(err)
+    else:
+        assert 0 <= call.min_len <= call.max_len
