@@ -170,11 +170,19 @@ class BenchSession:
 
     def server(self, backend: str) -> Any:
         """``python -m engine.serve`` on the plain engine's config (a free port on 127.0.0.1); the HF batcher may
-        merge as many requests as the largest served concurrency, as the in-process variant batches them."""
+        merge as many requests as the largest served concurrency, as the in-process variant batches them; Pattern C
+        ``/chat`` is greedy (its other defaults kept)."""
         from engine.client import launch_server
 
-        serve = {"port": 0, "max_batch_size": max(self.size.served_concurrency)}
-        return self._keep(("server", backend), lambda: launch_server({**self.config_for(backend), "serve": serve}))
+        return self._keep(("server", backend), lambda: launch_server(self.server_config(backend)))
+
+    def server_config(self, backend: str) -> dict[str, Any]:
+        """The config ``server(backend)`` runs."""
+        # Pattern C greedy: every round then generates the same tokens (sampled, one row looping on emoji until
+        # max_new_tokens -- characters grow slowly there -- held a whole HF batch for 85 s in one round).
+        serve = {"port": 0, "max_batch_size": max(self.size.served_concurrency),
+                 "chat": {"temperature": 0, "top_p": 1.0}}
+        return {**self.config_for(backend), "serve": serve}
 
     def close(self) -> None:
         for key, obj in reversed(list(self._objects.items())):

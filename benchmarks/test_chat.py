@@ -1,17 +1,17 @@
 """The chat service through the official ``openai`` client: streamed vs non-streamed, and Pattern C vs plain chat.
 
 Both run against the benchmark session's server per backend (``python -m engine.serve``, the served cases' one;
-Pattern C at its defaults: min_len 120, max_len 240, temperature 0.7, top_p 0.95). ``c`` client threads each send
-one request at a time until the round's ``max(c, Size.chat_requests)`` requests are answered.
+Pattern C at its defaults, min_len 120 and max_len 240, but greedy so that every round generates the same tokens).
+``c`` client threads each send one request at a time until the round's ``max(c, Size.chat_requests)`` requests
+are answered.
 
 * ``chat_stream[backend-cN]``: the same fixed-length requests (``NEW_TOKENS`` tokens, EOS held back through the
   engine extension; asserted) non-streamed (reference) and streamed over SSE (subject). Recorded per round:
   p50 time to first token (streamed: issue to the first content delta; non-streamed: issue to the answer),
   request latencies and tokens/s; ratio ``streamed_over_plain``.
 * ``pattern_c[backend-cN]`` (the largest chat concurrency only): the same prompts to ``/v1/chat/completions``
-  with Pattern C's sampling and ``PLAIN_BUDGET`` tokens (reference) and to ``/chat`` (subject). Answers differ
-  in length by design, so the ratio ``pattern_c_over_chat`` is one of token rates; per-request latency is in the
-  latency columns.
+  greedy with ``PLAIN_BUDGET`` tokens (reference) and to ``/chat`` (subject). Answers differ in length by design,
+  so the ratio ``pattern_c_over_chat`` is one of token rates; per-request latency is in the latency columns.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def test_streamed_vs_non_streamed(bench, benchmark, chat_case: tuple[str, int]) 
                   "new_tokens": NEW_TOKENS, "fixed_length": True, "guard_set": "none"},
                  rounds, {"streamed_over_plain": ratio}, benchmark)
     ttft = {v.name: _p50(rounds, v.name, "p50_ttft_ms") for v in (reference, subject)}
-    rate = {v.name: _p50(rounds, v.name, "tokens_per_s") for v in (reference, subject)}
+    rate = {v.name: n * NEW_TOKENS / rounds.median_wall(v.name) for v in (reference, subject)}
     bench.progress(f"{label}: TTFT p50 streamed {ttft['streamed']:.0f} ms vs non-streamed {ttft['non-streamed']:.0f}"
                    f" ms; {rate['streamed']:.1f} vs {rate['non-streamed']:.1f} tokens/s")
 
@@ -129,14 +129,18 @@ def test_pattern_c_vs_plain_chat(bench, benchmark, pattern_c_case: tuple[str, in
     messages = batch_messages(n, "short")
     server = bench.server(backend)
     label = f"pattern_c[{backend}-c{concurrency}-n{n}]"
-    defaults = bench.engine(backend).config.serve.chat
+    from engine.config.serve import PatternCConfig
+
+    defaults = PatternCConfig(**bench.server_config(backend)["serve"]["chat"])
     with openai_client(server) as client:
         model = client.models.list().data[0].id
         reference = plain(client, model, messages, concurrency, temperature=defaults.temperature,
-                          top_p=defaults.top_p, max_tokens=PLAIN_BUDGET)
+                          max_tokens=PLAIN_BUDGET, **({} if defaults.temperature == 0 else {"top_p": defaults.top_p}))
         reference = Variant("chat", "reference", reference.run)
         subject = pattern_c(server, messages, concurrency)
         rounds = bench.measure(benchmark, label, [reference, subject])
+    for variant in (reference, subject):  # greedy: the same answers every round
+        assert len(rounds.tokens(variant.name)) == 1, (variant.name, rounds.tokens(variant.name))
     ratio = rounds.token_rate_ratio(subject.name, reference.name)
     bench.record({"benchmark": label, "group": "pattern_c", "backend": backend, "batch": concurrency,
                   "prompt_len": "short", "prompt_tokens": _prompt_tokens(bench, backend, messages),

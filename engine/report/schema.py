@@ -11,7 +11,8 @@ Bump :data:`SCHEMA_VERSION` on any change of a column's name, type or meaning, a
 >>> [c.name for c in COLUMNS][:3]
 ['schema_version', 'run_id', 'timestamp']
 >>> sorted(RATIO_COLUMNS)
-['engine_over_raw', 'fast_over_reference', 'guard_on_over_off', 'ours_over_native', 'served_over_inprocess']
+['engine_over_raw', 'fast_over_reference', 'guard_on_over_off', 'ours_over_native', 'pattern_c_over_chat', \
+'served_over_inprocess', 'streamed_over_plain']
 """
 
 from __future__ import annotations
