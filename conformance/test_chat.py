@@ -12,6 +12,7 @@ import asyncio
 import json
 import shutil
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -298,3 +299,33 @@ def test_openai_client_raises_on_bad_input(client):
     assert err.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no-such-model", messages=FRANCE)
+
+
+def test_a_client_leaving_mid_stream_stops_its_generation(chat_server, backend):
+    """The stream's generation stops when its client goes away (counted as cancelled); the server keeps serving."""
+    import httpx
+
+    server = chat_server(backend)
+
+    def cancelled() -> int:
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        return int(next(line.split()[1] for line in text.splitlines()
+                        if line.startswith("engine_requests_cancelled_total ")))
+
+    before = cancelled()
+    body = {"model": server_model(server), "messages": FRANCE, "max_tokens": 2000, "temperature": 0, "stream": True,
+            "engine": {"options": {"min_new_tokens": 1999}}}  # would run for minutes on this machine
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        first = [next(lines) for _ in range(3)]  # the role chunk and two content deltas: generation is running
+    left = time.monotonic()
+    assert all(line.startswith("data: ") or line == "" for line in first)
+    deadline = time.monotonic() + 60
+    while cancelled() == before:
+        assert time.monotonic() < deadline, "the server never noticed the client leaving"
+        time.sleep(0.25)
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": body["model"], "messages": FRANCE,
+                                                               "max_tokens": 8, "temperature": 0}, timeout=120)
+    # 2000 tokens take minutes here: an answer within 30 s means the abandoned row stopped (HF ends it at its next
+    # token, even inside a running batch; vLLM aborts the request).
+    assert r.status_code == 200 and time.monotonic() - left < 30, "the abandoned generation held the server"

@@ -6,6 +6,7 @@ never merged with other submissions, so a seed reproduces what the same call giv
 batch fails, each submission is retried alone, so one bad request does not fail its neighbours. A submission
 whose caller went away (cancelled) before its batch started is dropped. A streaming submission (``on_token``)
 hears each of its tokens on the caller's loop while the merged ``generate`` runs; a retry repeats the positions.
+In a batch with a streaming submission, the rows of submissions cancelled meanwhile end at their next token.
 """
 
 from __future__ import annotations
@@ -132,14 +133,18 @@ class AsyncBatcher:
             start += len(job.prompts)
 
 
-def _fan_out(group: list[_Job], loop: asyncio.AbstractEventLoop) -> TokenSink:
-    """One ``on_token`` for a merged batch: each row's tokens go to its submission's sink, on the loop's thread."""
-    rows: list[tuple[TokenSink | None, int]] = [(job.on_token, i) for job in group for i in range(len(job.prompts))]
+def _fan_out(group: list[_Job], loop: asyncio.AbstractEventLoop) -> Callable[[int, int, int], bool]:
+    """One ``on_token`` for a merged batch: each row's tokens go to its submission's sink, on the loop's thread.
+    It answers True for rows whose submission was cancelled (its caller went away), so the backend ends them."""
+    rows = [(job, i) for job in group for i in range(len(job.prompts))]
 
-    def on_token(row: int, position: int, token: int) -> None:
-        sink, index = rows[row]
-        if sink is not None:
-            loop.call_soon_threadsafe(sink, index, position, token)
+    def on_token(row: int, position: int, token: int) -> bool:
+        job, index = rows[row]
+        if job.future.done():  # cancelled: nobody waits for this row
+            return True
+        if job.on_token is not None:
+            loop.call_soon_threadsafe(job.on_token, index, position, token)
+        return False
     return on_token
 
 

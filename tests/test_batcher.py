@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 from engine.backends.base import BackendOutput, Prompt, SamplingPlan
 from engine.batcher import AsyncBatcher
@@ -144,3 +145,26 @@ def test_streaming_submissions_hear_only_their_own_tokens_in_a_merged_batch():
         assert sorted(heard[k]) == [(0, 0, 3), (0, 1, 2), (0, 2, 1), (1, 0, 9)]
         assert [r.token_ids for r in results[k]] == [(3, 2, 1), (9,)]
     assert [r.token_ids for r in results[2]] == [(6, 5)]
+
+
+def test_rows_of_a_cancelled_submission_are_ended_by_the_backend():
+    """The merged batch's ``on_token`` answers True for rows whose caller went away (the HF backend ends them)."""
+    answers: list[tuple[int, bool]] = []
+
+    class Asking(Recorder):
+        def generate(self, prompts, plan, on_token=None):
+            time.sleep(0.2)  # the second caller is cancelled meanwhile
+            answers.extend((row, on_token(row, 0, 1)) for row in range(len(prompts)))
+            return super().generate(prompts, plan)
+
+    batcher = AsyncBatcher(Asking(), max_batch_size=32, wait_s=0.05)
+
+    async def main():
+        kept = asyncio.ensure_future(batcher.submit([prompt(1)], plan(), on_token=lambda *a: None))
+        gone = asyncio.ensure_future(batcher.submit([prompt(2)], plan()))
+        await asyncio.sleep(0.1)
+        gone.cancel()
+        return await kept
+
+    assert [r.token_ids for r in run(main())] == [(1,)]
+    assert answers == [(0, False), (1, True)]

@@ -41,3 +41,11 @@ def test_on_token_hears_every_kept_token_and_nothing_after_a_row_ends():
     rec(torch.tensor([[0, 5, 9, 0], [0, 2, 0, 0]]), None)  # row 0 ended on the stop string at position 1
     assert heard == [(0, 0, 5), (1, 0, 2), (0, 1, 9)]
     assert rec.lengths == [2, 1]
+
+
+def test_on_token_returning_true_ends_the_row():
+    rec = RowFinishRecorder(prompt_len=1, terminal_ids=[2], stop_criteria=None, min_new_tokens=0,
+                            on_token=lambda row, pos, tok: row == 1 and pos == 1)  # row 1's caller leaves
+    assert rec(torch.tensor([[0, 5], [0, 6]]), None).tolist() == [False, False]
+    assert rec(torch.tensor([[0, 5, 5], [0, 6, 6]]), None).tolist() == [False, True]
+    assert rec.lengths == [None, 2]

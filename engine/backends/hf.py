@@ -47,7 +47,8 @@ class RowFinishRecorder:
     count only once more than ``min_new_tokens`` tokens exist, as in vLLM. ``rule_sets`` (one per row) are
     the rules plugged in through the "hf_stopping_criteria" hook: a row stops right after the token that
     makes its rules demand an end (no EOS appended). ``on_token(row, position, token)`` (streaming) hears every
-    token a row keeps, the one that ends it included, as soon as it exists.
+    token a row keeps, the one that ends it included, as soon as it exists; when it returns True the row's caller
+    is gone and the row ends there.
 
     >>> import torch
     >>> rec = RowFinishRecorder(prompt_len=2, terminal_ids=[0], stop_criteria=None, min_new_tokens=0)
@@ -58,7 +59,8 @@ class RowFinishRecorder:
     """
 
     def __init__(self, prompt_len: int, terminal_ids: Sequence[int], stop_criteria: Any, min_new_tokens: int,
-                 rule_sets: list[Any] | None = None, on_token: Callable[[int, int, int], None] | None = None):
+                 rule_sets: list[Any] | None = None,
+                 on_token: Callable[[int, int, int], bool | None] | None = None):
         import torch
 
         self.prompt_len = prompt_len
@@ -87,9 +89,11 @@ class RowFinishRecorder:
             ended = torch.tensor([rs.decision().force_eos for rs in self.rule_sets], device=done.device)
             done = done | ended
         if self.on_token is not None:
-            for row, token in enumerate(last.tolist()):
-                if self.lengths[row] is None:
-                    self.on_token(row, step - 1, token)
+            gone = [row for row, token in enumerate(last.tolist())
+                    if self.lengths[row] is None and self.on_token(row, step - 1, token)]
+            if gone:  # nobody waits for these rows any more: end them now
+                done = done.clone()
+                done[gone] = True
         for row in torch.nonzero(done).flatten().tolist():
             if self.lengths[row] is None:
                 self.lengths[row] = step
@@ -134,16 +138,17 @@ class HfBackend:
         self.model = None
 
     def generate(self, prompts: Sequence[Prompt], plan: SamplingPlan, *,
-                 on_token: Callable[[int, int, int], None] | None = None) -> list[BackendOutput]:
+                 on_token: Callable[[int, int, int], bool | None] | None = None) -> list[BackendOutput]:
         """Outputs in prompt order. ``on_token(prompt_index, position, token_id)`` (for streaming) is called from
-        inside ``generate`` for every token a row keeps, as soon as it is sampled."""
+        inside ``generate`` for every token a row keeps, as soon as it is sampled; returning True ends that row
+        (its caller went away)."""
         size = self.settings.max_batch_size or max(len(prompts), 1)
         outputs: list[BackendOutput] = []
         for start in range(0, len(prompts), size):
             sink = None
             if on_token is not None:
-                def sink(row: int, position: int, token: int, start: int = start) -> None:
-                    on_token(start + row, position, token)
+                def sink(row: int, position: int, token: int, start: int = start) -> bool | None:
+                    return on_token(start + row, position, token)
             outputs.extend(self._generate_batch(prompts[start : start + size], plan, sink))
         return outputs
 
@@ -214,7 +219,7 @@ class HfBackend:
         return {k: v.to(self.device) for k, v in batch.items()}
 
     def _generate_batch(self, prompts: Sequence[Prompt], plan: SamplingPlan,
-                        on_token: Callable[[int, int, int], None] | None = None) -> list[BackendOutput]:
+                        on_token: Callable[[int, int, int], bool | None] | None = None) -> list[BackendOutput]:
         import torch
         from transformers import LogitsProcessorList, StoppingCriteriaList, StopStringCriteria
 
