@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from engine.config.serve import PatternCConfig
 from engine.errors import ConfigError, RequestError
-from engine.serve.chat_protocol import FIELDS as COMPLETION_FIELDS
-from engine.serve.chat_protocol import NEUTRAL, chunk, completion_body, parse_completion, wire_error
+from engine.serve.openai_protocol import FIELDS as COMPLETION_FIELDS
+from engine.serve.openai_protocol import NEUTRAL, chunk, completion_body, parse_completion, wire_error
 from engine.serve.pattern_c import parse_pattern_c, pattern_c_body
 from engine.serve.pattern_c import wire_error as pattern_c_wire_error
 from engine.types import GenerationResult

@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from engine.errors import EngineError
-from engine.serve import chat, protocol, rollout
+from engine.serve import chat, openai, protocol, rollout
 from engine.serve.service import ServedEngine
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,7 @@ def create_app(served: ServedEngine, *, close_engine: bool = True) -> FastAPI:
 
     app = FastAPI(title="engine.serve", lifespan=lifespan)
     app.include_router(rollout.router(served))
+    app.include_router(openai.router(served))
     app.include_router(chat.router(served))
 
     @app.exception_handler(EngineError)

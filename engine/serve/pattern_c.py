@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import ConfigError, EngineError, RequestError
-from engine.serve.chat_protocol import chat_messages, usage
+from engine.serve.openai_protocol import chat_messages, usage
 from engine.types import GenerationResult
 
 FIELDS = ("model", "messages", "min_len", "max_len", "stream")
