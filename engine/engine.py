@@ -14,7 +14,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.backends import Backend, BackendOutput, Prompt, SamplingPlan, backend_class
+from engine.backends import Backend, BackendOutput, Prompt, SamplingPlan, TokenScores, backend_class
+from engine.completion import PromptLike, canonical_schema, check_scored, plain_prompts
 from engine.config import EngineConfig, GenerationOptions, PixelBudget, StopPolicy
 from engine.errors import PluginCompatibilityError, RequestError, UnsupportedCapabilityError
 from engine.loading import load_processor, load_tokenizer
@@ -36,6 +37,7 @@ VisionRequestLike = VisionRequest | Sequence[Mapping[str, Any]]
 OptionsLike = GenerationOptions | Mapping[str, Any] | None
 StopLike = StopPolicy | Mapping[str, Any] | None
 PluginsLike = Sequence[Plugin | Mapping[str, Any]] | None
+SchemaLike = Mapping[str, Any] | str | None
 
 
 class GenerationEngine:
@@ -133,7 +135,11 @@ class GenerationEngine:
     # -- validation and rendering (nothing generated) --------------------------------------------------
 
     def _plan(self, options: OptionsLike, stop: StopLike, pixels: PixelBudget | Mapping[str, Any] | None,
-              backend: Backend, plugins: Sequence[Plugin] = ()) -> SamplingPlan:
+              backend: Backend, plugins: Sequence[Plugin] = (), json_schema: SchemaLike = None) -> SamplingPlan:
+        schema = canonical_schema(json_schema)
+        if schema is not None and not backend.capabilities.structured_outputs:
+            raise UnsupportedCapabilityError(f"backend {backend.name!r} cannot constrain output to a JSON Schema "
+                                             "here. Fix: drop json_schema, or use a text model on hf or vllm")
         opts = self.config.generation.merged(options)
         policy = self.config.stop.merged(stop)
         budget = self.config.vision.merged(pixels)
@@ -149,14 +155,15 @@ class GenerationEngine:
             ctx = self._plugin_context(plugins)
             rules += [spec for p in plugins if (spec := p.rule_spec(backend.name, ctx)) is not None]
         return SamplingPlan(options=opts, stop=policy, eos_token_ids=self.load_info.eos_token_ids, pixels=budget,
-                            rules=tuple(rules))
+                            rules=tuple(rules), json_schema=schema)
 
     def prepare(self, requests: Sequence[RequestLike], *, options: OptionsLike = None, stop: StopLike = None,
-                plugins: PluginsLike = None) -> tuple[list[RenderedPrompt], SamplingPlan]:
+                plugins: PluginsLike = None,
+                json_schema: SchemaLike = None) -> tuple[list[RenderedPrompt], SamplingPlan]:
         """Validate text requests, options and plugins and render prompts; raises before any generation."""
         active = self._plugins(plugins)
         self._check_plugins(active, self.backend.name, self.backend.capabilities.hooks, kinds="text")
-        plan = self._plan(options, stop, None, self.backend, active)
+        plan = self._plan(options, stop, None, self.backend, active, json_schema)
         checked = [ChatRequest.of(r, index=i) for i, r in enumerate(requests)]
         rendered = [render_prompt(self.tokenizer, r.messages) for r in checked]
         limit = self.backend.capabilities.max_model_len
@@ -187,12 +194,34 @@ class GenerationEngine:
     # -- generation ------------------------------------------------------------------------------------
 
     def generate(self, requests: Sequence[RequestLike], *, options: OptionsLike = None, stop: StopLike = None,
-                 plugins: PluginsLike = None) -> list[GenerationResult]:
+                 plugins: PluginsLike = None, json_schema: SchemaLike = None) -> list[GenerationResult]:
         """Generate one result per text request, in order. ``options``/``stop`` override the config's fields;
-        ``plugins`` (a list of ``{name: ..., <params>}``) replaces the engine's plugins for this call."""
-        rendered, plan = self.prepare(requests, options=options, stop=stop, plugins=plugins)
+        ``plugins`` (a list of ``{name: ..., <params>}``) replaces the engine's plugins for this call;
+        ``json_schema`` (a JSON Schema object) constrains every output to it by construction."""
+        rendered, plan = self.prepare(requests, options=options, stop=stop, plugins=plugins, json_schema=json_schema)
         prompts = [Prompt(token_ids=r.token_ids, text=r.text) for r in rendered]
         return self._run(self.backend, prompts, rendered, plan, fallback=None, plugins=self._plugins(plugins))
+
+    def complete(self, prompts: Sequence[PromptLike], *, options: OptionsLike = None, stop: StopLike = None,
+                 plugins: PluginsLike = None, json_schema: SchemaLike = None) -> list[GenerationResult]:
+        """Continue plain prompts, no chat template: text (tokenized as is, no special tokens added) or token ids.
+        Everything else is ``generate``'s pipeline (stops, guards, plugins, ``json_schema``)."""
+        active = self._plugins(plugins)
+        self._check_plugins(active, self.backend.name, self.backend.capabilities.hooks, kinds="text")
+        plan = self._plan(options, stop, None, self.backend, active, json_schema)
+        rendered = plain_prompts(self.tokenizer, prompts, self.backend.capabilities.max_model_len)
+        batch = [Prompt(token_ids=r.token_ids, text=r.text) for r in rendered]
+        return self._run(self.backend, batch, rendered, plan, fallback=None, plugins=active)
+
+    def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[TokenScores]:
+        """The model's log-probability of every token of ``sequences[i][starts[i]:]`` given the tokens before
+        it, and whether it was the argmax there (the parts of lm-eval's loglikelihood)."""
+        caps = self.backend.capabilities
+        if not caps.scoring:
+            raise UnsupportedCapabilityError(f"backend {self.backend.name!r} cannot score sequences here. Fix: use "
+                                             "hf, or vllm with vllm.async_engine false, on a text model")
+        check_scored(sequences, starts, caps.max_model_len)
+        return self.backend.score(sequences, starts) if sequences else []  # type: ignore[attr-defined]
 
     async def agenerate(self, requests: Sequence[RequestLike], *, options: OptionsLike = None, stop: StopLike = None,
                         plugins: PluginsLike = None) -> list[GenerationResult]:

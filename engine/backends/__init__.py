@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from engine.backends.base import Backend, BackendOutput, Capabilities, Prompt, SamplingPlan
+from engine.backends.base import Backend, BackendOutput, Capabilities, Prompt, SamplingPlan, TokenScores
 from engine.backends.registry import REGISTRY
 
 
@@ -23,4 +23,5 @@ def backend_class(name: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-__all__ = ["REGISTRY", "Backend", "BackendOutput", "Capabilities", "Prompt", "SamplingPlan", "backend_class"]
+__all__ = ["REGISTRY", "Backend", "BackendOutput", "Capabilities", "Prompt", "SamplingPlan", "TokenScores",
+           "backend_class"]

@@ -33,6 +33,10 @@ class Capabilities:
     """Generation-time hooks it offers plugins (e.g. "hf_logits_processor", "vllm_logits_processor")."""
     max_model_len: int | None = None
     """Context length (prompt + output) of the loaded model; a prompt must be shorter. None: unknown."""
+    scoring: bool = False
+    """Scores given token sequences (``score``: per-token log-probs and is-greedy, for log-likelihoods)."""
+    structured_outputs: bool = False
+    """Constrains generation to a JSON Schema (``SamplingPlan.json_schema``)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,9 @@ class SamplingPlan:
     pixels: PixelBudget = field(default_factory=PixelBudget)
     rules: tuple[RuleSpec, ...] = ()
     """Generation-time row rules (the repeat guard, plugins), applied per row by each backend's adapter."""
+    json_schema: str | None = None
+    """A JSON Schema (canonical JSON text) every row's output must follow, by construction: xgrammar on HF,
+    structured outputs on vLLM. None: unconstrained."""
 
     @property
     def terminal_token_ids(self) -> tuple[int, ...]:
@@ -79,6 +86,22 @@ class BackendOutput:
     logprobs: tuple[dict[int, float], ...] | None = None
     prompt_token_ids: tuple[int, ...] | None = None
     events: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TokenScores:
+    """The model's log-probability of each scored token of a sequence, and whether it was the argmax there.
+
+    >>> TokenScores(logprobs=(-0.5, -1.0), greedy=(True, False)).total
+    -1.5
+    """
+
+    logprobs: tuple[float, ...]
+    greedy: tuple[bool, ...]
+
+    @property
+    def total(self) -> float:
+        return float(sum(self.logprobs))
 
 
 @runtime_checkable

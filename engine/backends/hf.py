@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from engine.backends.base import BackendOutput, Capabilities, Prompt, SamplingPlan
+from engine.backends.base import BackendOutput, Capabilities, Prompt, SamplingPlan, TokenScores
 from engine.config import HfConfig, ModelConfig
 from engine.errors import BackendUnavailableError, EngineError
 
@@ -131,8 +131,11 @@ class HfBackend:
         self.model.generation_config = transformers.GenerationConfig()  # no checkpoint defaults leak in
         text_config = getattr(self.model.config, "text_config", None) or self.model.config
         lengths = [n for n in (model.max_model_len, getattr(text_config, "max_position_embeddings", None)) if n]
+        self.vocab_size = int(text_config.vocab_size)
         self.capabilities = Capabilities(name="hf", logprobs=True, supports_vlm=processor is not None, hooks=HOOKS,
-                                         max_model_len=min(lengths) if lengths else None)
+                                         max_model_len=min(lengths) if lengths else None, scoring=processor is None,
+                                         structured_outputs=processor is None)
+        self._schemas: Any = None
 
     def close(self) -> None:
         self.model = None
@@ -158,7 +161,9 @@ class HfBackend:
 
         opts = plan.options
         sampling: dict[str, Any] = {"do_sample": False}
-        if not opts.is_greedy:
+        if not opts.is_greedy and plan.json_schema is not None:  # warpers come after the grammar mask
+            sampling = {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": None}
+        elif not opts.is_greedy:
             sampling = {"do_sample": True, "temperature": opts.temperature, "top_p": opts.top_p,
                         "top_k": opts.top_k or None}
         return GenerationConfig(
@@ -240,12 +245,13 @@ class HfBackend:
         if logit_specs:
             processors.append(HfRowRules(logit_specs, prompt_len=width, eos_id=plan.eos_token_ids[0],
                                          terminal_ids=plan.terminal_token_ids, decode=decode, min_new_tokens=min_new))
+        masks = self._grammar_processors(plan, len(prompts), width)
         if plan.options.seed is not None:
             torch.manual_seed(plan.options.seed)
         with torch.inference_mode():
             out = self.model.generate(**inputs, generation_config=self.generation_config(plan),
                                       stopping_criteria=StoppingCriteriaList([recorder]),
-                                      logits_processor=LogitsProcessorList(processors))
+                                      logits_processor=LogitsProcessorList(processors + masks))
         generated = out.sequences[:, width:].tolist()  # (batch, steps)
         results = []
         for row, ids in enumerate(generated):
@@ -260,6 +266,44 @@ class HfBackend:
                                          logprobs=self._logprobs(out.logits, row, n, ids, plan),
                                          prompt_token_ids=tuple(seen), events=events))
         return results
+
+    def _grammar_processors(self, plan: SamplingPlan, batch: int, prompt_len: int) -> list[Any]:
+        """The grammar mask (and, when sampling, the warpers after it) of a constrained plan; none otherwise."""
+        if plan.json_schema is None:
+            return []
+        from engine.backends.hf_structured import GrammarMask, SchemaCompiler, sampling_warpers
+
+        if self._schemas is None:
+            self._schemas = SchemaCompiler(self.tokenizer, self.vocab_size)
+        mask = GrammarMask(self._schemas.compile(plan.json_schema), batch, prompt_len, self.vocab_size)
+        opts = plan.options
+        return [mask] if opts.is_greedy else [mask, *sampling_warpers(opts.temperature, opts.top_k, opts.top_p)]
+
+    def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[TokenScores]:
+        """Log-probabilities of ``sequences[i][starts[i]:]`` (each token given all before it) from one forward
+        pass per batch of right-padded rows, and whether each token was the model's argmax there."""
+        import torch
+
+        size = self.settings.max_batch_size or 8
+        scores: list[TokenScores] = []
+        for first in range(0, len(sequences), size):
+            chunk, offsets = sequences[first : first + size], starts[first : first + size]
+            width = max(len(s) for s in chunk)
+            ids = torch.full((len(chunk), width), self.tokenizer.pad_token_id, dtype=torch.long)  # (batch, width)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, seq in enumerate(chunk):
+                ids[row, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
+                mask[row, : len(seq)] = 1
+            with torch.inference_mode():
+                logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+            for row, (seq, start) in enumerate(zip(chunk, offsets, strict=True)):
+                # The token at position p is predicted by the logits at p - 1.
+                lp = torch.log_softmax(logits[row, start - 1 : len(seq) - 1].float(), dim=-1)  # (n, vocab)
+                target = torch.tensor(list(seq[start:]), dtype=torch.long, device=lp.device)
+                chosen = lp.gather(-1, target[:, None])[:, 0]
+                greedy = lp.argmax(dim=-1) == target
+                scores.append(TokenScores(logprobs=tuple(chosen.tolist()), greedy=tuple(greedy.tolist())))
+        return scores
 
     @staticmethod
     def _logprobs(logits: Any, row: int, n: int, ids: list[int], plan: SamplingPlan) -> Any:

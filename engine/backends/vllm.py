@@ -14,7 +14,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from engine.backends.base import BackendOutput, Capabilities, Prompt, SamplingPlan
+from engine.backends.base import BackendOutput, Capabilities, Prompt, SamplingPlan, TokenScores
 from engine.config import ModelConfig, VllmConfig
 from engine.errors import BackendUnavailableError, UnsupportedCapabilityError
 
@@ -75,7 +75,16 @@ def llm_kwargs(model: ModelConfig, settings: VllmConfig) -> dict[str, Any]:
         kwargs["max_num_seqs"] = settings.max_num_seqs
     if not has_cuda():  # per engine (an environment variable would be one value for the whole process)
         kwargs["kv_cache_memory_bytes"] = int(settings.cpu_kv_cache_space_gib * 2**30)
+    kwargs["structured_outputs_config"] = structured_outputs_config()
     return kwargs
+
+
+def structured_outputs_config() -> Any:
+    """xgrammar with compact JSON, the grammar the HF adapter compiles (the per-request whitespace flag is
+    ignored by vLLM; only this engine-level one takes effect). Used only by constrained requests."""
+    from vllm.config import StructuredOutputsConfig
+
+    return StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True)
 
 
 def start_arguments(model: ModelConfig, settings: VllmConfig, processor: Any,
@@ -120,7 +129,8 @@ def capabilities(model_config: Any, settings: VllmConfig, plan: Any) -> Capabili
     multimodal = bool(model_config.is_multimodal_model)
     return Capabilities(name="vllm", logprobs=True, hooks=HOOKS if plan.problem is None else frozenset(),
                         supports_vlm=multimodal and settings.limit_images_per_prompt > 0,
-                        max_model_len=int(model_config.max_model_len))
+                        max_model_len=int(model_config.max_model_len), scoring=not settings.async_engine,
+                        structured_outputs=not multimodal)
 
 
 def checked_runner(backend: Any, vllm_config: Any, plan: Any) -> str:
@@ -141,6 +151,10 @@ def sampling_params(plan: SamplingPlan, **extra: Any) -> Any:
     from vllm import SamplingParams
 
     opts = plan.options
+    if plan.json_schema is not None:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        extra["structured_outputs"] = StructuredOutputsParams(json=plan.json_schema)
     return SamplingParams(
         n=1,
         max_tokens=opts.max_new_tokens,
@@ -242,6 +256,21 @@ class VllmBackend:
         outs = self.llm.generate([engine_input(p, plan) for p in prompts], params, use_tqdm=False)
         events = self.rule_events(keys) if plan.rules else {}
         return [backend_output(out, plan, events.get(key, {})) for key, out in zip(keys, outs, strict=True)]
+
+    def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[TokenScores]:
+        """Log-probabilities of ``sequences[i][starts[i]:]`` from vLLM's prompt log-probs (raw model
+        distribution), and whether each token was the argmax there (its rank is 1)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False)
+        scores = []
+        for seq, start, out in zip(sequences, starts, outs, strict=True):
+            steps = [out.prompt_logprobs[p][seq[p]] for p in range(start, len(seq))]
+            scores.append(TokenScores(logprobs=tuple(float(s.logprob) for s in steps),
+                                      greedy=tuple(s.rank == 1 for s in steps)))
+        return scores
 
     def rule_events(self, keys: Sequence[str]) -> dict[str, dict[str, Any]]:
         """The rule events of finished requests, from the worker process(es) where the processor ran."""

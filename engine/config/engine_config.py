@@ -34,7 +34,8 @@ Fix: did you mean 'float16'? available: auto, bfloat16, float16, float32.
     path: str
     """Local directory of a Hugging Face checkpoint (weights, config, tokenizer, chat template)."""
     dtype: str = "auto"
-    """One of auto, float32, bfloat16, float16. auto: the checkpoint's dtype (float32 on CPU for vLLM)."""
+    """One of auto, float32, bfloat16, float16. auto: the checkpoint's dtype on HF, vLLM's own pick on vLLM (a
+    float32 checkpoint runs in half precision there: log-probs 5e-3 off HF's); set float32 for cross-backend parity."""
     device: str = "auto"
     """HF backend device: auto (cuda when available, else cpu), cpu, cuda or cuda:N. vLLM picks its own."""
     attn_implementation: str | None = None
