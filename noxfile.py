@@ -69,7 +69,7 @@ def _fixtures(session: nox.Session) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Unit, property and doctest tests of the library (no vLLM needed)."""
-    _install(session, with_vllm=False, extras=("test", "report", "serve"))
+    _install(session, with_vllm=False, extras=("test", "report", "serve", "lm-eval"))
     session.run("pytest", "tests", "--doctest-modules", "engine", "fixtures", *session.posargs,
                 env={"TOKENIZERS_PARALLELISM": "false"})
 
@@ -78,7 +78,7 @@ def tests(session: nox.Session) -> None:
 def conformance(session: nox.Session) -> None:
     """The cross-backend conformance suite on HF and vLLM (fixture models by default); both are required
     (ENGINE_REQUIRE=hf for an HF-only run, with --engine-backends=hf after --)."""
-    _install(session, with_vllm=True, extras=("test", "bench", "serve", "clients"))
+    _install(session, with_vllm=True, extras=("test", "bench", "serve", "clients", "lm-eval"))
     _fixtures(session)
     REPORTS.mkdir(exist_ok=True)
     # Both backends must run: a missing one fails the session instead of turning parity checks into skips.

@@ -31,15 +31,19 @@ def _mentions_thinking(err: BaseException) -> bool:
     return "enable_thinking" in str(err)
 
 
-def render_text(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
-    """Render ``messages`` with thinking disabled; return the text and the fallback reason, if any."""
+def render_text(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *,
+                add_generation_prompt: bool = True) -> tuple[str, str | None]:
+    """Render ``messages`` with thinking disabled; return the text and the fallback reason, if any.
+    ``add_generation_prompt=False`` continues the last message instead (an assistant prefill)."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ConfigError("model.path", getattr(tokenizer, "name_or_path", "?"), "has no chat template",
                           fix="use a checkpoint whose tokenizer_config.json carries a chat_template")
     msgs = [dict(m) for m in messages]
+    turn: dict[str, Any] = {"add_generation_prompt": True}
+    if not add_generation_prompt:
+        turn = {"add_generation_prompt": False, "continue_final_message": True}
     try:
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
-                                             enable_thinking=False)
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, enable_thinking=False, **turn)
         return text, None
     except TypeError as err:  # a tokenizer whose signature has no **kwargs
         reason = f"tokenizer rejected enable_thinking: {err}"
@@ -47,7 +51,7 @@ def render_text(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> tuple[
         if not _mentions_thinking(err):
             raise
         reason = f"chat template rejected enable_thinking: {err}"
-    text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(msgs, tokenize=False, **turn)
     return text, reason
 
 

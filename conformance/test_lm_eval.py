@@ -1,0 +1,220 @@
+"""The engine as an lm-evaluation-harness model, on the project's small tasks (``fixtures/lm_eval_tasks``).
+
+Reference: lm-eval's own ``hf`` model on the same model and tasks. Each backend's ``engine`` model must give
+its scores (multiple choice, rolling perplexity over 64-token windows, JSON-answer generation), its
+log-likelihoods within 1e-4 and its generations exactly (fp32); HF and vLLM must agree the same way. Then the
+schema path (constrained vs not, the ``on_invalid`` strategies), the cache, and the real ``lm_eval`` CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("lm_eval", reason="the lm-eval extra is not installed (pip install 'xbackend-engine[lm-eval]')")
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS = ROOT / "fixtures" / "lm_eval_tasks"
+SCHEMA = TASKS / "city_schema.json"
+SCORING = ["engine_mc", "engine_ppl"]
+WINDOW = 64  # max_length for the scoring tasks: every paragraph of engine_ppl spans several windows
+TOL = 1e-4
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _not_served(pool):
+    if pool.options.served:
+        pytest.skip("the lm-eval model drives an in-process engine; --engine-served has no lm-eval path to check")
+
+
+def evaluate(model: Any, tasks: list[str], *, model_args: dict[str, Any] | None = None, chat: bool = False,
+             limit: int | None = None) -> dict[str, Any]:
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from engine.lm_eval import register
+
+    register()
+    os.chdir(ROOT)  # the task YAMLs name their data relative to the repository root
+    return simple_evaluate(model=model, model_args=model_args, tasks=tasks, log_samples=True, limit=limit,
+                           apply_chat_template=chat,
+                           task_manager=TaskManager(include_path=str(TASKS), include_defaults=False))
+
+
+def engine_lm(engine: Any, **args: Any) -> Any:
+    from engine.lm_eval.model import EngineLM
+
+    return EngineLM(engine=engine, **args)
+
+
+def sample_values(result: dict[str, Any], task: str) -> list[Any]:
+    """Per document, what the model answered: log-likelihoods (floats) or generated texts."""
+    values = []
+    for sample in sorted(result["samples"][task], key=lambda s: s["doc_id"]):
+        for resp in sample["resps"]:
+            first = resp[0]
+            values.append(first[0] if isinstance(first, (tuple, list)) else first)
+    return values
+
+
+def metrics(result: dict[str, Any], task: str) -> dict[str, float]:
+    return {k: v for k, v in result["results"][task].items() if "," in k and "stderr" not in k}
+
+
+def assert_close(got: list[Any], want: list[Any], what: str) -> None:
+    assert len(got) == len(want), what
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if isinstance(w, str):
+            assert g == w, f"{what} [{i}]: {g!r} != {w!r}"
+        else:
+            assert abs(float(g) - float(w)) <= TOL * max(1.0, abs(float(w))), f"{what} [{i}]: {g} vs {w}"
+
+
+@pytest.fixture(scope="module")
+def reference(pool) -> dict[str, dict[str, Any]]:
+    """lm-eval's own hf model on the scoring tasks (window 64) and on the JSON task (chat template)."""
+    from engine.backends.hf import resolve_device
+
+    args = {"pretrained": pool.options.model, "dtype": pool.options.dtype,
+            "device": resolve_device(pool.options.device)}
+    return {"scoring": evaluate("hf", SCORING, model_args={**args, "max_length": WINDOW}),
+            "json": evaluate("hf", ["engine_json"], model_args=args, chat=True)}
+
+
+@pytest.fixture(scope="module")
+def runs(engines) -> dict[str, dict[str, Any]]:
+    """Each backend's engine model on the same runs as :func:`reference`."""
+    return {b: {"scoring": evaluate(engine_lm(e, max_length=WINDOW), SCORING),
+                "json": evaluate(engine_lm(e), ["engine_json"], chat=True)} for b, e in engines.items()}
+
+
+def test_scores_equal_lm_evals_hf_model(runs, reference, pool):
+    if pool.options.dtype != "float32":
+        pytest.skip("exact agreement is the fp32 contract; other dtypes follow vLLM's close-logprobs rule")
+    for backend, run in runs.items():
+        for kind, tasks in (("scoring", SCORING), ("json", ["engine_json"])):
+            for task in tasks:
+                got, want = metrics(run[kind], task), metrics(reference[kind], task)
+                assert got.keys() == want.keys(), task
+                assert_close([got[k] for k in want], list(want.values()), f"{backend} {task} scores")
+                assert_close(sample_values(run[kind], task), sample_values(reference[kind], task),
+                             f"{backend} {task} per-document answers")
+        print(f"{backend}: " + "; ".join(f"{t} {metrics(run[k], t)}" for k, ts in
+                                         (("scoring", SCORING), ("json", ["engine_json"])) for t in ts))
+
+
+def test_backends_agree_on_loglikelihoods_and_generations(runs, pool):
+    if pool.options.dtype != "float32":
+        pytest.skip("exact agreement is the fp32 contract; other dtypes follow vLLM's close-logprobs rule")
+    (name_a, run_a), (name_b, run_b) = list(runs.items())[:2]
+    for task in SCORING:
+        assert_close(sample_values(run_a["scoring"], task), sample_values(run_b["scoring"], task),
+                     f"{name_a} vs {name_b} {task}")
+    assert sample_values(run_a["json"], "engine_json") == sample_values(run_b["json"], "engine_json")
+
+
+def test_constrained_answers_are_all_valid_where_free_ones_are_not(engines):
+    rates, answers = {}, {}
+    for backend, engine in engines.items():
+        for constrained in (False, True):
+            lm = engine_lm(engine, response_schema=str(SCHEMA), constrained=constrained)
+            result = evaluate(lm, ["engine_json"], chat=True)
+            counts = result["config"]["engine"]["schema_answers"]
+            assert counts["checked"] == len(result["samples"]["engine_json"])
+            rates[backend, constrained] = counts["valid_rate"]
+            answers[backend, constrained] = sample_values(result, "engine_json")
+            if constrained:
+                assert all(isinstance(json.loads(a), dict) for a in answers[backend, True])
+    print("schema-valid rate (free, constrained): "
+          + ", ".join(f"{b} {rates[b, False]:.2f} / {rates[b, True]:.2f}" for b in engines))
+    for backend in engines:
+        assert rates[backend, True] == 1.0, answers[backend, True]
+        assert rates[backend, False] < 1.0
+    first, *others = list(engines)
+    for other in others:
+        assert answers[other, True] == answers[first, True]
+
+
+def test_on_invalid_strategies(engines):
+    """Unconstrained, the fixture model never answers engine_json with the schema's object: every strategy
+    handles the failures its own way, and counts them."""
+    engine = engines["hf"] if "hf" in engines else next(iter(engines.values()))
+    schema = {"response_schema": str(SCHEMA)}
+    raw = evaluate(engine_lm(engine, **schema, on_invalid="raw"), ["engine_json"], chat=True, limit=3)
+    free = evaluate(engine_lm(engine), ["engine_json"], chat=True, limit=3)
+    assert sample_values(raw, "engine_json") == sample_values(free, "engine_json")  # text as generated
+    assert raw["config"]["engine"]["schema_answers"]["valid"] == 0
+
+    marked = evaluate(engine_lm(engine, **schema, invalid_answer="<bad>"), ["engine_json"], chat=True, limit=3)
+    assert set(sample_values(marked, "engine_json")) == {"<bad>"}
+    counts = marked["config"]["engine"]["schema_answers"]
+    assert sum(counts["invalid"].values()) == 3 and counts["first_reason"]
+
+    retried = evaluate(engine_lm(engine, **schema, on_invalid="retry", retries=2), ["engine_json"], chat=True,
+                       limit=3)
+    counts = retried["config"]["engine"]["schema_answers"]
+    assert counts["retried"] >= 3  # every failure was generated again (sampled) before giving up
+    assert counts["valid"] + sum(counts["invalid"].values()) == 3
+    assert counts["valid"] == counts["recovered_by_retry"]
+
+    from engine.lm_eval.schema import InvalidAnswerError
+
+    with pytest.raises(InvalidAnswerError, match="not valid for the response schema"):
+        evaluate(engine_lm(engine, **schema, on_invalid="raise"), ["engine_json"], chat=True, limit=3)
+
+
+def test_cache_answers_a_second_run_and_misses_on_any_change(engines, tmp_path):
+    engine = engines["hf"] if "hf" in engines else next(iter(engines.values()))
+    cache = str(tmp_path / "answers.sqlite")
+    base = {"cache": cache, "response_schema": str(SCHEMA), "constrained": True}
+
+    first = engine_lm(engine, **base)
+    one = evaluate(first, ["engine_json", "engine_mc"], chat=True, limit=4)
+    assert first.backend_calls > 0 and first.cache_hits == 0
+
+    again = engine_lm(engine, **base)
+    two = evaluate(again, ["engine_json", "engine_mc"], chat=True, limit=4)
+    assert again.backend_calls == 0, "a second identical run must answer from the cache"
+    assert again.cache_misses == 0 and again.cache_hits == first.cache_misses
+    for task in ("engine_json", "engine_mc"):
+        assert sample_values(two, task) == sample_values(one, task)
+
+    other_schema = json.loads(SCHEMA.read_text())
+    other_schema["properties"]["city"]["maxLength"] = 40
+    changed = engine_lm(engine, **{**base, "response_schema": other_schema})
+    evaluate(changed, ["engine_json"], chat=True, limit=4)
+    assert changed.cache_hits == 0 and changed.backend_calls > 0, "a schema change must not reuse answers"
+
+    setting = engine_lm(engine, **{**base, "constrained": False})
+    evaluate(setting, ["engine_json"], chat=True, limit=4)
+    assert setting.cache_hits == 0 and setting.backend_calls > 0, "a settings change must not reuse answers"
+
+
+@pytest.mark.slow
+def test_lm_eval_cli_runs_the_engine_model(pool, tmp_path):
+    """The real CLI (lm-eval's own, with ``engine`` registered): a constrained JSON run and a scoring task."""
+    args = {"backend": "hf", "pretrained": pool.options.model, "dtype": pool.options.dtype,
+            "response_schema": str(SCHEMA), "constrained": True}
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "engine.lm_eval", "run", "--model", "engine", "--model_args", json.dumps(args),
+               "--tasks", "engine_json", "engine_mc", "--include_path", str(TASKS), "--apply_chat_template",
+               "--output_path", str(out), "--log_samples"]
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(next(out.rglob("results_*.json")).read_text())
+    info = results["config"]["engine"]
+    assert info["backend"] == "hf" and info["constrained"] is True
+    assert info["schema_answers"]["valid_rate"] == 1.0
+    assert results["results"]["engine_json"]["valid_json,none"] == 1.0
+    assert 0.0 <= results["results"]["engine_mc"]["acc,none"] <= 1.0
+    assert "engine_json" in done.stdout  # lm-eval's own results table
