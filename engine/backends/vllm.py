@@ -75,7 +75,6 @@ def llm_kwargs(model: ModelConfig, settings: VllmConfig) -> dict[str, Any]:
         kwargs["max_num_seqs"] = settings.max_num_seqs
     if not has_cuda():  # per engine (an environment variable would be one value for the whole process)
         kwargs["kv_cache_memory_bytes"] = int(settings.cpu_kv_cache_space_gib * 2**30)
-    kwargs["structured_outputs_config"] = structured_outputs_config()
     return kwargs
 
 
@@ -94,6 +93,7 @@ def start_arguments(model: ModelConfig, settings: VllmConfig, processor: Any,
     from engine.backends import vllm_rules, vllm_runner
 
     kwargs = llm_kwargs(model, settings)
+    kwargs["structured_outputs_config"] = structured_outputs_config()
     if processor is not None:
         # The pixel budget is never set here: vLLM ignores per-request sizes once one is set at start.
         kwargs["limit_mm_per_prompt"] = {"image": settings.limit_images_per_prompt, "video": 0}
