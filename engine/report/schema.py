@@ -11,8 +11,8 @@ Bump :data:`SCHEMA_VERSION` on any change of a column's name, type or meaning, a
 >>> [c.name for c in COLUMNS][:3]
 ['schema_version', 'run_id', 'timestamp']
 >>> sorted(RATIO_COLUMNS)
-['engine_over_raw', 'fast_over_reference', 'guard_on_over_off', 'ours_over_native', 'pattern_c_over_chat', \
-'served_over_inprocess', 'streamed_over_plain']
+['constrained_over_free', 'engine_over_raw', 'fast_over_reference', 'guard_on_over_off', 'ours_over_native', \
+'pattern_c_over_chat', 'served_over_inprocess', 'streamed_over_plain']
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,8 @@ RUN_COLUMNS = (
 )
 CASE_COLUMNS = (
     Column("benchmark", "string", "case id: group[backend-bN-prompt-oN-guard]; the comparison key with variant"),
-    Column("group", "string", "throughput, repeat_vs_native, rule_cost, served, chat_stream or pattern_c"),
+    Column("group", "string", "throughput, repeat_vs_native, rule_cost, served, chat_stream, pattern_c or "
+                              "constrained"),
     Column("backend", "string", "hf or vllm"),
     Column("model", "string", "model name (fixture name or folder name)"),
     Column("dtype", "string", "model dtype"),
@@ -58,7 +59,8 @@ CASE_COLUMNS = (
     Column("new_tokens", "int64", "output budget per row (max_new_tokens)"),
     Column("fixed_length", "bool", "EOS was suppressed so every row generates exactly new_tokens"),
     Column("guard_set", "string", "none, repeat or min_length (what the subject variant adds); rule_cost: the rule "
-                                  "measured (repeat_ids, repeat_keys, min_length, json_boundary)"),
+                                  "measured (repeat_ids, repeat_keys, min_length, json_boundary); constrained: "
+                                  "json_schema"),
     Column("variant", "string", "what ran: raw, engine, engine+repeat, engine+min_length, raw+native_repetition; "
                                 "rule_cost: decode+rowwise (reference path) or table+vectorized (fast path)"),
     Column("role", "string", "reference or subject of the case's ratio, or context (measured alongside, in no ratio)"),
@@ -90,13 +92,16 @@ RATIO_COLUMNS = {
     "pattern_c_over_chat": "pattern_c: tokens/s of Pattern C /chat requests (min-length rule + cleanup) / of plain "
                            "/v1/chat/completions requests, same prompts, sampling and concurrency (a token-rate "
                            "ratio: Pattern C answers are longer by design; per-request latency is in p50_latency_ms)",
+    "constrained_over_free": "constrained: speed of schema-constrained generation (xgrammar on HF, structured "
+                             "outputs on vLLM) / free generation, same prompts and the same number of decode steps",
     "fast_over_reference": "rule_cost: speed of a rule's fast path (byte table, vectorized ids) / its reference "
                            "path (decode per token, per-row Python), same token stream",
 }
 # Per-case figures other than ratios, repeated on every row of the case like the ratios (NaN where not measured).
 FIGURE_COLUMNS = {
-    "added_ms_per_step": "what the subject adds per decode step of the whole batch, in ms: guard cases (subject "
-                         "median - reference median) / new_tokens; rule_cost: the subject's median / steps",
+    "added_ms_per_step": "what the subject adds per decode step of the whole batch, in ms: guard and constrained "
+                         "cases (subject median - reference median) / new_tokens; rule_cost: the subject's median / "
+                         "steps",
 }
 COLUMNS = (*RUN_COLUMNS, *CASE_COLUMNS, *ROUND_COLUMNS,
            *(Column(name, "float64", doc) for name, doc in {**RATIO_COLUMNS, **FIGURE_COLUMNS}.items()))
