@@ -65,6 +65,24 @@ class Answering:
         self.served.metrics.observe(endpoint=self.endpoint, status=status, seconds=time.perf_counter() - start,
                                     cancelled=cancelled, **counts)
 
+    def refused(self, err: EngineError, start: float, rename: Callable[[EngineError], EngineError]) -> JSONResponse:
+        """Count a 400 and answer it (see :func:`refuse`)."""
+        self.observe(400, start)
+        return refuse(err, rename)
+
+    async def whole(self, request: Request, start: float, messages: Any, kwargs: dict[str, Any],
+                    rename: Callable[[EngineError], EngineError], *, body: Callable[[GenerationResult], Any]) -> Any:
+        """The non-streamed answer: ``body(result)`` as JSON, a 400 for what validation refuses, or the 499 of a
+        client that went away; counted."""
+        try:
+            result = await self.answer(request, start, messages, **kwargs)
+        except EngineError as err:
+            return self.refused(err, start, rename)
+        if result is None:
+            return gone()
+        self.observe(200, start, result)
+        return JSONResponse(body(result))
+
     async def answer(self, request: Request, start: float, messages: Any, **kwargs: Any) -> GenerationResult | None:
         """One non-streamed generation; None when the client went away (the generation is cancelled)."""
         self.served.in_flight += 1

@@ -9,11 +9,10 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
 from engine.errors import EngineError
 from engine.serve import pattern_c
-from engine.serve.answering import Answering, gone, refuse, unknown_model
+from engine.serve.answering import Answering, unknown_model
 from engine.serve.rollout import read_json
 from engine.serve.service import ServedEngine
 
@@ -29,8 +28,7 @@ def router(served: ServedEngine) -> APIRouter:
         try:
             call = pattern_c.parse_pattern_c(await read_json(request), served.serve.chat)
         except EngineError as err:
-            calls.observe(400, start)
-            return refuse(err, pattern_c.wire_error)
+            return calls.refused(err, start, pattern_c.wire_error)
         if call.model is not None and call.model != served.model_name:
             calls.observe(404, start)
             return unknown_model(call.model, served)
@@ -40,8 +38,7 @@ def router(served: ServedEngine) -> APIRouter:
             try:
                 stream = engine.astream(call.messages, **kwargs)
             except EngineError as err:
-                calls.observe(400, start)
-                return refuse(err, pattern_c.wire_error)
+                return calls.refused(err, start, pattern_c.wire_error)
 
             def events(part: Any) -> list[Any]:
                 out: list[Any] = [{"delta": part.delta}] if part.delta else []
@@ -50,14 +47,7 @@ def router(served: ServedEngine) -> APIRouter:
                 return out
 
             return calls.stream(stream, start, events)
-        try:
-            result = await calls.answer(request, start, call.messages, **kwargs)
-        except EngineError as err:
-            calls.observe(400, start)
-            return refuse(err, pattern_c.wire_error)
-        if result is None:
-            return gone()
-        calls.observe(200, start, result)
-        return JSONResponse(pattern_c.pattern_c_body(result, call, model=model))
+        return await calls.whole(request, start, call.messages, kwargs, pattern_c.wire_error,
+                                 body=lambda result: pattern_c.pattern_c_body(result, call, model=model))
 
     return api

@@ -10,11 +10,10 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
 from engine.errors import EngineError
 from engine.serve import openai_protocol as wire
-from engine.serve.answering import Answering, gone, refuse, unknown_model
+from engine.serve.answering import Answering, unknown_model
 from engine.serve.rollout import read_json
 from engine.serve.service import ServedEngine
 
@@ -36,8 +35,7 @@ def router(served: ServedEngine) -> APIRouter:
         try:
             call = wire.parse_completion(await read_json(request))
         except EngineError as err:
-            calls.observe(400, start)
-            return refuse(err, wire.wire_error)
+            return calls.refused(err, start, wire.wire_error)
         if call.model != served.model_name:
             calls.observe(404, start)
             return unknown_model(call.model, served)
@@ -47,8 +45,7 @@ def router(served: ServedEngine) -> APIRouter:
             try:  # validation (messages, options, plugins, context length) raises here, before any generation
                 stream = engine.astream(call.messages, **kwargs)
             except EngineError as err:
-                calls.observe(400, start)
-                return refuse(err, wire.wire_error)
+                return calls.refused(err, start, wire.wire_error)
             cid, created = wire.completion_id(), int(time.time())
 
             def events(part: Any) -> list[Any]:
@@ -63,14 +60,7 @@ def router(served: ServedEngine) -> APIRouter:
 
             role = wire.chunk(cid, created, model, call, delta={"role": "assistant", "content": ""})
             return calls.stream(stream, start, events, first=[role])
-        try:
-            result = await calls.answer(request, start, call.messages, **kwargs)
-        except EngineError as err:
-            calls.observe(400, start)
-            return refuse(err, wire.wire_error)
-        if result is None:
-            return gone()
-        calls.observe(200, start, result)
-        return JSONResponse(wire.completion_body(result, call, model=model, tokenizer=engine.tokenizer))
+        return await calls.whole(request, start, call.messages, kwargs, wire.wire_error, body=lambda result:
+                                 wire.completion_body(result, call, model=model, tokenizer=engine.tokenizer))
 
     return api

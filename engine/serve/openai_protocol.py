@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import ConfigError, EngineError, RequestError
-from engine.serve.protocol import logprobs_content
+from engine.serve.protocol import engine_extension, logprobs_content, stop_strings, unknown_fields
 from engine.types import GenerationResult
 
 FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
@@ -39,7 +39,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 """Fields accepted only at a value that changes nothing (null too)."""
 OPTION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "seed": "seed"}
-EXTENSION_KEYS = ("options", "stop", "plugins")
 WIRE_NAMES = {"generation.max_new_tokens": "max_tokens", "generation.temperature": "temperature",
               "generation.top_p": "top_p", "generation.seed": "seed", "generation.logprobs": "top_logprobs",
               "stop.strings": "stop"}
@@ -58,14 +57,6 @@ class CompletionCall:
     include_usage: bool = False
     logprobs: bool = False
     top_logprobs: int | None = None
-
-
-def _unknown(where: str, body: Mapping[str, Any], known: tuple[str, ...]) -> None:
-    from engine.config._build import did_you_mean
-
-    for key, value in body.items():
-        if key not in known:
-            raise RequestError(f"{where}{key}", value, "is not a known field", fix=did_you_mean(str(key), known))
 
 
 def _bool(body: Mapping[str, Any], key: str, where: str = "") -> bool:
@@ -97,7 +88,7 @@ times for several samples).
     if not isinstance(body, Mapping):
         raise RequestError("body", type(body).__name__, "must be a JSON object",
                            fix='send {"model": ..., "messages": [...]}')
-    _unknown("", body, (*FIELDS, *NEUTRAL))
+    unknown_fields("", body, (*FIELDS, *NEUTRAL))
     n = body.get("n", 1)
     if n is not None and (isinstance(n, bool) or n != 1):
         raise RequestError("n", n, "is not supported by this server",
@@ -135,31 +126,15 @@ times for several samples).
         if not isinstance(stream_options, Mapping):
             raise RequestError("stream_options", stream_options, "must be an object",
                                fix='e.g. {"include_usage": true}')
-        _unknown("stream_options.", stream_options, ("include_usage", "continuous_usage_stats"))
+        unknown_fields("stream_options.", stream_options, ("include_usage", "continuous_usage_stats"))
         include_usage = _bool(stream_options, "include_usage", "stream_options.")
         if _bool(stream_options, "continuous_usage_stats", "stream_options."):
             raise RequestError("stream_options.continuous_usage_stats", True, "is not supported",
                                fix="use include_usage for one usage chunk at the end")
-    stop = _stop(body.get("stop"))
-    extension = body.get("engine") or {}
-    if not isinstance(extension, Mapping):
-        raise RequestError("engine", extension, "must be an object", fix="send {options, stop, plugins}")
-    _unknown("engine.", extension, EXTENSION_KEYS)
-    extra = extension.get("options") or {}
-    if not isinstance(extra, Mapping):
-        raise RequestError("engine.options", extra, "must be an object", fix="send generation option fields")
-    clash = sorted(set(extra) & set(options))
-    if clash:
-        raise RequestError(f"engine.options.{clash[0]}", extra[clash[0]], "is also set by a top-level field",
-                           fix="set it in one place")
-    options.update(extra)
-    if extension.get("stop") is not None:
-        if stop is not None:
-            raise RequestError("engine.stop", extension["stop"], "conflicts with stop", fix="give stop strings in "
-                               "one place")
-        stop = dict(extension["stop"]) if isinstance(extension["stop"], Mapping) else extension["stop"]
+    options, stop, plugins = engine_extension(body, options, stop_strings(body.get("stop"), "stop"),
+                                              options_from="by a top-level field", stop_field="stop")
     return CompletionCall(model=model, messages=chat_messages(body.get("messages")), options=options, stop=stop,
-                          plugins=extension.get("plugins"), stream=stream, include_usage=include_usage,
+                          plugins=plugins, stream=stream, include_usage=include_usage,
                           logprobs=logprobs, top_logprobs=top)
 
 
@@ -168,16 +143,6 @@ def _max_tokens(body: Mapping[str, Any]) -> Any:
     if a is not None and b is not None and a != b:
         raise RequestError("max_completion_tokens", b, f"differs from max_tokens ({a!r})", fix="send one of them")
     return a if a is not None else b
-
-
-def _stop(value: Any) -> dict[str, Any] | None:
-    if value is None or value == []:
-        return None
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise RequestError("stop", value, "must be a string or a list of strings", fix='e.g. ["\\n\\n"]')
-    return {"strings": value}
 
 
 def chat_messages(messages: Any) -> list[dict[str, Any]]:

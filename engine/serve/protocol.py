@@ -58,12 +58,48 @@ class InferCall:
     logprobs: bool = False
 
 
-def _unknown(where: str, keys: Any, known: tuple[str, ...]) -> None:
+def unknown_fields(where: str, body: Mapping[str, Any], known: tuple[str, ...]) -> None:
+    """Refuse the first key of ``body`` not in ``known``, naming it (``where`` prefixes the field path)."""
     from engine.config._build import did_you_mean
 
-    for key in keys:
+    for key, value in body.items():
         if key not in known:
-            raise RequestError(f"{where}{key}", None, "is not a known field", fix=did_you_mean(str(key), known))
+            raise RequestError(f"{where}{key}", value, "is not a known field", fix=did_you_mean(str(key), known))
+
+
+def stop_strings(value: Any, field: str) -> dict[str, Any] | None:
+    """A wire ``stop`` (a string or a list of strings; None or [] for none) as an engine stop policy."""
+    if value is None or value == []:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise RequestError(field, value, "must be a string or a list of strings", fix='e.g. ["\\n\\n"]')
+    return {"strings": value}
+
+
+def engine_extension(body: Mapping[str, Any], options: dict[str, Any], stop: dict[str, Any] | None, *,
+                     options_from: str, stop_field: str) -> tuple[dict[str, Any], Any, Any]:
+    """Merge the additive ``engine: {options, stop, plugins}`` envelope into what the wire's own fields set
+    (``options``, ``stop``); a field set in both places is refused. Returns (options, stop, plugins)."""
+    extension = body.get("engine") or {}
+    if not isinstance(extension, Mapping):
+        raise RequestError("engine", extension, "must be an object", fix="send {options, stop, plugins}")
+    unknown_fields("engine.", extension, EXTENSION_KEYS)
+    extra = extension.get("options") or {}
+    if not isinstance(extra, Mapping):
+        raise RequestError("engine.options", extra, "must be an object", fix="send generation option fields")
+    clash = sorted(set(extra) & set(options))
+    if clash:
+        raise RequestError(f"engine.options.{clash[0]}", extra[clash[0]], f"is also set {options_from}",
+                           fix="set it in one place")
+    options = {**options, **extra}
+    if extension.get("stop") is not None:
+        if stop is not None:
+            raise RequestError("engine.stop", extension["stop"], f"conflicts with {stop_field}",
+                               fix="give stop strings in one place")
+        stop = dict(extension["stop"]) if isinstance(extension["stop"], Mapping) else extension["stop"]
+    return options, stop, extension.get("plugins")
 
 
 def parse_infer(body: Any) -> InferCall:
@@ -81,7 +117,7 @@ the prompt several times for several samples).
     if not isinstance(body, Mapping):
         raise RequestError("body", type(body).__name__, "must be a JSON object",
                            fix='send {"infer_requests": [...], "request_config": {...}}')
-    _unknown("", body, TOP_LEVEL)
+    unknown_fields("", body, TOP_LEVEL)
     if body.get("metrics"):
         raise RequestError("metrics", body["metrics"], "is not supported by this server",
                            fix="leave it null; compute metrics on the learner")
@@ -91,7 +127,7 @@ the prompt several times for several samples).
     config = body.get("request_config") or {}
     if not isinstance(config, Mapping):
         raise RequestError("request_config", config, "must be an object or null", fix="send a JSON object")
-    _unknown("request_config.", config, (*REQUIRED_DEFAULTS, *MAPPED))
+    unknown_fields("request_config.", config, (*REQUIRED_DEFAULTS, *MAPPED))
     for key, allowed in REQUIRED_DEFAULTS.items():
         value = config.get(key, allowed[0])
         if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
@@ -116,37 +152,11 @@ the prompt several times for several samples).
     details = config.get("return_details", False)
     if not isinstance(details, bool):
         raise RequestError("request_config.return_details", details, "must be true or false", fix="send a boolean")
-    stop = _stop(config.get("stop"))
-    extension = body.get("engine") or {}
-    if not isinstance(extension, Mapping):
-        raise RequestError("engine", extension, "must be an object", fix="send {options, stop, plugins}")
-    _unknown("engine.", extension, EXTENSION_KEYS)
-    extra = extension.get("options") or {}
-    if not isinstance(extra, Mapping):
-        raise RequestError("engine.options", extra, "must be an object", fix="send generation option fields")
-    clash = sorted(set(extra) & set(options))
-    if clash:
-        raise RequestError(f"engine.options.{clash[0]}", extra[clash[0]], "is also set through request_config",
-                           fix="set it in one place")
-    options.update(extra)
-    if extension.get("stop") is not None:
-        if stop is not None:
-            raise RequestError("engine.stop", extension["stop"], "conflicts with request_config.stop",
-                               fix="give stop strings in one place")
-        stop = dict(extension["stop"]) if isinstance(extension["stop"], Mapping) else extension["stop"]
+    options, stop, plugins = engine_extension(body, options, stop_strings(config.get("stop"), "request_config.stop"),
+                                              options_from="through request_config", stop_field="request_config.stop")
     requests = _requests(body.get("infer_requests"))
-    return InferCall(requests=requests, options=options, stop=stop, plugins=extension.get("plugins"),
+    return InferCall(requests=requests, options=options, stop=stop, plugins=plugins,
                      return_details=details, top_logprobs=top, logprobs=logprobs)
-
-
-def _stop(value: Any) -> dict[str, Any] | None:
-    if value is None or value == []:
-        return None
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise RequestError("request_config.stop", value, "must be a list of strings", fix='e.g. ["\\n\\n"]')
-    return {"strings": value}
 
 
 def _requests(items: Any) -> list[list[dict[str, Any]]]:
@@ -158,7 +168,7 @@ def _requests(items: Any) -> list[list[dict[str, Any]]]:
         where = f"infer_requests[{i}]"
         if not isinstance(item, Mapping):
             raise RequestError(where, item, "must be an object with messages", fix='send {"messages": [...]}')
-        _unknown(f"{where}.", item, ITEM_KEYS)
+        unknown_fields(f"{where}.", item, ITEM_KEYS)
         if "messages" not in item:
             raise RequestError(f"{where}.messages", None, "is required", fix="add the conversation")
         for key, what in ITEM_EMPTY.items():
