@@ -15,6 +15,30 @@ class Divergence:
     token_1: int | None
 
 
+EXACT_IN_FP32 = frozenset({frozenset({"hf", "vllm"})})
+"""Backend pairs whose float32 greedy token ids are asserted identical. Other pairs (llama.cpp's kernels against
+HF's) are held to vLLM's rule (:func:`check_logprobs_close`), and how many prompts still matched exactly is reported."""
+
+
+def exact_pair(name_0: str, name_1: str, dtype: str) -> bool:
+    """Whether ``name_0`` and ``name_1`` must agree token for token in ``dtype``.
+
+    >>> exact_pair("hf", "vllm", "float32"), exact_pair("hf", "llamacpp", "float32"), exact_pair("hf", "vllm", "auto")
+    (True, False, False)
+    """
+    return dtype == "float32" and frozenset({name_0, name_1}) in EXACT_IN_FP32
+
+
+def divergence_steps(results_0: Sequence[Any], results_1: Sequence[Any]) -> list[int | None]:
+    """Per request, the first step where the two backends' token ids differ (None: identical).
+
+    >>> from types import SimpleNamespace as R
+    >>> divergence_steps([R(token_ids=(1, 2)), R(token_ids=(3,))], [R(token_ids=(1, 5)), R(token_ids=(3,))])
+    [1, None]
+    """
+    return [first_divergence(a.token_ids, b.token_ids) for a, b in zip(results_0, results_1, strict=True)]
+
+
 def first_divergence(ids_0: Sequence[int], ids_1: Sequence[int]) -> int | None:
     """Index of the first differing token (a length difference counts), or None when equal."""
     for step, (a, b) in enumerate(zip(ids_0, ids_1, strict=False)):

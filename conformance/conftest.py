@@ -23,6 +23,10 @@ from conformance.report import SummaryCollector
 from engine.config import BACKENDS, DTYPES
 
 POOL_KEY = pytest.StashKey[EnginePool]()
+GGUF_TWINS = {"smollm2-135m-instruct": "smollm2-135m-instruct-gguf", "tiny-looper": "tiny-looper-gguf"}
+"""Fixture -> the fixture holding its weights as a GGUF: what the llamacpp backend runs for it."""
+VLM_BACKENDS = ("hf", "vllm")
+"""Backends that serve vision-language models (llamacpp does not: its VLM checks skip with the reason)."""
 
 
 def _default_model(name: str) -> str:
@@ -40,6 +44,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "instead of skipping its checks (default: none; nox -s conformance: hf,vllm)")
     group.addoption("--engine-model", default=None,
                     help="text model folder (default: the smollm2-135m-instruct fixture)")
+    group.addoption("--engine-gguf-model", default=None,
+                    help="the GGUF (file, or folder with its tokenizer) the llamacpp backend loads for --engine-model "
+                         "(default: the smollm2-135m-instruct-gguf fixture, the twin of the default model)")
     group.addoption("--engine-vlm-model", default=None,
                     help="vision-language model folder (default: the tiny-qwen2-vl fixture)")
     group.addoption("--engine-dtype", default="float32", choices=DTYPES,
@@ -60,14 +67,19 @@ def pytest_configure(config: pytest.Config) -> None:
     if unknown:
         raise pytest.UsageError(f"--engine-backends: unknown {unknown}; available: {', '.join(BACKENDS)}")
     check_required(config.getoption("--engine-require"), backends)
+    model = config.getoption("--engine-model") or _default_model("smollm2-135m-instruct")
+    twins = {_default_model(hf): _default_model(gguf) for hf, gguf in GGUF_TWINS.items()}
+    if config.getoption("--engine-gguf-model"):
+        twins[model] = config.getoption("--engine-gguf-model")
     options = PoolOptions(
         backends=tuple(backends),
-        model=config.getoption("--engine-model") or _default_model("smollm2-135m-instruct"),
+        model=model,
         vlm_model=config.getoption("--engine-vlm-model") or _default_model("tiny-qwen2-vl"),
         dtype=config.getoption("--engine-dtype"),
         device=config.getoption("--engine-device"),
         vllm_multiprocessing=config.getoption("--engine-vllm-multiprocessing"),
         served=config.getoption("--engine-served"),
+        gguf_models=tuple(twins.items()),
     )
     pool = EnginePool(options)
     config.stash[POOL_KEY] = pool
@@ -120,7 +132,7 @@ def check_required(option: str, backends: list[str]) -> None:
 
 def unavailable_reason(backend: str) -> str | None:
     """Why ``backend`` cannot run on this machine, or None when it can."""
-    needs = {"hf": ("torch", "transformers"), "vllm": ("vllm",)}[backend]
+    needs = {"hf": ("torch", "transformers"), "vllm": ("vllm",), "llamacpp": ("llama_cpp", "torch")}[backend]
     missing = [m for m in needs if importlib.util.find_spec(m) is None]
     return f"{backend}: {', '.join(missing)} not installed" if missing else None
 
@@ -164,13 +176,24 @@ def engines(pool: EnginePool, backend_names: tuple[str, ...]) -> dict[str, Any]:
 
 @pytest.fixture(scope="session")
 def vlm_engines(pool: EnginePool, backend_names: tuple[str, ...]) -> dict[str, Any]:
-    """The shared engine of every runnable backend on ``--engine-vlm-model``, by name."""
-    return {b: pool.engine(b, pool.options.vlm_model) for b in backend_names}
+    """The shared engine of every runnable backend that serves vision-language models on ``--engine-vlm-model``."""
+    serving = [b for b in backend_names if b in VLM_BACKENDS]
+    if len(serving) < 2:
+        pytest.skip(f"VLM parity needs two backends that serve VLMs ({', '.join(VLM_BACKENDS)}); have {serving}")
+    return {b: pool.engine(b, pool.options.vlm_model) for b in serving}
 
 
 @pytest.fixture(scope="session")
 def model_path(pool: EnginePool) -> Path:
     return Path(pool.options.model)
+
+
+@pytest.fixture
+def summary_note(request: pytest.FixtureRequest) -> Any:
+    """``summary_note(text)``: a measured fact of this check, printed at the end and kept in the summary files."""
+    collector = request.config.pluginmanager.get_plugin("engine-summary")
+    check = request.node.nodeid
+    return lambda text: collector.note(check, text)
 
 
 @pytest.fixture

@@ -24,6 +24,8 @@ class PoolOptions:
     """Reach every pooled engine through ``python -m engine.serve`` too (see ``conformance.served``)."""
     max_servers: int = 2
     """Servers kept alive at once under ``served`` (least recently used ones are stopped)."""
+    gguf_models: tuple[tuple[str, str], ...] = ()
+    """(HF model folder, its GGUF twin) pairs: what the llamacpp backend loads for a model the suite names."""
 
 
 @dataclass
@@ -34,13 +36,28 @@ class EnginePool:
     _engines: dict[tuple[str, str, str], Any] = field(default_factory=dict)
     _raw: dict[tuple[str, ...], Any] = field(default_factory=dict)
     _servers: dict[tuple[str, str, str], Any] = field(default_factory=dict)
+    twins: dict[str, str] = field(default_factory=dict)
+    """HF model folder -> its GGUF twin (from ``options.gguf_models``; checks may register more)."""
     runners: set[str] = field(default_factory=set)
     """The model runners the started vLLM engines really use ("v1"/"v2"), for the header and the report."""
+
+    def model_for(self, backend: str, model: str) -> str:
+        """The model ``backend`` loads for ``model``: the same folder, or on llamacpp its GGUF twin (no twin: the
+        check is skipped with the reason)."""
+        if backend != "llamacpp":
+            return model
+        twin = self.twins.get(model)
+        if twin is None:
+            import pytest
+
+            pytest.skip(f"llamacpp: no GGUF twin of {model} (the suite has twins of the text fixtures; for "
+                        "--engine-model give --engine-gguf-model; vision-language models do not run on llama.cpp)")
+        return twin
 
     def config(self, backend: str, model: str, **sections: Any) -> dict[str, Any]:
         from engine.backends.vllm import has_cuda
 
-        model_cfg: dict[str, Any] = {"path": model, "dtype": self.options.dtype}
+        model_cfg: dict[str, Any] = {"path": self.model_for(backend, model), "dtype": self.options.dtype}
         if backend == "hf":
             model_cfg["device"] = self.options.device
         vllm = {"max_num_seqs": 16, "multiprocessing": self.options.vllm_multiprocessing,
@@ -77,6 +94,9 @@ class EnginePool:
             self._servers.pop(next(iter(self._servers))).stop()
         self._servers[key] = launch_server({**config, "serve": {"port": 0}})
         return self._servers[key]
+
+    def __post_init__(self) -> None:
+        self.twins.update(dict(self.options.gguf_models))
 
     @property
     def vllm_mode(self) -> str:

@@ -9,11 +9,19 @@ from typing import Any
 
 import pytest
 
+from engine.config import BACKENDS
+
 OUTCOMES = ("passed", "failed", "skipped")
 
 
 def backend_of(nodeid: str) -> str:
-    match = re.search(r"\[(?:[^\]]*-)?(hf|vllm)(?:-[^\]]*)?\]", nodeid)
+    """The backend a check ran on (its parameter), or "cross-backend".
+
+    >>> backend_of("conformance/test_stop.py::test_x[llamacpp-2]"), backend_of("conformance/test_parity.py::test_y")
+    ('llamacpp', 'cross-backend')
+    """
+    names = "|".join(BACKENDS)
+    match = re.search(rf"\[(?:[^\]]*-)?({names})(?:-[^\]]*)?\]", nodeid)
     return match.group(1) if match else "cross-backend"
 
 
@@ -31,6 +39,11 @@ class SummaryCollector:
         """Run-wide facts recorded in every row (e.g. the vLLM model runner), read at session end."""
         self.counts: Counter[tuple[str, str, str]] = Counter()
         self.skip_reasons: dict[tuple[str, str], str] = {}
+        self.notes: list[tuple[str, str]] = []
+        """(check node id, text): measured facts checks report (e.g. how many prompts matched exactly)."""
+
+    def note(self, check: str, text: str) -> None:
+        self.notes.append((check, text))
 
     @property
     def rows(self) -> list[dict[str, Any]]:
@@ -54,6 +67,8 @@ class SummaryCollector:
         writer = session.config.get_terminal_writer()
         writer.line(f"conformance summary: {', '.join(map(str, written))}")
         writer.line("run context: " + ", ".join(f"{k}={v}" for k, v in self.context().items()))
+        for check, text in self.notes:
+            writer.line(f"note ({check}): {text}")
 
     def write(self) -> list[Path]:
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -62,6 +77,8 @@ class SummaryCollector:
         lines += ["| backend | check | passed | failed | skipped | skip reason |", "|---|---|---|---|---|---|"]
         lines += [f"| {r['backend']} | {r['check']} | {r['passed']} | {r['failed']} | {r['skipped']} | "
                   f"{r['skip_reason']} |" for r in rows]
+        if self.notes:
+            lines += ["", "## Notes", ""] + [f"- `{check}`: {text}" for check, text in self.notes]
         md = self.out_dir / "conformance-summary.md"
         md.write_text("\n".join(lines) + "\n")
         written = [md]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -17,13 +18,11 @@ POISONED_GENERATION_CONFIG = {"do_sample": True, "temperature": 1.7, "top_k": 3,
                               "repetition_penalty": 1.9, "max_new_tokens": 2, "max_length": 5}
 
 
-@pytest.fixture(scope="session")
-def variant_model(model_path, tmp_path_factory):
-    """The text model with its pad token removed and a poisoned generation_config.json (weights symlinked)."""
-    out = tmp_path_factory.mktemp("variant") / "no-pad-poisoned"
+def poisoned_copy(model_path, out):
+    """``model_path`` with its pad token removed and a poisoned generation_config.json (weights symlinked)."""
     out.mkdir()
     for item in model_path.iterdir():
-        if item.suffix == ".safetensors":
+        if item.suffix in (".safetensors", ".gguf"):
             os.symlink(item.resolve(), out / item.name)
         elif item.is_file():
             shutil.copy2(item, out / item.name)
@@ -35,6 +34,17 @@ def variant_model(model_path, tmp_path_factory):
     model_cfg.pop("pad_token_id", None)
     (out / "config.json").write_text(json.dumps(model_cfg))
     (out / "generation_config.json").write_text(json.dumps(POISONED_GENERATION_CONFIG))
+    return out
+
+
+@pytest.fixture(scope="session")
+def variant_model(pool, model_path, tmp_path_factory):
+    """The text model's variant (and its GGUF twin's, for llamacpp, registered in the pool as the variant's twin)."""
+    root = tmp_path_factory.mktemp("variant")
+    out = poisoned_copy(model_path, root / "no-pad-poisoned")
+    twin = dict(pool.twins).get(str(model_path))
+    if twin is not None:
+        pool.twins[str(out)] = str(poisoned_copy(Path(twin), root / "no-pad-poisoned-gguf"))
     return out
 
 

@@ -46,7 +46,7 @@ def test_incompatible_hook_is_rejected_before_generation(counted, backend):
     with pytest.raises(PluginCompatibilityError) as info:
         engine.generate(JSON[:1], plugins=plugins)
     message = str(info.value)
-    assert "json_boundary" in message and HF_STOPPING_CRITERIA in message and "'vllm'" in message
+    assert "json_boundary" in message and HF_STOPPING_CRITERIA in message and f"'{backend}'" in message
     assert calls == [], "nothing may be generated"
 
 

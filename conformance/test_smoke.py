@@ -31,8 +31,8 @@ def test_smollm2_greedy_parity_at_least_5_of_6(engines, pool):
     names = list(engines)
     outs = {b: engines[b].generate([p["messages"] for p in prompts], options={"max_new_tokens": 64})
             for b in names}
-    same = sum(a.token_ids == b.token_ids for a, b in zip(outs[names[0]], outs[names[1]], strict=True))
-    detail = describe(outs[names[0]], outs[names[1]], name_0=names[0], name_1=names[1],
-                      labels=[p["id"] for p in prompts], tokenizer=engines[names[0]].tokenizer)
-    print(f"smollm2 greedy parity: {same}/{len(prompts)} prompts identical")
-    assert same >= 5, "\n".join(detail)
+    for other in names[1:]:
+        same = sum(a.token_ids == b.token_ids for a, b in zip(outs[names[0]], outs[other], strict=True))
+        detail = describe(outs[names[0]], outs[other], name_0=names[0], name_1=other,
+                          labels=[p["id"] for p in prompts], tokenizer=engines[names[0]].tokenizer)
+        assert same >= 5, "\n".join(detail)

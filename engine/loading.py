@@ -29,7 +29,13 @@ class LoadInfo:
 
 
 def check_model_dir(model: ModelConfig) -> Path:
+    """The model folder (or, for the llamacpp backend, a ``.gguf`` file), checked to exist."""
     path = Path(model.path)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ConfigError("model.path", model.path, "is not a GGUF file on this machine",
+                              fix="give the path of a local .gguf file, or a folder with one and its tokenizer")
+        return path
     if not path.is_dir():
         raise ConfigError("model.path", model.path, "is not a local model directory",
                           fix="give a folder with config.json and tokenizer files (no hub downloads here); "
@@ -41,6 +47,8 @@ def check_model_dir(model: ModelConfig) -> Path:
 
 def is_vision_model(model: ModelConfig) -> bool:
     """True when the checkpoint is a vision-language model (its config has a vision tower)."""
+    if check_model_dir(model).suffix == ".gguf":
+        return False  # a bare GGUF file: the llamacpp backend serves text models only
     config = json.loads((check_model_dir(model) / "config.json").read_text())
     return "vision_config" in config
 
@@ -74,6 +82,8 @@ def load_tokenizer(model: ModelConfig, processor: Any = None) -> tuple[Any, Load
                                       "pip install 'engine[hf]' (the tokenizer comes from transformers)") from err
     if processor is not None:
         tokenizer = processor.tokenizer
+    elif path.suffix == ".gguf":  # the tokenizer and chat template stored in the GGUF (read with the gguf package)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     else:
         tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=model.trust_remote_code)
     tokenizer.padding_side = "left"

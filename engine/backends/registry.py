@@ -3,4 +3,5 @@
 REGISTRY: dict[str, str] = {
     "hf": "engine.backends.hf:HfBackend",
     "vllm": "engine.backends.vllm:VllmBackend",
+    "llamacpp": "engine.backends.llamacpp:LlamaCppBackend",
 }

@@ -1,6 +1,14 @@
 """Typed, frozen, validated configuration. Start at :class:`EngineConfig`."""
 
-from engine.config.engine_config import BACKENDS, DTYPES, EngineConfig, HfConfig, ModelConfig, VllmConfig
+from engine.config.engine_config import (
+    BACKENDS,
+    DTYPES,
+    EngineConfig,
+    HfConfig,
+    LlamaCppConfig,
+    ModelConfig,
+    VllmConfig,
+)
 from engine.config.generation import GenerationOptions, StopPolicy
 from engine.config.repeat import RepeatTerminateConfig
 from engine.config.serve import ServeConfig
@@ -12,6 +20,7 @@ __all__ = [
     "EngineConfig",
     "GenerationOptions",
     "HfConfig",
+    "LlamaCppConfig",
     "ModelConfig",
     "PixelBudget",
     "RepeatTerminateConfig",

@@ -125,6 +125,50 @@ class VllmConfig:
 
 
 @dataclass(frozen=True)
+class LlamaCppConfig:
+    """Settings of the llama.cpp backend (llama-cpp-python's ``Llama`` on a GGUF file).
+
+    ``model.path`` is a ``.gguf`` file (the tokenizer is then read from it) or a folder holding the Hugging Face
+    tokenizer files and one ``.gguf`` file (``gguf_file`` picks one when there are several).
+
+    >>> LlamaCppConfig(n_ctx=2048).n_ctx
+    2048
+    """
+
+    gguf_file: str | None = None
+    """The GGUF file inside a ``model.path`` folder. None: the folder's only ``*.gguf``."""
+    n_ctx: int = 4096
+    """Context length llama.cpp allocates its KV cache for (prompt + output), in [16, inf); capped by the model's
+    training context and ``model.max_model_len``."""
+    n_threads: int | None = None
+    """CPU threads for decoding (and prompt evaluation). None: every core of the machine (``os.cpu_count()``)."""
+    n_batch: int = 512
+    """Most prompt tokens llama.cpp evaluates in one step, in [1, inf)."""
+    seed: int | None = None
+    """Seed of requests that give none, in [0, 2**63). None: such requests sample with a fresh random seed."""
+    verbose: bool = False
+    """Let llama.cpp print its load and timing logs to stderr."""
+
+    def __post_init__(self) -> None:
+        if self.gguf_file is not None:
+            check_type("llamacpp.gguf_file", self.gguf_file, str, "a file name")
+            if not self.gguf_file.endswith(".gguf"):
+                raise ConfigError("llamacpp.gguf_file", self.gguf_file, "is not a .gguf file name",
+                                  fix="name the GGUF file inside model.path, e.g. model-f32.gguf")
+        check_type("llamacpp.n_ctx", self.n_ctx, int, "an integer")
+        check_range("llamacpp.n_ctx", self.n_ctx, low=16)
+        if self.n_threads is not None:
+            check_type("llamacpp.n_threads", self.n_threads, int, "an integer")
+            check_range("llamacpp.n_threads", self.n_threads, low=1)
+        check_type("llamacpp.n_batch", self.n_batch, int, "an integer")
+        check_range("llamacpp.n_batch", self.n_batch, low=1)
+        if self.seed is not None:
+            check_type("llamacpp.seed", self.seed, int, "an integer")
+            check_range("llamacpp.seed", self.seed, low=0, high=2**63, high_open=True)
+        check_type("llamacpp.verbose", self.verbose, bool, "true or false")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, validated at load time. The backend is explicit and never changes.
 
@@ -135,11 +179,12 @@ class EngineConfig:
     Traceback (most recent call last):
     ...
     engine.errors.ConfigError: genration is not a known key, got {}. Fix: did you mean 'generation'? \
-available: backend, fallback_backend, generation, hf, model, plugins, repeat_terminate, serve, stop, vision, vllm.
+available: backend, fallback_backend, generation, hf, llamacpp, model, plugins, repeat_terminate, serve, stop, vision, \
+vllm.
     """
 
     backend: str
-    """Which backend runs generation: hf or vllm."""
+    """Which backend runs generation: hf, vllm or llamacpp."""
     model: ModelConfig
     """The model; a bare string is taken as ``model.path``."""
     generation: GenerationOptions = field(default_factory=GenerationOptions)
@@ -148,6 +193,7 @@ available: backend, fallback_backend, generation, hf, model, plugins, repeat_ter
     """Default stop policy; each call may override it."""
     hf: HfConfig = field(default_factory=HfConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
+    llamacpp: LlamaCppConfig = field(default_factory=LlamaCppConfig)
     vision: PixelBudget = field(default_factory=PixelBudget)
     """Pixel budget for images on the VLM path (every backend applies the same one)."""
     repeat_terminate: RepeatTerminateConfig = field(default_factory=RepeatTerminateConfig)
@@ -175,6 +221,12 @@ available: backend, fallback_backend, generation, hf, model, plugins, repeat_ter
 
         for i, spec in enumerate(self.plugins):
             create_plugin(spec, index=i)  # unknown names and bad parameters fail at load time
+        if self.model.path.endswith(".gguf") and self.backend != "llamacpp":
+            raise ConfigError("model.path", self.model.path, f"is a GGUF file, which backend {self.backend!r} does "
+                              "not load here", fix="use backend: llamacpp, or a Hugging Face checkpoint folder")
+        if self.backend == "llamacpp" and self.model.attn_implementation is not None:
+            raise ConfigError("model.attn_implementation", self.model.attn_implementation,
+                              "does not apply to the llamacpp backend", fix="remove it")
         if self.backend == "vllm" and self.model.attn_implementation is not None:
             raise ConfigError("model.attn_implementation", self.model.attn_implementation,
                               "does not apply to the vllm backend",

@@ -19,8 +19,20 @@ from engine.rules.base import RuleSpec
 HF_LOGITS_PROCESSOR = "hf_logits_processor"
 HF_STOPPING_CRITERIA = "hf_stopping_criteria"
 VLLM_LOGITS_PROCESSOR = "vllm_logits_processor"
+LLAMACPP_LOGITS_PROCESSOR = "llamacpp_logits_processor"
 POST_DECODE = "post_decode"
-HOOKS = (HF_LOGITS_PROCESSOR, HF_STOPPING_CRITERIA, VLLM_LOGITS_PROCESSOR, POST_DECODE)
+HOOKS = (HF_LOGITS_PROCESSOR, HF_STOPPING_CRITERIA, VLLM_LOGITS_PROCESSOR, LLAMACPP_LOGITS_PROCESSOR, POST_DECODE)
+LOGITS_PROCESSOR_HOOKS = {"hf": HF_LOGITS_PROCESSOR, "vllm": VLLM_LOGITS_PROCESSOR,
+                          "llamacpp": LLAMACPP_LOGITS_PROCESSOR}
+
+
+def logits_processor_hook(backend: str) -> str:
+    """The hook through which ``backend`` applies a row rule to each step's logits.
+
+    >>> logits_processor_hook("llamacpp")
+    'llamacpp_logits_processor'
+    """
+    return LOGITS_PROCESSOR_HOOKS[backend]
 REQUEST_KINDS = ("text", "vlm")
 
 

@@ -8,12 +8,11 @@ from typing import Any, ClassVar
 from engine.config._build import check_range, check_type
 from engine.errors import ConfigError
 from engine.plugins.base import (
-    HF_LOGITS_PROCESSOR,
     HF_STOPPING_CRITERIA,
     POST_DECODE,
-    VLLM_LOGITS_PROCESSOR,
     Plugin,
     PluginContext,
+    logits_processor_hook,
 )
 from engine.rules.base import RuleSpec
 from engine.rules.cleanup import cleanup, stable_prefix
@@ -42,7 +41,7 @@ class JsonBoundaryPlugin(Plugin):
         mechanism = self.settings["mechanism"]
         if mechanism == "stopping_criteria":
             return frozenset({HF_STOPPING_CRITERIA})
-        return frozenset({HF_LOGITS_PROCESSOR if backend == "hf" else VLLM_LOGITS_PROCESSOR})
+        return frozenset({logits_processor_hook(backend)})
 
     def rule_spec(self, backend: str, ctx: PluginContext) -> RuleSpec:
         hook = "stopping_criteria" if self.settings["mechanism"] == "stopping_criteria" else "logits_processor"
@@ -90,7 +89,7 @@ class MinLengthPlugin(Plugin):
         check_range(f"{w}.punctuation_bias", s["punctuation_bias"], low=0, fix="use 0 to disable the bias")
 
     def hooks(self, backend: str) -> frozenset[str]:
-        return frozenset({HF_LOGITS_PROCESSOR if backend == "hf" else VLLM_LOGITS_PROCESSOR})
+        return frozenset({logits_processor_hook(backend)})
 
     def rule_spec(self, backend: str, ctx: PluginContext) -> RuleSpec:
         s = self.settings

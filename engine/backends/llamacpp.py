@@ -1,0 +1,220 @@
+"""The llama.cpp backend: llama-cpp-python's ``Llama`` on a GGUF file, fed the engine's own prompt token ids.
+
+The engine renders every prompt with its one tokenizer (the Hugging Face files beside the GGUF, or the GGUF's own
+tokenizer for a bare ``.gguf`` path); llama.cpp never applies a template or adds a BOS, it evaluates the ids it is
+given. At load the GGUF's vocabulary is checked against that tokenizer, token by token, so the ids mean the same.
+
+Rows run one after another through ``Llama.generate`` (one sequence per llama.cpp context; consecutive rows reuse the
+KV cache of a shared prompt prefix). Per token, :class:`~engine.backends.llamacpp_rules.LlamaCppRowStep` (the
+``logits_processor``) applies min_new_tokens, the repetition penalty, the row rules and the temperature; llama.cpp
+applies top-k, top-p and samples (greedy when the options are). The loop here ends a row on a terminal id, a stop
+string (found on the row's text with the engine's stop rule; the engine still truncates ``text``), a stopping rule,
+``max_new_tokens`` or the context length.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from engine.backends.base import BackendOutput, Capabilities, Prompt, SamplingPlan
+from engine.config import LlamaCppConfig, ModelConfig
+from engine.errors import BackendUnavailableError, ConfigError, EngineError
+
+HOOKS = frozenset({"llamacpp_logits_processor"})
+SEED_MODULUS = 2**32 - 1
+"""llama.cpp samples with a 32-bit seed, and 2**32 - 1 means "random" there: engine seeds map to seed mod this."""
+KV_TYPES = {"float32": "GGML_TYPE_F32", "float16": "GGML_TYPE_F16", "bfloat16": "GGML_TYPE_BF16"}
+"""``model.dtype`` -> llama.cpp's KV-cache type (the weights are whatever the GGUF holds); auto: llama.cpp's own."""
+
+
+def _import_llama_cpp() -> Any:
+    try:
+        import llama_cpp
+    except ImportError as err:
+        raise BackendUnavailableError("llamacpp", f"{err.name} is not installed",
+                                      "pip install 'engine[llamacpp]' (compiles llama.cpp; see the README)") from err
+    return llama_cpp
+
+
+def resolve_gguf(model: ModelConfig, settings: LlamaCppConfig) -> Path:
+    """The GGUF file to load: ``model.path`` itself, or the one ``*.gguf`` in that folder (``gguf_file`` picks)."""
+    path = Path(model.path)
+    if path.suffix == ".gguf":
+        return path
+    if settings.gguf_file is not None:
+        chosen = path / settings.gguf_file
+        if not chosen.is_file():
+            raise ConfigError("llamacpp.gguf_file", settings.gguf_file, f"is not a file in {model.path}",
+                              fix=f"pick one of: {', '.join(p.name for p in sorted(path.glob('*.gguf'))) or 'none'}")
+        return chosen
+    found = sorted(path.glob("*.gguf"))
+    if len(found) != 1:
+        raise ConfigError("model.path", model.path, f"holds {len(found)} .gguf files, the llamacpp backend needs one",
+                          fix=("set llamacpp.gguf_file to one of " + ", ".join(p.name for p in found)) if found else
+                          "put the GGUF beside the tokenizer files (python -m fixtures build writes "
+                          "smollm2-135m-instruct-gguf), or give the .gguf file as model.path")
+    return found[0]
+
+
+def check_vocabulary(llm: Any, tokenizer: Any) -> None:
+    """Fail unless llama.cpp's token pieces are the engine tokenizer's, id by id (the engine hands it ids)."""
+    from engine.rules.token_text import TokenBytes
+
+    table = TokenBytes.from_tokenizer(tokenizer)
+    n_vocab = llm.n_vocab()
+    if len(tokenizer) > n_vocab:
+        raise ConfigError("model.path", str(len(tokenizer)), f"tokens in the tokenizer, but the GGUF has {n_vocab}",
+                          fix="use the tokenizer the GGUF was converted with")
+    if table is None:
+        return  # a decoder this check does not understand: the vocabulary size is all it can compare
+    llama_cpp = _import_llama_cpp()
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    buf = (llama_cpp.ctypes.c_char * 256)()
+    for token in range(len(tokenizer)):
+        if token in table.special:
+            continue
+        n = llama_cpp.llama_token_to_piece(vocab, token, buf, len(buf), 0, True)
+        if bytes(buf[: max(n, 0)]) != table.pieces[token]:
+            raise ConfigError("model.path", f"token {token}", f"is {table.pieces[token]!r} in the tokenizer but "
+                              f"{bytes(buf[: max(n, 0)])!r} in the GGUF", fix="use the tokenizer the GGUF was "
+                              "converted with (the engine renders prompts with the tokenizer, llama.cpp reads ids)")
+
+
+class LlamaCppBackend:
+    """Generate with llama.cpp through llama-cpp-python (``pip install 'engine[llamacpp]'``).
+
+    Usually built by ``GenerationEngine`` (needs ``python -m fixtures build``)::
+
+        engine = GenerationEngine({"backend": "llamacpp",
+                                   "model": str(fixture_path("smollm2-135m-instruct-gguf"))})
+        engine.generate([[{"role": "user", "content": "Hi"}]], options={"max_new_tokens": 8})
+    """
+
+    name = "llamacpp"
+    declared_hooks = HOOKS
+    streams_tokens = True
+    """``generate`` takes ``on_token`` (the engine streams through it)."""
+
+    def __init__(self, model: ModelConfig, settings: LlamaCppConfig, tokenizer: Any, processor: Any = None,
+                 repeat_terminate: Any = None) -> None:
+        llama_cpp = _import_llama_cpp()
+        if processor is not None:
+            raise ConfigError("model.path", model.path, "is a vision-language model, which the llamacpp backend "
+                              "does not serve", fix="use backend hf or vllm for it")
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.gguf = resolve_gguf(model, settings)
+        threads = settings.n_threads or os.cpu_count() or 1
+        kwargs: dict[str, Any] = {}
+        if model.dtype in KV_TYPES:
+            kv = getattr(llama_cpp, KV_TYPES[model.dtype])
+            kwargs.update(type_k=kv, type_v=kv)
+        n_ctx = min(n for n in (settings.n_ctx, model.max_model_len) if n)
+        self.llm = llama_cpp.Llama(model_path=str(self.gguf), n_ctx=n_ctx, n_batch=settings.n_batch,
+                                   n_threads=threads, n_threads_batch=threads, verbose=settings.verbose, **kwargs)
+        train_ctx = int(self.llm.metadata.get("llama.context_length", 0) or 0) or None
+        check_vocabulary(self.llm, tokenizer)
+        self.n_ctx = min(n for n in (self.llm.n_ctx(), train_ctx) if n)
+        self._table: Any = None
+        self._lock = threading.Lock()
+        self.capabilities = Capabilities(name="llamacpp", logprobs=True, supports_vlm=False, hooks=HOOKS,
+                                         max_model_len=self.n_ctx, scoring=False, structured_outputs=False)
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.close()
+
+    def _text_table(self) -> Any:
+        """Token bytes for stop-string checks (built once), else None (then ``tokenizer.decode`` per token)."""
+        if self._table is None:
+            from engine.rules.token_text import TokenBytes
+
+            self._table = TokenBytes.from_tokenizer(self.tokenizer) or False
+        return self._table or None
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    def generate(self, prompts: Sequence[Prompt], plan: SamplingPlan, *,
+                 on_token: Callable[[int, int, int], bool | None] | None = None) -> list[BackendOutput]:
+        """Outputs in prompt order, one row after another. ``on_token(prompt_index, position, token_id)`` hears each
+        kept token as soon as it is sampled; returning True ends that row (its caller went away)."""
+        if any(p.image is not None for p in prompts):
+            raise EngineError("llamacpp backend got an image; it serves text models only")
+        with self._lock:
+            return [self._generate_row(i, p, plan, on_token) for i, p in enumerate(prompts)]
+
+    def _seed(self, plan: SamplingPlan) -> int:
+        seed = plan.options.seed if plan.options.seed is not None else self.settings.seed
+        if seed is None:
+            return int(_import_llama_cpp().LLAMA_DEFAULT_SEED)  # llama.cpp draws a random seed
+        return seed % SEED_MODULUS
+
+    def _generate_row(self, index: int, prompt: Prompt, plan: SamplingPlan,
+                      on_token: Callable[[int, int, int], bool | None] | None) -> BackendOutput:
+        from engine.backends.hf_rules import rule_sets
+        from engine.backends.llamacpp_rules import LlamaCppRowStep
+        from engine.rules.detok import IncrementalDetokenizer
+        from engine.rules.stop import find_earliest_stop
+
+        opts, llm = plan.options, self.llm
+        terminal = set(plan.terminal_token_ids)
+        logit_specs = [s for s in plan.rules if s.hf_hook == "logits_processor"]
+        stop_specs = [s for s in plan.rules if s.hf_hook == "stopping_criteria"]
+        text_source = self._text_table() or self._decode
+        make = lambda specs: rule_sets(specs, 1, terminal_ids=plan.terminal_token_ids, decode=text_source,  # noqa: E731
+                                       min_new_tokens=opts.min_new_tokens)[0] if specs else None
+        rules, stoppers = make(logit_specs), make(stop_specs)
+        step = LlamaCppRowStep(prompt_len=len(prompt.token_ids), terminal_ids=plan.terminal_token_ids,
+                               min_new_tokens=opts.min_new_tokens, rules=rules, eos_id=plan.eos_token_ids[0],
+                               repetition_penalty=opts.repetition_penalty,
+                               temperature=None if opts.is_greedy else opts.temperature,
+                               logprobs=opts.logprobs is not None)
+        text = None
+        if plan.stop.strings:
+            table = self._text_table()
+            text = table.stream() if table is not None else IncrementalDetokenizer(self._decode)
+        budget = min(opts.max_new_tokens, self.n_ctx - len(prompt.token_ids))
+        llm.set_seed(self._seed(plan))
+        tokens: list[int] = []
+        logprobs: list[dict[int, float]] = []
+        generated_text, min_end = "", 0
+        generator = llm.generate(list(prompt.token_ids), temp=0.0 if opts.is_greedy else 1.0, top_k=opts.top_k,
+                                 top_p=opts.top_p, min_p=0.0, typical_p=1.0, repeat_penalty=1.0,
+                                 logits_processor=[step])
+        try:
+            for token in generator:
+                token = int(token)
+                tokens.append(token)
+                step.feed(token)
+                if opts.logprobs is not None:
+                    logprobs.append(step.top_logprobs(token, opts.logprobs))
+                done = token in terminal or len(tokens) >= budget
+                if text is not None and not done:
+                    before = len(generated_text)
+                    generated_text += text.push(token)
+                    if len(tokens) <= opts.min_new_tokens:
+                        min_end = len(generated_text)  # stops inside the first min_new_tokens tokens do not count
+                    else:
+                        done = find_earliest_stop(generated_text, plan.stop.strings,
+                                                  min_end=max(before, min_end)) is not None
+                if stoppers is not None and not done:
+                    stoppers.feed(token)
+                    done = stoppers.decision().force_eos
+                if on_token is not None and on_token(index, len(tokens) - 1, token):
+                    done = True
+                if done:
+                    break
+        finally:
+            generator.close()
+        events: dict[str, Any] = {}
+        for rs in (rules, stoppers):
+            if rs is not None:
+                events.update(rs.events())
+        return BackendOutput(token_ids=tuple(tokens), logprobs=tuple(logprobs) if opts.logprobs is not None else None,
+                             prompt_token_ids=tuple(prompt.token_ids), events=events)

@@ -1,0 +1,85 @@
+"""The llama.cpp adapter of the shared row rules: a ``logits_processor`` callable for ``Llama.generate``.
+
+llama-cpp-python calls each processor once per generated token with ``(input_ids, scores)`` (numpy: the ids so far
+and one row of logits in token-id order) and samples from what it returns. :class:`LlamaCppRowStep` is that
+callable for one row. It applies, in HF's order: ``min_new_tokens`` (terminal ids banned until then),
+``repetition_penalty`` (HF's rule), the row's rules (the shared :class:`~engine.rules.base.RuleSet`, decided and
+applied by :mod:`engine.backends.row_apply` on a zero-copy torch view of the row, exactly as on HF and vLLM), then
+the temperature; llama.cpp's own top-k / top-p and sampler come after, as HF's warpers do. It notes the raw
+log-probabilities before any edit when logprobs are asked for (HF's ``output_logits``, vLLM's raw logprobs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from engine.rules.base import RuleSet
+
+
+class LlamaCppRowStep:
+    """One row's logits processor; the backend's loop feeds it each kept token (:meth:`feed`).
+
+    >>> import numpy as np
+    >>> step = LlamaCppRowStep(prompt_len=1, terminal_ids=[0], min_new_tokens=1, rules=None, eos_id=0)
+    >>> step(np.array([5]), np.zeros(3, dtype=np.float32)).tolist()
+    [-inf, 0.0, 0.0]
+    >>> step.feed(2); step(np.array([5, 2]), np.zeros(3, dtype=np.float32)).tolist()
+    [0.0, 0.0, 0.0]
+    """
+
+    def __init__(self, *, prompt_len: int, terminal_ids: Sequence[int], min_new_tokens: int, rules: RuleSet | None,
+                 eos_id: int, repetition_penalty: float = 1.0, temperature: float | None = None,
+                 logprobs: bool = False) -> None:
+        self.prompt_len = prompt_len
+        self.terminal_ids = list(terminal_ids)
+        self.min_new_tokens = min_new_tokens
+        self.rules = rules
+        self.eos_id = eos_id
+        self.repetition_penalty = repetition_penalty
+        self.temperature = temperature
+        self.logprobs = logprobs
+        self.generated = 0
+        self.last_logprobs: Any = None
+        """The raw log-softmax of the latest step (when ``logprobs``)."""
+
+    def feed(self, token: int) -> None:
+        """The token llama.cpp just sampled for this row (the next call decides the token after it)."""
+        self.generated += 1
+        if self.rules is not None:
+            self.rules.feed(token)
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import numpy as np
+
+        if self.logprobs:
+            shifted = scores.astype(np.float64) - float(scores.max())
+            self.last_logprobs = shifted - np.log(np.exp(shifted).sum())
+        if self.generated < self.min_new_tokens:
+            scores[self.terminal_ids] = -np.inf
+        if self.repetition_penalty != 1.0:
+            seen = np.unique(np.asarray(input_ids[: self.prompt_len + self.generated], dtype=np.int64))
+            picked = scores[seen]
+            scores[seen] = np.where(picked < 0, picked * self.repetition_penalty, picked / self.repetition_penalty)
+        if self.rules is not None and self.rules.rules:
+            import torch
+
+            from engine.backends.row_apply import apply_decisions, decide
+
+            row = torch.from_numpy(scores)[None, :]  # (1, vocab), shares memory with llama.cpp's array
+            apply_decisions(row, decide(row, [(0, self.rules, self.eos_id)]))
+        if self.temperature is not None and self.temperature != 1.0:
+            scores /= self.temperature
+        return scores
+
+    def top_logprobs(self, token: int, k: int) -> dict[int, float]:
+        """The latest step's top-``k`` raw log-probabilities and the sampled ``token``'s (HF's and vLLM's shape)."""
+        import numpy as np
+
+        lp = self.last_logprobs
+        entry: dict[int, float] = {}
+        if k:
+            top = np.argpartition(-lp, k - 1)[:k]
+            entry = {int(t): float(lp[t]) for t in top[np.argsort(-lp[top], kind="stable")]}
+        entry[int(token)] = float(lp[token])
+        return entry
