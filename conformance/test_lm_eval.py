@@ -36,6 +36,14 @@ def _not_served(pool):
         pytest.skip("the lm-eval model drives an in-process engine; --engine-served has no lm-eval path to check")
 
 
+@pytest.fixture(scope="module")
+def engines(engines: dict[str, Any]) -> dict[str, Any]:
+    """The shared engines of the backends the lm-eval model runs on: those that score sequences and constrain
+    output (HF, vLLM). llama.cpp has neither here; :func:`test_a_backend_without_scoring_is_refused` covers it."""
+    return {b: e for b, e in engines.items()
+            if e.backend.capabilities.scoring and e.backend.capabilities.structured_outputs}
+
+
 def evaluate(model: Any, tasks: list[str], *, model_args: dict[str, Any] | None = None, chat: bool = False,
              limit: int | None = None) -> dict[str, Any]:
     from lm_eval import simple_evaluate
@@ -218,3 +226,25 @@ def test_lm_eval_cli_runs_the_engine_model(pool, tmp_path):
     assert results["results"]["engine_json"]["valid_json,none"] == 1.0
     assert 0.0 <= results["results"]["engine_mc"]["acc,none"] <= 1.0
     assert "engine_json" in done.stdout  # lm-eval's own results table
+
+
+def test_a_backend_without_scoring_is_refused(pool, backend_names):
+    """On llama.cpp (no scoring, no structured outputs) the lm-eval model refuses log-likelihood requests and
+    constrained answers with a typed error naming the capability, before anything is generated."""
+    if "llamacpp" not in backend_names:
+        pytest.skip("needs the llamacpp backend (the one without scoring) in --engine-backends")
+    from engine.errors import UnsupportedCapabilityError
+
+    engine = pool.text_engine("llamacpp")
+    calls: list[int] = []
+    original = engine.backend.generate
+    engine.backend.generate = lambda p, plan, **kw: calls.append(len(p)) or original(p, plan, **kw)
+    try:
+        with pytest.raises(UnsupportedCapabilityError, match="score"):
+            evaluate(engine_lm(engine), ["engine_mc"], limit=1)
+        with pytest.raises(UnsupportedCapabilityError, match="JSON Schema"):
+            evaluate(engine_lm(engine, response_schema=str(SCHEMA), constrained=True), ["engine_json"], chat=True,
+                     limit=1)
+    finally:
+        del engine.backend.generate
+    assert calls == [], "a refused request generated tokens"
