@@ -143,6 +143,13 @@ class BenchSession:
 
     def config_for(self, backend: str, **sections: Any) -> dict[str, Any]:
         model: dict[str, Any] = {"path": self.model_path, "dtype": self.dtype}
+        if backend == "llamacpp":  # the same weights as an F32 GGUF (the twin fixture)
+            from fixtures import GGUF_TWINS, ensure
+
+            if self.model_arg not in GGUF_TWINS:
+                pytest.skip(f"llamacpp: --benchmark-model {self.model_arg!r} has no GGUF twin fixture "
+                            f"({', '.join(GGUF_TWINS)} do)")
+            model["path"] = str(ensure(GGUF_TWINS[self.model_arg]))
         # Three vLLM instances share one GPU (engine, guarded engine, raw), hence the memory share.
         vllm = {"max_num_seqs": max(self.size.batches), "gpu_memory_utilization": 0.25}
         return {"backend": backend, "model": model, "vllm": vllm, **sections}

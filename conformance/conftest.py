@@ -23,8 +23,6 @@ from conformance.report import SummaryCollector
 from engine.config import BACKENDS, DTYPES
 
 POOL_KEY = pytest.StashKey[EnginePool]()
-GGUF_TWINS = {"smollm2-135m-instruct": "smollm2-135m-instruct-gguf", "tiny-looper": "tiny-looper-gguf"}
-"""Fixture -> the fixture holding its weights as a GGUF: what the llamacpp backend runs for it."""
 VLM_BACKENDS = ("hf", "vllm")
 """Backends that serve vision-language models (llamacpp does not: its VLM checks skip with the reason)."""
 
@@ -68,6 +66,8 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"--engine-backends: unknown {unknown}; available: {', '.join(BACKENDS)}")
     check_required(config.getoption("--engine-require"), backends)
     model = config.getoption("--engine-model") or _default_model("smollm2-135m-instruct")
+    from fixtures import GGUF_TWINS
+
     twins = {_default_model(hf): _default_model(gguf) for hf, gguf in GGUF_TWINS.items()}
     if config.getoption("--engine-gguf-model"):
         twins[model] = config.getoption("--engine-gguf-model")

@@ -11,8 +11,8 @@ Bump :data:`SCHEMA_VERSION` on any change of a column's name, type or meaning, a
 >>> [c.name for c in COLUMNS][:3]
 ['schema_version', 'run_id', 'timestamp']
 >>> sorted(RATIO_COLUMNS)
-['constrained_over_free', 'engine_over_raw', 'fast_over_reference', 'guard_on_over_off', 'ours_over_native', \
-'pattern_c_over_chat', 'served_over_inprocess', 'streamed_over_plain']
+['constrained_over_free', 'engine_over_raw', 'fast_over_reference', 'guard_on_over_off', 'llamacpp_over_hf', \
+'llamacpp_over_vllm', 'ours_over_native', 'pattern_c_over_chat', 'served_over_inprocess', 'streamed_over_plain']
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,9 @@ RUN_COLUMNS = (
 )
 CASE_COLUMNS = (
     Column("benchmark", "string", "case id: group[backend-bN-prompt-oN-guard]; the comparison key with variant"),
-    Column("group", "string", "throughput, repeat_vs_native, rule_cost, served, chat_stream, pattern_c or "
-                              "constrained"),
-    Column("backend", "string", "hf or vllm"),
+    Column("group", "string", "throughput, repeat_vs_native, rule_cost, served, chat_stream, pattern_c, "
+                              "constrained or backends"),
+    Column("backend", "string", "hf, vllm or llamacpp (backends: llamacpp, the subject of every ratio of the case)"),
     Column("model", "string", "model name (fixture name or folder name)"),
     Column("dtype", "string", "model dtype"),
     Column("batch", "int64", "requests per call; served: concurrent clients, each posting one request at a time "
@@ -62,7 +62,8 @@ CASE_COLUMNS = (
                                   "measured (repeat_ids, repeat_keys, min_length, json_boundary); constrained: "
                                   "json_schema"),
     Column("variant", "string", "what ran: raw, engine, engine+repeat, engine+min_length, raw+native_repetition; "
-                                "rule_cost: decode+rowwise (reference path) or table+vectorized (fast path)"),
+                                "rule_cost: decode+rowwise (reference path) or table+vectorized (fast path); "
+                                "backends: hf, vllm, llamacpp (engines) or llamacpp-raw (Llama.generate)"),
     Column("role", "string", "reference or subject of the case's ratio, or context (measured alongside, in no ratio)"),
 )
 ROUND_COLUMNS = (
@@ -94,6 +95,9 @@ RATIO_COLUMNS = {
                            "ratio: Pattern C answers are longer by design; per-request latency is in p50_latency_ms)",
     "constrained_over_free": "constrained: speed of schema-constrained generation (xgrammar on HF, structured "
                              "outputs on vLLM) / free generation, same prompts and the same number of decode steps",
+    "llamacpp_over_hf": "backends: speed of the engine on llama.cpp (F32 GGUF twin) / on HF, same requests, fixed "
+                        "length, interleaved rounds",
+    "llamacpp_over_vllm": "backends: speed of the engine on llama.cpp / on vLLM, same requests and rounds",
     "fast_over_reference": "rule_cost: speed of a rule's fast path (byte table, vectorized ids) / its reference "
                            "path (decode per token, per-row Python), same token stream",
 }

@@ -1,0 +1,86 @@
+"""llama.cpp vs HF vs vLLM on the same requests, and the llama.cpp engine vs a raw ``Llama.generate``.
+
+One case per batch size (1 and 8), four variants interleaved in one run, each generating exactly ``batch x
+new_tokens`` greedy tokens (EOS held back through the engine; the raw loop takes that many tokens):
+
+* ``hf``, ``vllm`` (references) and ``llamacpp`` (subject): the engine on each backend, same chat prompts, HF and
+  vLLM on the SmolLM2 fixture, llama.cpp on its F32 GGUF twin (the same weights);
+* ``llamacpp-raw`` (reference): ``Llama.generate`` on the engine's own prompt ids with the same loaded model, no
+  logits processor.
+
+Recorded: ``llamacpp_over_hf`` and ``llamacpp_over_vllm`` (speed ratios, above 1: llama.cpp faster) and
+``engine_over_raw`` (what the engine's llama.cpp adapter costs; gated like every ``engine_over_raw``). llama.cpp runs
+the rows of a batch one after another (see ``engine/backends/llamacpp.py``), HF and vLLM batch them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+
+from benchmarks.conftest import SESSION_KEY
+from benchmarks.harness import Variant
+from benchmarks.workload import batch_messages, fixed_length
+
+BATCHES = (1, 8)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "backends_batch" in metafunc.fixturenames:
+        on = metafunc.config.stash.get(SESSION_KEY, None) is not None
+        metafunc.parametrize("backends_batch", BATCHES if on else BATCHES[:1])  # not opted in: one, skipped
+
+
+def engine_variant(name: str, role: str, engine: Any, messages: list[Any], options: dict[str, Any]) -> Variant:
+    def run() -> int:
+        return sum(len(r.token_ids) for r in engine.generate(messages, options=options))
+
+    return Variant(name, role, run)
+
+
+def raw_llamacpp(engine: Any, messages: list[Any], options: dict[str, Any]) -> Variant:
+    rendered, _ = engine.prepare(messages, options=options)
+    llm, n = engine.backend.llm, options["max_new_tokens"]
+
+    def run() -> int:
+        total = 0
+        for r in rendered:
+            generator = llm.generate(list(r.token_ids), temp=0.0, repeat_penalty=1.0)
+            for count, _ in enumerate(generator, start=1):
+                if count == n:
+                    break
+            generator.close()
+            total += count
+        return total
+
+    return Variant("llamacpp-raw", "reference", run)
+
+
+def test_backends(bench, benchmark, backends_batch: int) -> None:
+    missing = [b for b in ("hf", "vllm") if b not in bench.backends]
+    if missing:
+        pytest.skip(f"the backends comparison needs {missing} in --benchmark-backends")
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed (pip install 'xbackend-engine[llamacpp]'; nox installs it)")
+    messages = batch_messages(backends_batch, "short")
+    options = fixed_length(bench.size.new_tokens[0])
+    llamacpp = bench.engine("llamacpp")
+    variants = [engine_variant("hf", "reference", bench.engine("hf"), messages, options),
+                engine_variant("vllm", "reference", bench.engine("vllm"), messages, options),
+                engine_variant("llamacpp", "subject", llamacpp, messages, options),
+                raw_llamacpp(llamacpp, messages, options)]
+    label = f"backends[llamacpp-b{backends_batch}-short-o{options['max_new_tokens']}]"
+    rounds = bench.measure(benchmark, label, variants)
+    expected = backends_batch * options["max_new_tokens"]
+    for v in variants:  # fixed length: a variant that stopped early would flatter a ratio
+        assert rounds.tokens(v.name) == {expected}, (v.name, rounds.tokens(v.name), expected)
+    rendered, _ = llamacpp.prepare(messages, options=options)
+    figures = {"llamacpp_over_hf": rounds.speed_ratio("llamacpp", "hf"),
+               "llamacpp_over_vllm": rounds.speed_ratio("llamacpp", "vllm"),
+               "engine_over_raw": rounds.speed_ratio("llamacpp", "llamacpp-raw")}
+    bench.record({"benchmark": label, "group": "backends", "backend": "llamacpp", "batch": backends_batch,
+                  "prompt_len": "short", "prompt_tokens": sum(len(r.token_ids) for r in rendered),
+                  "new_tokens": options["max_new_tokens"], "fixed_length": True, "guard_set": "none"},
+                 rounds, figures, benchmark)

@@ -1,0 +1,127 @@
+"""The llama.cpp backend's pure parts: its config, which GGUF it loads, the GGUF writer's rotary layout, and the
+per-row logits processor (against transformers' own processors on the same logits). No llama.cpp needed."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from engine.backends.llamacpp import SEED_MODULUS, resolve_gguf
+from engine.backends.llamacpp_rules import LlamaCppRowStep
+from engine.config import EngineConfig, LlamaCppConfig, ModelConfig
+from engine.errors import ConfigError
+from engine.rules.base import RuleSet
+from engine.rules.repeat import RepeatRule, RepeatThresholds
+from fixtures.gguf_llama import permute_rotary
+
+
+@pytest.mark.parametrize(("section", "field"), [
+    ({"n_ctx": 8}, "llamacpp.n_ctx"),
+    ({"n_ctx": "big"}, "llamacpp.n_ctx"),
+    ({"n_threads": 0}, "llamacpp.n_threads"),
+    ({"n_batch": 0}, "llamacpp.n_batch"),
+    ({"seed": -1}, "llamacpp.seed"),
+    ({"gguf_file": "model.bin"}, "llamacpp.gguf_file"),
+    ({"verbose": "yes"}, "llamacpp.verbose"),
+    ({"n_gpu_layers": 1}, "llamacpp.n_gpu_layers"),
+])
+def test_bad_llamacpp_settings_name_the_key(section, field):
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.from_dict({"backend": "llamacpp", "model": "/m", "llamacpp": section})
+    assert info.value.field == field
+
+
+def test_a_gguf_file_is_for_the_llamacpp_backend_only():
+    EngineConfig.from_dict({"backend": "llamacpp", "model": "/m/model.gguf"})
+    with pytest.raises(ConfigError, match="backend: llamacpp") as info:
+        EngineConfig.from_dict({"backend": "hf", "model": "/m/model.gguf"})
+    assert info.value.field == "model.path"
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.from_dict({"backend": "llamacpp", "model": {"path": "/m", "attn_implementation": "sdpa"}})
+    assert info.value.field == "model.attn_implementation"
+
+
+def test_the_gguf_is_the_path_itself_or_the_one_in_the_folder(tmp_path):
+    model = ModelConfig(path=str(tmp_path))
+    with pytest.raises(ConfigError, match=r"holds 0 \.gguf files") as info:
+        resolve_gguf(model, LlamaCppConfig())
+    assert info.value.field == "model.path" and "fixtures build" in str(info.value)
+    (tmp_path / "a.gguf").write_bytes(b"")
+    assert resolve_gguf(model, LlamaCppConfig()) == tmp_path / "a.gguf"
+    (tmp_path / "b.gguf").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"a\.gguf, b\.gguf"):
+        resolve_gguf(model, LlamaCppConfig())
+    assert resolve_gguf(model, LlamaCppConfig(gguf_file="b.gguf")) == tmp_path / "b.gguf"
+    with pytest.raises(ConfigError) as info:
+        resolve_gguf(model, LlamaCppConfig(gguf_file="c.gguf"))
+    assert info.value.field == "llamacpp.gguf_file"
+    assert resolve_gguf(ModelConfig(path=str(tmp_path / "b.gguf")), LlamaCppConfig()) == tmp_path / "b.gguf"
+
+
+def test_seeds_map_to_llama_cpp_s_32_bit_seeds_never_to_its_random_one():
+    assert SEED_MODULUS == 2**32 - 1
+    assert (2**32 - 1) % SEED_MODULUS == 0 and (2**63 - 1) % SEED_MODULUS != 2**32 - 1
+
+
+def test_rotary_permutation_is_a_pure_reordering_of_each_head():
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((3 * 8, 5)).astype(np.float32)  # 3 heads of dim 8
+    permuted = permute_rotary(weight, n_heads=3)
+    assert sorted(permuted.ravel().tolist()) == sorted(weight.ravel().tolist())
+    assert permuted[:8, 0].tolist() == weight[[0, 4, 1, 5, 2, 6, 3, 7], 0].tolist()  # halves interleaved
+    assert permuted[8:16].tolist() == permute_rotary(weight[8:16], n_heads=1).tolist()
+
+
+def step_for(**kwargs):
+    base = {"prompt_len": 2, "terminal_ids": [0], "min_new_tokens": 0, "rules": None, "eos_id": 0}
+    return LlamaCppRowStep(**{**base, **kwargs})
+
+
+def test_repetition_penalty_equals_transformers():
+    import torch
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    rng = np.random.default_rng(1)
+    scores = rng.standard_normal(12).astype(np.float32)
+    ids = np.array([3, 5, 5, 7], dtype=np.intc)  # prompt 3, 5; generated 5, 7
+    step = step_for(repetition_penalty=1.3)
+    step.feed(5)
+    step.feed(7)
+    got = step(ids, scores.copy())
+    want = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor(ids[None].astype(np.int64)),
+                                                 torch.tensor(scores[None]))[0].numpy()
+    assert np.allclose(got, want)
+
+
+def test_min_new_tokens_bans_every_terminal_id_until_reached():
+    step = step_for(terminal_ids=[0, 4], min_new_tokens=2)
+    assert np.isinf(step(np.array([1, 2]), np.zeros(6, dtype=np.float32))[[0, 4]]).all()
+    step.feed(3)
+    assert np.isinf(step(np.array([1, 2, 3]), np.zeros(6, dtype=np.float32))[[0, 4]]).all()
+    step.feed(3)
+    assert np.isfinite(step(np.array([1, 2, 3, 3]), np.zeros(6, dtype=np.float32))).all()
+
+
+def test_a_rule_that_ends_the_row_leaves_only_eos_and_reports_it():
+    rules = RuleSet([RepeatRule(RepeatThresholds(max_consecutive_token_repeats=2))], terminal_ids={0})
+    step = step_for(rules=rules)
+    for token in (3, 3):
+        step.feed(token)
+    out = step(np.array([1, 2, 3, 3]), np.ones(5, dtype=np.float32))
+    assert out[0] == 0.0 and np.isneginf(out[1:]).all()
+    assert rules.events()["repeat_terminate"] == ("consecutive_token_repeats", 2)
+
+
+def test_temperature_divides_after_the_rules_and_logprobs_are_the_raw_distribution():
+    import torch
+
+    scores = np.array([2.0, 1.0, 0.5, -1.0], dtype=np.float32)
+    step = step_for(temperature=0.5, logprobs=True)
+    out = step(np.array([1, 2]), scores.copy())
+    assert np.allclose(out, scores / 0.5)
+    entry = step.top_logprobs(token=3, k=2)
+    raw = torch.log_softmax(torch.tensor(scores), dim=-1)
+    assert list(entry) == [0, 1, 3]  # the top two in order, then the sampled token
+    assert all(math.isclose(entry[t], float(raw[t]), abs_tol=1e-6) for t in entry)
