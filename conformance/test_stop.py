@@ -71,8 +71,8 @@ def test_stop_text_identical_across_backends(engines):
     texts = {b: [(r.text, r.stop_reason, r.finish_reason) for r in e.generate(CHAT, options={"max_new_tokens": 40},
                                                                               stop=stop)]
              for b, e in engines.items()}
-    first, second = texts.values()
-    assert first == second
+    first, *others = texts.values()
+    assert all(other == first for other in others), texts
 
 
 def reference_end_after(ids, stops, decode, head_chars):

@@ -46,9 +46,10 @@ def test_rejecting_template_falls_back_and_records_it(engines, with_template):
     results = {b: e.generate([MSGS], options={"max_new_tokens": 16})[0] for b, e in engines.items()}
     for b, r in results.items():
         assert r.meta["chat_template_fallback"] and "enable_thinking" in r.meta["chat_template_fallback"], b
-    first, second = results.values()
-    assert first.prompt_token_ids == second.prompt_token_ids
-    assert first.token_ids == second.token_ids and first.text == second.text
+    first, *others = results.values()
+    for other in others:
+        assert other.prompt_token_ids == first.prompt_token_ids
+        assert other.token_ids == first.token_ids and other.text == first.text
 
 
 def test_template_using_thinking_gets_it_disabled(engines, with_template):
@@ -60,8 +61,8 @@ def test_template_using_thinking_gets_it_disabled(engines, with_template):
     for b, r in results.items():
         assert r.meta["chat_template_fallback"] is None, b
         assert list(r.prompt_token_ids) == transformers_ids(engines[b].tokenizer, text), f"{b}: thinking not disabled"
-    first, second = results.values()
-    assert first.token_ids == second.token_ids
+    first, *others = results.values()
+    assert all(other.token_ids == first.token_ids for other in others)
 
 
 def test_default_template_renders_once_without_double_bos(engine):
