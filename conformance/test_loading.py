@@ -48,6 +48,33 @@ def variant_model(pool, model_path, tmp_path_factory):
     return out
 
 
+def test_a_gguf_whose_vocabulary_differs_from_the_tokenizer_is_refused_at_load(pool, backend_names, model_path,
+                                                                              tmp_path):
+    """llama.cpp reads the engine's token ids: a tokenizer whose ids mean other tokens than the GGUF's must fail at
+    load, naming the first differing token (two ordinary tokens swapped here)."""
+    if "llamacpp" not in backend_names:
+        pytest.skip("needs the llamacpp backend in --engine-backends")
+    from engine import GenerationEngine
+    from engine.errors import ConfigError
+
+    twin = Path(pool.model_for("llamacpp", str(model_path)))
+    out = tmp_path / "swapped"
+    out.mkdir()
+    for item in twin.iterdir():
+        if item.suffix == ".gguf":
+            os.symlink(item.resolve(), out / item.name)
+        elif item.is_file():
+            shutil.copy2(item, out / item.name)
+    tokenizer = json.loads((out / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    by_id = {i: t for t, i in vocab.items()}
+    vocab[by_id[1000]], vocab[by_id[1001]] = 1001, 1000
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ConfigError, match="token 1000") as info:
+        GenerationEngine({"backend": "llamacpp", "model": {"path": str(out), "dtype": pool.options.dtype}})
+    assert info.value.field == "model.path" and "in the GGUF" in str(info.value)
+
+
 def test_pad_fallback_left_padding_and_no_leaked_defaults(pool, backend, engine, variant_model):
     variant = pool.engine(backend, str(variant_model))
     assert variant.tokenizer.pad_token_id == variant.tokenizer.eos_token_id

@@ -60,9 +60,19 @@ def test_the_gguf_is_the_path_itself_or_the_one_in_the_folder(tmp_path):
     assert resolve_gguf(ModelConfig(path=str(tmp_path / "b.gguf")), LlamaCppConfig()) == tmp_path / "b.gguf"
 
 
-def test_seeds_map_to_llama_cpp_s_32_bit_seeds_never_to_its_random_one():
-    assert SEED_MODULUS == 2**32 - 1
-    assert (2**32 - 1) % SEED_MODULUS == 0 and (2**63 - 1) % SEED_MODULUS != 2**32 - 1
+@pytest.mark.parametrize(("request_seed", "config_seed", "want"), [
+    (7, None, 7), (None, 9, 9), (7, 9, 7), (2**32 - 1, None, 0), (2**63 - 1, None, (2**63 - 1) % (2**32 - 1)),
+])
+def test_seeds_map_to_llama_cpp_s_32_bit_seeds_never_to_its_random_one(request_seed, config_seed, want):
+    from types import SimpleNamespace
+
+    from engine.backends import SamplingPlan
+    from engine.backends.llamacpp import LlamaCppBackend
+    from engine.config import GenerationOptions, StopPolicy
+
+    plan = SamplingPlan(options=GenerationOptions(seed=request_seed), stop=StopPolicy(), eos_token_ids=(0,))
+    got = LlamaCppBackend._seed(SimpleNamespace(settings=LlamaCppConfig(seed=config_seed)), plan)
+    assert got == want and 0 <= got < SEED_MODULUS  # 2**32 - 1 would make llama.cpp draw a random seed
 
 
 def test_rotary_permutation_is_a_pure_reordering_of_each_head():
