@@ -8,6 +8,7 @@ decode ``raw_text`` (special tokens kept) and ``text`` (skipped) -> deterministi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from engine.backends import Backend, BackendOutput, Prompt, SamplingPlan, TokenScores, backend_class
 from engine.completion import PromptLike, canonical_schema, check_scored, plain_prompts
 from engine.config import EngineConfig, GenerationOptions, PixelBudget, StopPolicy
-from engine.errors import PluginCompatibilityError, RequestError, UnsupportedCapabilityError
+from engine.errors import ConfigError, PluginCompatibilityError, RequestError, UnsupportedCapabilityError
 from engine.loading import load_processor, load_tokenizer
 from engine.plugins import POST_DECODE, Plugin, PluginContext, create_plugin
 from engine.rules.base import RuleSpec
@@ -38,6 +39,9 @@ OptionsLike = GenerationOptions | Mapping[str, Any] | None
 StopLike = StopPolicy | Mapping[str, Any] | None
 PluginsLike = Sequence[Plugin | Mapping[str, Any]] | None
 SchemaLike = Mapping[str, Any] | str | None
+
+REQUEST_SECTIONS = ("generation", "stop", "vision", "repeat_terminate", "plugins", "serve")
+"""Config sections that shape requests, not the loaded backend: :meth:`GenerationEngine.derive` may change them."""
 
 
 class GenerationEngine:
@@ -66,6 +70,43 @@ class GenerationEngine:
         self._fallback: Backend | None = None
         self._context: PluginContext | None = None
         self._batcher: Any = None
+        self._owns_backend = True
+
+    def derive(self, **sections: Any) -> GenerationEngine:
+        """A new engine over this one's loaded backend (and tokenizer), with other request-level config sections.
+
+        Only :data:`REQUEST_SECTIONS` may change (``repeat_terminate``, ``generation``, ``stop``, ``vision``,
+        ``plugins``, ``serve``); each is a mapping or a config object, validated like the config file's, and
+        replaces this engine's section whole. Nothing is loaded: comparing guard settings costs no second model.
+        The derived engine's results equal those of an engine built from the merged config; closing it leaves
+        the shared backend to this one. Example (needs a built model; ``python -m fixtures build``)::
+
+            plain = GenerationEngine({"backend": "hf", "model": str(fixture_path("tiny-looper"))})
+            guarded = plain.derive(repeat_terminate={"enabled": True, "max_consecutive_token_repeats": 4})
+            guarded.backend is plain.backend  # True
+        """
+        known = [f.name for f in dataclasses.fields(EngineConfig)]
+        for name, value in sections.items():
+            if name not in REQUEST_SECTIONS:
+                problem = "is not a known key" if name not in known else "belongs to the loaded backend"
+                raise ConfigError(name, value, f"{problem}; derive() changes only {', '.join(REQUEST_SECTIONS)}",
+                                  fix="build a new GenerationEngine for another backend, model or backend setting")
+        config = EngineConfig.from_dict({**{n: getattr(self.config, n) for n in known}, **sections})
+        guard = config.repeat_terminate
+        problem = self.backend.capabilities.rules_problem
+        if guard.enabled and problem is not None:
+            raise UnsupportedCapabilityError(f"repeat_terminate.enabled is true, but backend {self.backend.name!r} "
+                                             f"cannot run row rules here: {problem}. Fix: set "
+                                             "repeat_terminate.enabled: false, or use a backend that can")
+        derived = object.__new__(type(self))
+        derived.config = config
+        derived.processor, derived.tokenizer, derived.load_info = self.processor, self.tokenizer, self.load_info
+        derived.plugins = derived._plugins(None)
+        derived._check_plugins(derived.plugins, self.backend.name, self.backend.capabilities.hooks, kinds=None)
+        derived.backend = self.backend
+        derived._fallback, derived._context, derived._batcher = None, self._context, None
+        derived._owns_backend = False
+        return derived
 
     @staticmethod
     def _load_config(config: EngineConfig | Mapping[str, Any] | str | Path) -> EngineConfig:
@@ -86,10 +127,11 @@ class GenerationEngine:
                    repeat_terminate=self.config.repeat_terminate)
 
     def close(self) -> None:
-        """Release the backends' models and engines."""
+        """Release the backends' models and engines (an engine made by ``derive`` leaves the shared backend open)."""
         if self._batcher is not None:
             self._batcher.close()
-        self.backend.close()
+        if self._owns_backend:
+            self.backend.close()
         if self._fallback is not None:
             self._fallback.close()
 

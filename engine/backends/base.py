@@ -37,6 +37,8 @@ class Capabilities:
     """Scores given token sequences (``score``: per-token log-probs and is-greedy, for log-likelihoods)."""
     structured_outputs: bool = False
     """Constrains generation to a JSON Schema (``SamplingPlan.json_schema``)."""
+    rules_problem: str | None = None
+    """Why the backend cannot run the engine's row rules (repeat guard, rule plugins) here; None: it can."""
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,7 @@ def capabilities(model_config: Any, settings: VllmConfig, plan: Any) -> Capabili
     return Capabilities(name="vllm", logprobs=True, hooks=HOOKS if plan.problem is None else frozenset(),
                         supports_vlm=multimodal and settings.limit_images_per_prompt > 0,
                         max_model_len=int(model_config.max_model_len), scoring=not settings.async_engine,
-                        structured_outputs=not multimodal)
+                        structured_outputs=not multimodal, rules_problem=plan.problem)
 
 
 def checked_runner(backend: Any, vllm_config: Any, plan: Any) -> str:
