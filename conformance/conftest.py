@@ -2,11 +2,16 @@
 
 Options (all under "engine conformance" in ``pytest --help``):
 ``--engine-backends``, ``--engine-require``, ``--engine-model``, ``--engine-vlm-model``, ``--engine-dtype``,
-``--engine-device``, ``--engine-vllm-multiprocessing``, ``--engine-served``.
+``--engine-device``, ``--engine-vllm-multiprocessing``.
 Defaults are the fixture models built by ``python -m fixtures build``. A backend that cannot run here is
 skipped with its reason printed in the summary, never silently, unless ``--engine-require`` lists it: then the
 session fails before any test (``nox -s conformance`` requires hf and vllm). After each run a per-backend x per-check
 table is written to ``reports/conformance-summary.md`` (and ``.parquet`` when pandas is installed).
+
+Checks marked ``servable`` run twice, as the ``reach`` parameter says: ``in-process``, and ``served`` (marked
+``served``), where every engine they compare is reached through ``python -m engine.serve`` too and must answer the
+same (see ``conformance/served.py``). Served twins run last, grouped by module and backend, so each server is
+started about once. ``-m "not served"`` leaves them out; ``-m served`` runs only them.
 """
 
 from __future__ import annotations
@@ -20,9 +25,15 @@ import pytest
 
 from conformance.pool import EnginePool, PoolOptions
 from conformance.report import SummaryCollector
+from conformance.served import IN_PROCESS, SERVED
 from engine.config import BACKENDS, DTYPES
 
 POOL_KEY = pytest.StashKey[EnginePool]()
+CALL_PASSED = pytest.StashKey[bool]()
+SERVED_ORDER = ("test_parity.py", "test_plugins.py", "test_stop.py", "test_engine_core_process.py", "test_repeat.py")
+"""Served twins run module by module in this order (then any other): the first three compare the text engine
+of each backend, so one server per backend serves them all; the engine-core check leaves the looper's guarded
+servers running for the repeat checks, which then need one server per guard setting."""
 VLM_BACKENDS = ("hf", "vllm")
 """Backends that serve vision-language models (llamacpp does not: its VLM checks skip with the reason)."""
 
@@ -54,12 +65,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--engine-vllm-multiprocessing", action="store_true", default=False,
                     help="run every vLLM engine core in a child process (VLLM_ENABLE_V1_MULTIPROCESSING=1), as "
                          "servers and multi-GPU runs do (default: in-process)")
-    group.addoption("--engine-served", action="store_true", default=False,
-                    help="also reach every engine through python -m engine.serve and assert the served results "
-                         "equal the in-process ones field by field (see conformance/served.py)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "servable: the check also runs as its served twin (reach=served), every "
+                                       "engine it compares reached through python -m engine.serve too")
+    config.addinivalue_line("markers", "served: the served twin of a servable check (-m 'not served' skips them)")
     backends = [b.strip() for b in config.getoption("--engine-backends").split(",") if b.strip()]
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
@@ -78,22 +89,61 @@ def pytest_configure(config: pytest.Config) -> None:
         dtype=config.getoption("--engine-dtype"),
         device=config.getoption("--engine-device"),
         vllm_multiprocessing=config.getoption("--engine-vllm-multiprocessing"),
-        served=config.getoption("--engine-served"),
         gguf_models=tuple(twins.items()),
     )
     pool = EnginePool(options)
     config.stash[POOL_KEY] = pool
     context = lambda: {"vllm_runner": ",".join(sorted(pool.runners)) or "none started",  # noqa: E731
-                       "vllm_engine_core": pool.vllm_mode, "served": pool.options.served}
+                       "vllm_engine_core": pool.vllm_mode, "served_calls": pool.served_calls}
     config.pluginmanager.register(SummaryCollector(Path(config.rootpath) / "reports", context), "engine-summary")
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own grouping by backend, which it keeps for in-process checks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Served twins after every in-process check, grouped by module and then backend (cross-backend ones first),
+    so that the checks on the same servers run together and each server starts about once."""
+    order = {item: i for i, item in enumerate(items)}
+
+    def rank(item: pytest.Item) -> tuple[Any, ...]:
+        params = getattr(item, "callspec", None)
+        reach = params.params.get("reach", IN_PROCESS) if params else IN_PROCESS
+        if reach != SERVED:
+            return (0, order[item])
+        module = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
+        group = SERVED_ORDER.index(module) if module in SERVED_ORDER else len(SERVED_ORDER)
+        return (1, group, module, params.params.get("backend", ""), order[item])
+
+    items.sort(key=rank)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    if report.when == "call":
+        item.stash[CALL_PASSED] = report.passed
+    return report
+
+
+@pytest.fixture(autouse=True)
+def reach(request: pytest.FixtureRequest, pytestconfig: pytest.Config) -> Iterator[str]:
+    """How this check reaches the pool's engines: in-process, or (the served twin of a servable check) through
+    their servers too. A served twin none of whose calls reached a server fails: it would prove nothing."""
+    pool = pytestconfig.stash[POOL_KEY]
+    how = getattr(request, "param", IN_PROCESS)
+    before, pool.reach = pool.served_calls, how
+    yield how
+    pool.reach = IN_PROCESS
+    if how == SERVED and request.node.stash.get(CALL_PASSED, False) and pool.served_calls == before:
+        pytest.fail("this served twin never reached a server (its calls ran in-process only): drop its servable "
+                    "mark, or make it compare engines through generate()", pytrace=False)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """``--engine-served`` must really have served: a run whose checks never reached a server fails."""
     pool = session.config.stash.get(POOL_KEY, None)
-    if pool is not None and pool.options.served and exitstatus == 0 and pool.served_total == 0:
-        print("\n--engine-served: no check reached a server (select checks that generate)", flush=True)
-        session.exitstatus = 1
+    if pool is not None and pool.starts:
+        writer = session.config.get_terminal_writer()
+        for line in pool.report():
+            writer.line(line)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -140,6 +190,8 @@ def unavailable_reason(backend: str) -> str | None:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "backend" in metafunc.fixturenames:
         metafunc.parametrize("backend", list(metafunc.config.stash[POOL_KEY].options.backends), scope="session")
+    if metafunc.definition.get_closest_marker("servable") is not None:
+        metafunc.parametrize("reach", [IN_PROCESS, pytest.param(SERVED, marks=pytest.mark.served)], indirect=True)
 
 
 @pytest.fixture(scope="session")

@@ -1,14 +1,33 @@
-"""Engines shared across a conformance session: each (backend, model) is loaded once, on first use."""
+"""Engines shared across a conformance session: each model is loaded once per (backend, backend settings).
+
+Checks ask for ``pool.engine(backend, model, **sections)``. Sections that only shape requests (the repeat guard's
+thresholds, generation defaults, the pixel budget: ``engine.engine.REQUEST_SECTIONS``) never load a second model:
+the pool derives such an engine from the loaded one (``GenerationEngine.derive``). ``shared=False`` builds one
+through the whole config path instead, for the checks that prove the two are the same.
+
+A check marked ``servable`` also runs as its served twin (the ``reach`` parameter, see ``conformance.served``):
+then every engine it compares is reached through ``python -m engine.serve`` too, while references it only derives
+expectations from (``pool.reference``) stay in-process. Servers live per config key, ``servers_per_backend`` at
+once (the suite orders served checks so that those on the same servers run together).
+"""
 
 from __future__ import annotations
 
+import json
+import resource
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
+
+from conformance.served import IN_PROCESS
 
 # On CPU hosts the suite's vLLM engines start eager with a small KV cache: a fixture engine then starts in about
 # 10 s instead of 45 s (torch.compile buys about 10 % of decode speed on these models, which no check measures),
 # and takes about 0.8 GiB less memory. The benchmarks keep vLLM's defaults.
 CPU_VLLM = {"enforce_eager": True, "cpu_kv_cache_space_gib": 0.5}
+
 
 
 @dataclass(frozen=True)
@@ -20,26 +39,39 @@ class PoolOptions:
     device: str
     vllm_multiprocessing: bool = False
     """vLLM engine cores in child processes (``vllm.multiprocessing: true``) instead of in-process."""
-    served: bool = False
-    """Reach every pooled engine through ``python -m engine.serve`` too (see ``conformance.served``)."""
-    max_servers: int = 2
-    """Servers kept alive at once under ``served`` (least recently used ones are stopped)."""
+    servers_per_backend: int = 1
+    """Servers of one backend kept alive at once for served twins (the least recently used one is stopped first):
+    a vLLM server holds about 4 GB in two processes here, and a cross-backend check needs one of each backend."""
     gguf_models: tuple[tuple[str, str], ...] = ()
     """(HF model folder, its GGUF twin) pairs: what the llamacpp backend loads for a model the suite names."""
 
 
 @dataclass
 class EnginePool:
-    """Lazily built, session-wide engines keyed by (backend, model path)."""
+    """Lazily built, session-wide engines keyed by (backend, model path, config sections)."""
 
     options: PoolOptions
-    _engines: dict[tuple[str, str, str], Any] = field(default_factory=dict)
+    reach: str = IN_PROCESS
+    """How the running check reaches engines (set per check by the ``reach`` fixture)."""
+    _engines: dict[tuple[str, ...], Any] = field(default_factory=dict)
+    _twins: dict[tuple[str, ...], Any] = field(default_factory=dict)
+    _references: dict[tuple[str, ...], Any] = field(default_factory=dict)
     _raw: dict[tuple[str, ...], Any] = field(default_factory=dict)
-    _servers: dict[tuple[str, str, str], Any] = field(default_factory=dict)
+    _servers: dict[tuple[str, ...], Any] = field(default_factory=dict)
     twins: dict[str, str] = field(default_factory=dict)
     """HF model folder -> its GGUF twin (from ``options.gguf_models``; checks may register more)."""
     runners: set[str] = field(default_factory=set)
     """The model runners the started vLLM engines really use ("v1"/"v2"), for the header and the report."""
+    starts: list[tuple[str, str, float]] = field(default_factory=list)
+    """(kind, key, seconds) of every engine, server and kept object the pool started, in order."""
+    derived: int = 0
+    """Engines derived from a loaded one (no model loaded for them)."""
+    served_calls: int = 0
+    """Calls the served twins answered through a server (or refused there, as in-process): the ``reach`` fixture
+    checks that a served twin really reached one."""
+
+    def __post_init__(self) -> None:
+        self.twins.update(dict(self.options.gguf_models))
 
     def model_for(self, backend: str, model: str) -> str:
         """The model ``backend`` loads for ``model``: the same folder, or on llamacpp its GGUF twin (no twin: the
@@ -65,45 +97,78 @@ class EnginePool:
         return {"backend": backend, "model": model_cfg, "generation": {"max_new_tokens": 48}, "vllm": vllm,
                 **sections}
 
-    def engine(self, backend: str, model: str, **sections: Any) -> Any:
-        """The shared engine for (backend, model, extra config sections such as repeat_terminate)."""
-        key = (backend, model, repr(sorted(sections.items())))
-        if key not in self._engines:
-            from engine import GenerationEngine
+    # -- engines -------------------------------------------------------------------------------------------
 
+    def engine(self, backend: str, model: str, *, shared: bool = True, **sections: Any) -> Any:
+        """The session's engine for (backend, model, extra config sections such as repeat_terminate), as a
+        :class:`~conformance.served.ServedTwin`: in-process, and under the served reach through its server too.
+
+        ``shared`` (default): request-level sections derive from the loaded engine of (backend, model, the other
+        sections); False: built from the whole config, its own backend loaded (the config path itself)."""
+        from conformance.served import ServedTwin
+
+        key = self._key(backend, model, shared, sections)
+        if key not in self._twins:
+            local = self._local(key, backend, model, shared, sections)
+            config = self.config(backend, model, **sections)
+            # A served vLLM engine always runs AsyncLLM, its engine core in a child process, whatever
+            # vllm.multiprocessing says: engines that differ only there share one server.
+            config["vllm"] = {k: v for k, v in config["vllm"].items() if k != "multiprocessing"}
+            served = (backend, json.dumps(config, sort_keys=True))
+            self._twins[key] = ServedTwin(local, lambda: self.server(served, config), self)
+        return self._twins[key]
+
+    def reference(self, backend: str, model: str, **sections: Any) -> Any:
+        """The engine for expectations a check derives, not for what it compares: in-process whatever the reach
+        (under the served reach it answers what it answered the check's in-process variant)."""
+        from conformance.served import ServedTwin
+
+        key = self._key(backend, model, True, sections)
+        if key not in self._references:
+            self._references[key] = ServedTwin(self._local(key, backend, model, True, sections), None, self)
+        return self._references[key]
+
+    def text_engine(self, backend: str) -> Any:
+        return self.engine(backend, self.options.model)
+
+    @staticmethod
+    def _key(backend: str, model: str, shared: bool, sections: dict[str, Any]) -> tuple[str, ...]:
+        return (backend, model, repr(sorted(sections.items())), "" if shared else "own backend")
+
+    def _local(self, key: tuple[str, ...], backend: str, model: str, shared: bool, sections: dict[str, Any]) -> Any:
+        if key in self._engines:
+            return self._engines[key]
+        from engine import GenerationEngine
+        from engine.engine import REQUEST_SECTIONS
+
+        per_request = {k: v for k, v in sections.items() if k in REQUEST_SECTIONS}
+        if shared and per_request:
+            loaded = {k: v for k, v in sections.items() if k not in REQUEST_SECTIONS}
+            base = self._local(self._key(backend, model, True, loaded), backend, model, True, loaded)
+            config = self.config(backend, model, **sections)
+            self._engines[key] = base.derive(**{k: config[k] for k in REQUEST_SECTIONS if k in config})
+            self.derived += 1
+            return self._engines[key]
+        with self.timed("engine", key):
             self._engines[key] = GenerationEngine(self.config(backend, model, **sections))
-            runner = getattr(self._engines[key].backend, "runner", None)
-            if runner is not None:
-                self.runners.add(runner)
-            if self.options.served:
-                from conformance.served import ServedTwin
-
-                local, config = self._engines[key], self.config(backend, model, **sections)
-                self._engines[key] = ServedTwin(local, lambda: self.server(key, config))
+        runner = getattr(self._engines[key].backend, "runner", None)
+        if runner is not None:
+            self.runners.add(runner)
         return self._engines[key]
 
-    def server(self, key: tuple[str, str, str], config: dict[str, Any]) -> Any:
-        """The running server for ``key`` (started on first need; least recently used ones stop beyond
-        ``max_servers``, to bound memory)."""
+    def server(self, key: tuple[str, str], config: dict[str, Any]) -> Any:
+        """The running server for ``key`` ((backend, the served config)): started on first need; beyond
+        ``servers_per_backend`` of its backend, the least recently used one stops first, to bound memory."""
         from engine.client import launch_server
 
         if key in self._servers:
             self._servers[key] = self._servers.pop(key)  # most recently used last
             return self._servers[key]
-        while len(self._servers) >= self.options.max_servers:
-            self._servers.pop(next(iter(self._servers))).stop()
-        self._servers[key] = launch_server({**config, "serve": {"port": 0}})
+        while sum(k[0] == key[0] for k in self._servers) >= self.options.servers_per_backend:
+            self._servers.pop(next(k for k in self._servers if k[0] == key[0])).stop()
+        with self.timed("server", (key[0], _short(config))):
+            self._servers[key] = launch_server({**config, "serve": {"port": 0}})
         return self._servers[key]
-
-    def __post_init__(self) -> None:
-        self.twins.update(dict(self.options.gguf_models))
-
-    @property
-    def vllm_mode(self) -> str:
-        return "child process" if self.options.vllm_multiprocessing else "in-process"
-
-    def text_engine(self, backend: str) -> Any:
-        return self.engine(backend, self.options.model)
 
     def keep(self, key: tuple[str, ...], factory: Any) -> Any:
         """A session-lived object (e.g. a raw ``vllm.LLM``) built once by ``factory``.
@@ -112,18 +177,47 @@ class EnginePool:
         every other live one, so the pool owns all of them and releases them only at session end.
         """
         if key not in self._raw:
-            self._raw[key] = factory()
+            with self.timed("kept", key):
+                self._raw[key] = factory()
         return self._raw[key]
 
-    served_total: int = 0
-    """Calls answered through a server under ``served`` (summed at close; a served run with none fails)."""
+    @property
+    def vllm_mode(self) -> str:
+        return "child process" if self.options.vllm_multiprocessing else "in-process"
+
+    # -- what it holds and what it cost ----------------------------------------------------------------------
+
+    @contextmanager
+    def timed(self, kind: str, key: tuple[str, ...]) -> Iterator[None]:
+        began = time.monotonic()
+        yield
+        self.starts.append((kind, " ".join(k for k in key if k and k != "[]"), time.monotonic() - began))
+
+    def report(self) -> list[str]:
+        """What the pool started and what it cost: the session's start-up bill, and this process's peak memory."""
+        lines = [f"{kind} {seconds:6.1f}s  {key}" for kind, key, seconds in self.starts]
+        by_kind: dict[str, list[float]] = {}
+        for kind, _, seconds in self.starts:
+            by_kind.setdefault(kind, []).append(seconds)
+        totals = ", ".join(f"{len(v)} {k} starts {sum(v):.0f}s" for k, v in by_kind.items()) or "nothing started"
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+        return [*lines, f"engine pool: {totals}; {self.derived} more engines derived from loaded ones; peak resident "
+                        f"memory of this process {peak:.1f} GiB"]
 
     def close(self) -> None:
-        self.served_total += sum(getattr(e, "served_calls", 0) for e in self._engines.values())
         for server in self._servers.values():
             server.stop()
         self._servers.clear()
+        self._twins.clear()
+        self._references.clear()
         for eng in self._engines.values():
             eng.close()
         self._engines.clear()
         self._raw.clear()
+
+
+def _short(config: dict[str, Any]) -> str:
+    """A server's config in a report line: the model folder's name and the sections a check chose."""
+    chosen = {k: v for k, v in config.items() if k not in ("backend", "model", "generation", "vllm") or
+              (k == "vllm" and set(v) - {"max_num_seqs", *CPU_VLLM})}
+    return f"{config['model']['path'].rsplit('/', 1)[-1]} {json.dumps(chosen, sort_keys=True) if chosen else ''}"

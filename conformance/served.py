@@ -1,15 +1,26 @@
-"""``--engine-served``: every engine a check asks the pool for is reached through ``python -m engine.serve``.
+"""Served twins: a ``servable`` check run again with every engine it compares reached through ``python -m
+engine.serve`` (the ``served`` variant of its ``reach`` parameter; ``-m served`` selects them, ``-m "not served"``
+leaves them out).
 
 A :class:`ServedTwin` stands in for the in-process engine: ``generate`` runs the call in-process *and* through the
 server (``/infer/`` with the engine extension for options, stop policy and plugins), asserts the two agree field
 by field (trigger flags from the envelope against the in-process meta included), and hands the check the served
 results. Everything else (tokenizer, config, backend) is the in-process engine's. A call the engine refuses must
 be refused by the server too (HTTP 400). Plugins given as Python objects cannot travel over HTTP: such calls run
-in-process only and are counted in ``local_only``.
+in-process only; a served twin none of whose calls reached a server fails (see the ``reach`` fixture), so only
+checks that travel are marked ``servable``.
+
+The in-process answer a served call is compared with is the one the check's in-process variant got for the same
+call (remembered per engine, keyed by the call's JSON); a call not seen in-process is generated in-process then.
+References (``pool.reference``: engines a check derives expectations from, never served) answer a served twin's
+call the same way.
+The engines are deterministic for a given call (greedy, or sampled with a seed; the in-process checks assert it),
+so this compares the same two answers as generating both at once, at half the cost.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from collections.abc import Callable
@@ -17,6 +28,9 @@ from typing import Any
 
 from conformance.compare import assert_same_results, assert_served_equal
 from engine.errors import EngineError
+
+IN_PROCESS, SERVED = "in-process", "served"
+"""The two ways a check reaches a pooled engine (the ``reach`` parameter of ``servable`` checks)."""
 
 
 def _jsonable(value: Any) -> bool:
@@ -32,13 +46,16 @@ def _plain(value: Any) -> Any:
 
 
 class ServedTwin:
-    """The in-process engine plus its served twin (see the module doc)."""
+    """The in-process engine plus its served twin, reached as the pool's current ``reach`` says (module doc)."""
 
-    def __init__(self, local: Any, server: Callable[[], Any]) -> None:
+    def __init__(self, local: Any, server: Callable[[], Any] | None, pool: Any) -> None:
         self.local = local
         self._server = server
-        self.served_calls = 0
-        self.local_only = 0
+        """The running server (started on first need); None for a reference, which is never served."""
+        self._pool = pool
+        """Says the current reach (``pool.reach``) and counts calls that reached a server (``pool.served_calls``)."""
+        self._answers: dict[str, Any] = {}
+        """In-process results by call (its JSON), for the served twin of the same check."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.local, name)
@@ -48,23 +65,32 @@ class ServedTwin:
 
         extension = {k: _plain(v) for k, v in (("options", options), ("stop", stop), ("plugins", plugins))
                      if v is not None}
-        if not _jsonable(extension):
-            self.local_only += 1
-            return self.local.generate(requests, options=options, stop=stop, plugins=plugins)
+        call = json.dumps([requests, extension], sort_keys=True) if _jsonable([requests, extension]) else None
+        if self._pool.reach != SERVED or call is None:
+            results = self.local.generate(requests, options=options, stop=stop, plugins=plugins)
+            if call is not None:
+                self._answers[call] = copy.deepcopy(results)
+            return results
+        if self._server is None:  # a reference: what the check's in-process variant got for this call
+            known = self._answers.get(call)
+            return copy.deepcopy(known) if known else self.local.generate(requests, options=options, stop=stop,
+                                                                          plugins=plugins)
         client = RolloutClient(self._server().url, repeat_terminate=self.local.config.repeat_terminate,
                                batch_size=10_000, health_timeout=30)
         with client:
             try:
-                local = self.local.generate(requests, options=options, stop=stop, plugins=plugins)
+                local = self._answers.get(call) or self.local.generate(requests, options=options, stop=stop,
+                                                                         plugins=plugins)
             except EngineError as err:
                 try:
                     client.infer(requests, engine=extension)
                 except RolloutServerError as served_err:
                     assert "answered 400" in str(served_err), f"served refusal is not a 400: {served_err}"
+                    self._pool.served_calls += 1
                     raise err from None
                 raise AssertionError(f"in-process refused ({err}) but the server generated") from err
             served = client.infer(requests, engine=extension)
-        self.served_calls += 1
+        self._pool.served_calls += 1
         assert_served_equal(served, local, what=f"served vs in-process ({self.local.backend.name})")
         assert_same_results({"served": served, "in-process": local}, what="served vs in-process")
         return served

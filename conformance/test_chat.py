@@ -265,8 +265,7 @@ def test_bad_input_is_refused_naming_the_field_before_any_generation(pool, backe
     from engine.serve.app import create_app
     from engine.serve.service import ServedEngine
 
-    engine = pool.text_engine(backend)
-    engine = getattr(engine, "local", engine)  # the in-process engine under --engine-served
+    engine = pool.reference(backend, pool.options.model)
     calls = count_backend_calls(engine)
     served = ServedEngine(engine, Activation(None, "default"))
     app = create_app(served, close_engine=False)

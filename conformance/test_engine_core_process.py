@@ -2,7 +2,7 @@
 tests): the rules run in that process, and their events (trigger index, the rule that ended a row)
 come back over ``collective_rpc`` with the same tokens and meta as with the engine core in-process.
 
-The served engine (``AsyncLLM``, ``conformance/test_served.py`` and ``--engine-served``) always runs its engine
+The served engine (``AsyncLLM``, ``conformance/test_served.py`` and the served twins) always runs its engine
 core in a child process; this check covers the offline ``vllm.LLM`` path. ``--engine-vllm-multiprocessing``
 reruns any selection of the suite that way.
 """
@@ -38,6 +38,7 @@ def engine_cores(pool, backend_names):
     return engines
 
 
+@pytest.mark.servable
 def test_repeat_trigger_meta_comes_back_from_the_engine_core_process(engine_cores):
     got = {name: e.generate(MIXED, options=BUDGET) for name, e in engine_cores.items()}
     child = got["vllm child process"]

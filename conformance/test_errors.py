@@ -51,3 +51,26 @@ def test_bad_options_raise_before_generation(counted, options, stop, field):
         engine.generate([GOOD], options=options, stop=stop)
     assert info.value.field == field
     assert calls == []
+
+
+def test_derive_changes_only_request_sections_and_refuses_a_guard_that_cannot_run(engine, monkeypatch):
+    """``GenerationEngine.derive`` (how the suite gets guard variants without a second model): load-level sections
+    and unknown keys are refused by name; a guard the shared backend cannot run is refused before generating."""
+    import dataclasses
+
+    from engine.errors import UnsupportedCapabilityError
+
+    with pytest.raises(ConfigError, match=r"^vllm belongs to the loaded backend.*Fix: build a new GenerationEngine"):
+        engine.derive(vllm={"max_num_seqs": 2})
+    with pytest.raises(ConfigError, match=r"^repeat_terminat is not a known key"):
+        engine.derive(repeat_terminat={"enabled": True})
+    with pytest.raises(ConfigError, match=r"^generation\.max_new_tokens"):
+        engine.derive(generation={"max_new_tokens": 0})
+    short = engine.derive(generation={"max_new_tokens": 3})
+    assert short.backend is engine.backend and len(short.generate([GOOD])[0].token_ids) <= 3
+    short.close()  # a derived engine leaves the shared backend open
+    assert engine.generate([GOOD], options={"max_new_tokens": 2})[0].token_ids
+    caps = dataclasses.replace(engine.backend.capabilities, rules_problem="no logits-processor interface")
+    monkeypatch.setattr(engine.backend, "capabilities", caps)
+    with pytest.raises(UnsupportedCapabilityError, match="cannot run row rules here: no logits-processor interface"):
+        engine.derive(repeat_terminate={"enabled": True, "max_consecutive_token_repeats": 4})

@@ -4,8 +4,12 @@ exact-match count and the divergence steps written into the conformance summary.
 
 from __future__ import annotations
 
+import pytest
+
 from conformance.compare import check_logprobs_close, describe, divergence_steps, exact_pair
 from fixtures import load_prompts
+
+pytestmark = pytest.mark.servable
 
 
 def test_greedy_parity_on_chat_prompts(engines, pool, summary_note):

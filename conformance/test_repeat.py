@@ -43,38 +43,55 @@ def check_against_reference(free, guarded, guard, eos, decode=None):
     return fired
 
 
+@pytest.mark.servable
 def test_looping_rows_end_at_the_same_index_on_every_backend(pool, backend_names, looper):
     guarded = {}
     for b in backend_names:
-        free = pool.engine(b, looper).generate(MIXED, options=BUDGET)
+        free = pool.reference(b, looper).generate(MIXED, options=BUDGET)
         guarded[b] = pool.engine(b, looper, repeat_terminate=LOOP_GUARD).generate(MIXED, options=BUDGET)
-        eos = pool.engine(b, looper).tokenizer.eos_token_id
+        eos = pool.reference(b, looper).tokenizer.eos_token_id
         fired = check_against_reference(free, guarded[b], LOOP_GUARD, eos)
         assert 0 < fired < len(MIXED), f"{b}: the batch must mix looping ({fired}) and healthy rows"
     assert_same_results(guarded, what="repeat guard")
 
 
+
+def test_the_config_path_guard_equals_the_derived_one(pool, backend, looper):
+    """The pool derives guarded engines from the loaded one (``GenerationEngine.derive``, no second model); on every
+    backend a guard built through the whole config path (its own backend started with ``repeat_terminate``) must
+    give exactly the same results."""
+    own = pool.engine(backend, looper, shared=False, repeat_terminate=LOOP_GUARD)
+    derived = pool.engine(backend, looper, repeat_terminate=LOOP_GUARD)
+    assert derived.backend is pool.reference(backend, looper).backend and own.backend is not derived.backend
+    want = own.generate(MIXED, options=BUDGET)
+    assert 0 < sum(r.meta["repeat_terminate_triggered"] for r in want) < len(MIXED)
+    assert_same_results({"config path": want, "derived": derived.generate(MIXED, options=BUDGET)},
+                        what="repeat guard from the config vs derived")
+
+@pytest.mark.servable
 def test_min_new_tokens_respected(pool, backend, looper):
     guard = {**LOOP_GUARD, "min_new_tokens": 12}
-    free = pool.engine(backend, looper).generate(MIXED, options=BUDGET)
+    free = pool.reference(backend, looper).generate(MIXED, options=BUDGET)
     got = pool.engine(backend, looper, repeat_terminate=guard).generate(MIXED, options=BUDGET)
-    eos = pool.engine(backend, looper).tokenizer.eos_token_id
+    eos = pool.reference(backend, looper).tokenizer.eos_token_id
     assert check_against_reference(free, got, guard, eos) > 0
     for r in got:
         if r.meta["repeat_terminate_triggered"]:
             assert r.meta["repeat_terminate_index"] >= 12
 
 
+@pytest.mark.servable
 def test_healthy_smollm2_prompts_never_trigger(pool, backend, engine):
     prompts = [p["messages"] for p in load_prompts("chat") + load_prompts("lists")]
     opts = {"max_new_tokens": 64}
-    free = engine.generate(prompts, options=opts)
+    free = pool.reference(backend, pool.options.model).generate(prompts, options=opts)
     got = pool.engine(backend, pool.options.model, repeat_terminate=HEALTHY_GUARD).generate(prompts, options=opts)
     assert [r.meta["repeat_terminate_triggered"] for r in got] == [0] * len(prompts)
     assert [r.token_ids for r in got] == [r.token_ids for r in free]
 
 
 @pytest.mark.slow
+@pytest.mark.servable
 @pytest.mark.parametrize(
     ("guard", "reason"),
     [
@@ -89,7 +106,7 @@ def test_real_model_loop_triggers_and_near_miss_does_not(pool, backend, engine, 
     by_id = {p["id"]: p["messages"] for p in load_prompts("json")}
     prompts = [by_id["json-30-fruits"], by_id["json-person"]]
     opts = {"max_new_tokens": 160}
-    free = engine.generate(prompts, options=opts)
+    free = pool.reference(backend, pool.options.model).generate(prompts, options=opts)
     got = pool.engine(backend, pool.options.model, repeat_terminate=guard).generate(prompts, options=opts)
     decode = lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     eos = engine.tokenizer.eos_token_id
@@ -113,21 +130,23 @@ def test_refuses_to_start_when_the_guard_cannot_be_activated(pool, backend_names
         GenerationEngine(cfg)
 
 
+@pytest.mark.servable
 def test_generation_min_new_tokens_gates_the_guard_alike(pool, backend_names, looper):
     """``generation.min_new_tokens`` feeds the guard's gate: no trigger before it (the reference fires with
     the larger of the two gates), and every backend ends the same rows at the same index."""
     opts = {**BUDGET, "min_new_tokens": 14}
     got = {}
     for b in backend_names:
-        free = pool.engine(b, looper).generate(MIXED, options=opts)
+        free = pool.reference(b, looper).generate(MIXED, options=opts)
         got[b] = pool.engine(b, looper, repeat_terminate=LOOP_GUARD).generate(MIXED, options=opts)
-        eos = pool.engine(b, looper).tokenizer.eos_token_id
+        eos = pool.reference(b, looper).tokenizer.eos_token_id
         gate = {**LOOP_GUARD, "min_new_tokens": 14}
         assert check_against_reference(free, got[b], gate, eos) > 0, b
         assert all(r.meta["repeat_terminate_index"] >= 14 for r in got[b] if r.meta["repeat_terminate_triggered"])
     assert_same_results(got, what="repeat guard gated by generation.min_new_tokens")
 
 
+@pytest.mark.servable
 def test_guarded_batch_larger_than_the_engine_queues_alike(pool, backend_names, looper):
     """More rows than vLLM's ``max_num_seqs`` and HF's ``max_batch_size``: vLLM queues rows and reuses slots (rule
     state must follow each request, not the slot), HF splits the batch; every row still ends where the
@@ -136,9 +155,9 @@ def test_guarded_batch_larger_than_the_engine_queues_alike(pool, backend_names, 
     got = {}
     for b in backend_names:
         small = {"vllm": {**pool.config(b, looper)["vllm"], "max_num_seqs": 4}, "hf": {"max_batch_size": 8}}
-        free = pool.engine(b, looper).generate(rows, options=BUDGET)
+        free = pool.reference(b, looper).generate(rows, options=BUDGET)
         got[b] = pool.engine(b, looper, repeat_terminate=LOOP_GUARD, **small).generate(rows, options=BUDGET)
-        eos = pool.engine(b, looper).tokenizer.eos_token_id
+        eos = pool.reference(b, looper).tokenizer.eos_token_id
         assert check_against_reference(free, got[b], LOOP_GUARD, eos) == 6 * sum(
             r.meta["repeat_terminate_triggered"] for r in got[b][: len(MIXED)]), b
     assert_same_results(got, what="guarded batch queued over small slots")

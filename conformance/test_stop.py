@@ -7,6 +7,8 @@ import pytest
 from conformance.compare import assert_same_results
 from fixtures import load_prompts
 
+pytestmark = pytest.mark.servable
+
 CHAT = [p["messages"] for p in load_prompts("chat")]
 
 
@@ -21,9 +23,9 @@ def reference_cut(text: str, stops: list[str]) -> tuple[str, str | None]:
 
 
 @pytest.fixture(scope="session")
-def plain(engine):
-    """Unstopped greedy results, to derive stops that really occur in the output."""
-    return engine.generate(CHAT, options={"max_new_tokens": 40})
+def plain(pool, backend):
+    """Unstopped greedy results, to derive stops that really occur in the output (in-process: a reference)."""
+    return pool.reference(backend, pool.options.model).generate(CHAT, options={"max_new_tokens": 40})
 
 
 def test_stop_string_truncates_text_and_reports_it(engine, plain):
