@@ -152,8 +152,7 @@ class BenchSession:
             model["path"] = str(ensure(GGUF_TWINS[self.model_arg]))
         # Two vLLM instances share one GPU (the engine, whose guarded twin is derived from it, and the raw LLM)
         # beside the HF model, hence the memory share.
-        vllm = {"max_num_seqs": max(self.size.batches), "gpu_memory_utilization": 0.25,
-                "enforce_eager": self.size.vllm_eager}
+        vllm = {"max_num_seqs": max(self.size.batches), "gpu_memory_utilization": 0.25}
         return {"backend": backend, "model": model, "vllm": vllm, **sections}
 
     def engine(self, backend: str, *, guarded: bool = False) -> Any:

@@ -165,6 +165,7 @@ class EnginePool:
             self._servers[key] = self._servers.pop(key)  # most recently used last
             return self._servers[key]
         while sum(k[0] == key[0] for k in self._servers) >= self.options.servers_per_backend:
+            # Stopped before the next one starts: two vLLM servers at once would hold ~8 GB.
             self._servers.pop(next(k for k in self._servers if k[0] == key[0])).stop()
         with self.timed("server", (key[0], _short(config))):
             self._servers[key] = launch_server({**config, "serve": {"port": 0}})
@@ -205,7 +206,11 @@ class EnginePool:
                         f"memory of this process {peak:.1f} GiB"]
 
     def close(self) -> None:
-        for server in self._servers.values():
+        servers = list(self._servers.values())
+        for server in servers:  # all drain at once
+            if server.process.poll() is None:
+                server.process.terminate()
+        for server in servers:
             server.stop()
         self._servers.clear()
         self._twins.clear()

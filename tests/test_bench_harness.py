@@ -65,7 +65,6 @@ def test_smoke_trims_only_what_no_gate_reads_and_full_keeps_every_round():
     smoke, full = SIZES["smoke"], SIZES["full"]
     assert 1 <= smoke.ungated_rounds < smoke.rounds and smoke.rounds >= 3, "gated ratios keep a median of rounds"
     assert full.ungated_rounds == full.rounds and full.warmup >= 1
-    assert smoke.vllm_eager and not full.vllm_eager, "GPU runners measure compiled vLLM"
 
 
 def test_batches_cycle_prompts_and_long_prompts_carry_the_context():
