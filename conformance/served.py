@@ -14,8 +14,8 @@ The in-process answer a served call is compared with is the one the check's in-p
 call (remembered per engine, keyed by the call's JSON); a call not seen in-process is generated in-process then.
 References (``pool.reference``: engines a check derives expectations from, never served) answer a served twin's
 call the same way.
-The engines are deterministic for a given call (greedy, or sampled with a seed; the in-process checks assert it),
-so this compares the same two answers as generating both at once, at half the cost.
+The servable checks make deterministic calls only (greedy, or sampled with a seed, which ``test_sampling.py``
+shows reproduces), so this compares the same two answers as generating both at once, at half the cost.
 """
 
 from __future__ import annotations
