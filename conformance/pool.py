@@ -167,9 +167,17 @@ class EnginePool:
         while sum(k[0] == key[0] for k in self._servers) >= self.options.servers_per_backend:
             # Stopped before the next one starts: two vLLM servers at once would hold ~8 GB.
             self._servers.pop(next(k for k in self._servers if k[0] == key[0])).stop()
-        with self.timed("server", (key[0], _short(config))):
+        with self.timed("server", (key[0], self._chosen(config))):
             self._servers[key] = launch_server({**config, "serve": {"port": 0}})
         return self._servers[key]
+
+    def _chosen(self, config: dict[str, Any]) -> str:
+        """A served config in a report line: the model folder's name and every section that differs from the pool's
+        defaults for it."""
+        default = self.config(config["backend"], self.options.model)
+        chosen = {k: v for k, v in config.items() if k not in ("backend", "model") and v != default.get(k)
+                  and not (k == "vllm" and v == {n: x for n, x in default["vllm"].items() if n != "multiprocessing"})}
+        return f"{config['model']['path'].rsplit('/', 1)[-1]} {json.dumps(chosen, sort_keys=True) if chosen else ''}"
 
     def keep(self, key: tuple[str, ...], factory: Any) -> Any:
         """A session-lived object (e.g. a raw ``vllm.LLM``) built once by ``factory``.
@@ -220,9 +228,3 @@ class EnginePool:
         self._engines.clear()
         self._raw.clear()
 
-
-def _short(config: dict[str, Any]) -> str:
-    """A server's config in a report line: the model folder's name and the sections a check chose."""
-    chosen = {k: v for k, v in config.items() if k not in ("backend", "model", "generation", "vllm") or
-              (k == "vllm" and set(v) - {"max_num_seqs", *CPU_VLLM})}
-    return f"{config['model']['path'].rsplit('/', 1)[-1]} {json.dumps(chosen, sort_keys=True) if chosen else ''}"
