@@ -86,12 +86,13 @@ class EnginePool:
                         "--engine-model give --engine-gguf-model; vision-language models do not run on llama.cpp)")
         return twin
 
-    def config(self, backend: str, model: str, **sections: Any) -> dict[str, Any]:
+    def config(self, backend: str, model: str, /, **sections: Any) -> dict[str, Any]:
         from engine.backends.vllm import has_cuda
 
         model_cfg: dict[str, Any] = {"path": self.model_for(backend, model), "dtype": self.options.dtype}
         if backend == "hf":
             model_cfg["device"] = self.options.device
+        model_cfg.update(sections.pop("model", {}))  # more model settings (e.g. checkpoint_eos), not its path
         vllm = {"max_num_seqs": 16, "multiprocessing": self.options.vllm_multiprocessing,
                 **({} if has_cuda() else CPU_VLLM)}
         return {"backend": backend, "model": model_cfg, "generation": {"max_new_tokens": 48}, "vllm": vllm,
@@ -99,7 +100,7 @@ class EnginePool:
 
     # -- engines -------------------------------------------------------------------------------------------
 
-    def engine(self, backend: str, model: str, *, shared: bool = True, **sections: Any) -> Any:
+    def engine(self, backend: str, model: str, /, *, shared: bool = True, **sections: Any) -> Any:
         """The session's engine for (backend, model, extra config sections such as repeat_terminate), as a
         :class:`~conformance.served.ServedTwin`: in-process, and under the served reach through its server too.
 
@@ -118,7 +119,7 @@ class EnginePool:
             self._twins[key] = ServedTwin(local, lambda: self.server(served, config), self)
         return self._twins[key]
 
-    def reference(self, backend: str, model: str, **sections: Any) -> Any:
+    def reference(self, backend: str, model: str, /, **sections: Any) -> Any:
         """The engine for expectations a check derives, not for what it compares: in-process whatever the reach
         (under the served reach it answers what it answered the check's in-process variant)."""
         from conformance.served import ServedTwin

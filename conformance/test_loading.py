@@ -3,48 +3,34 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import pytest
 
+from conformance.variants import answered_token, model_copy
 from fixtures import load_prompts
 
 CHAT = [p["messages"] for p in load_prompts("chat")]
 
-# Defaults a checkpoint might ship; none may reach generation.
+# Defaults a checkpoint might ship; none may reach generation. ``variant_model`` adds an ``eos_token_id`` list whose
+# second id is a token the greedy answers really produce (vllm#4180 class: vLLM merges that list into its stop ids).
 POISONED_GENERATION_CONFIG = {"do_sample": True, "temperature": 1.7, "top_k": 3, "top_p": 0.5,
                               "repetition_penalty": 1.9, "max_new_tokens": 2, "max_length": 5}
-
-
-def poisoned_copy(model_path, out):
-    """``model_path`` with its pad token removed and a poisoned generation_config.json (weights symlinked)."""
-    out.mkdir()
-    for item in model_path.iterdir():
-        if item.suffix in (".safetensors", ".gguf"):
-            os.symlink(item.resolve(), out / item.name)
-        elif item.is_file():
-            shutil.copy2(item, out / item.name)
-    cfg_path = out / "tokenizer_config.json"
-    tok_cfg = json.loads(cfg_path.read_text())
-    tok_cfg.pop("pad_token", None)
-    cfg_path.write_text(json.dumps(tok_cfg))
-    model_cfg = json.loads((out / "config.json").read_text())
-    model_cfg.pop("pad_token_id", None)
-    (out / "config.json").write_text(json.dumps(model_cfg))
-    (out / "generation_config.json").write_text(json.dumps(POISONED_GENERATION_CONFIG))
-    return out
+BUDGET = {"max_new_tokens": 24}
 
 
 @pytest.fixture(scope="session")
 def variant_model(pool, model_path, tmp_path_factory):
     """The text model's variant (and its GGUF twin's, for llamacpp, registered in the pool as the variant's twin)."""
+    reference = pool.reference(pool.options.backends[0], str(model_path))
+    produced = answered_token(reference.generate(CHAT, options=BUDGET))
+    poisoned = {**POISONED_GENERATION_CONFIG, "eos_token_id": [reference.tokenizer.eos_token_id, produced]}
     root = tmp_path_factory.mktemp("variant")
-    out = poisoned_copy(model_path, root / "no-pad-poisoned")
+    out = model_copy(model_path, root / "no-pad-poisoned", generation_config=poisoned, drop_pad=True)
     twin = dict(pool.twins).get(str(model_path))
     if twin is not None:
-        pool.twins[str(out)] = str(poisoned_copy(Path(twin), root / "no-pad-poisoned-gguf"))
+        pool.twins[str(out)] = str(model_copy(Path(twin), root / "no-pad-poisoned-gguf", generation_config=poisoned,
+                                              drop_pad=True))
     return out
 
 
@@ -58,13 +44,7 @@ def test_a_gguf_whose_vocabulary_differs_from_the_tokenizer_is_refused_at_load(p
     from engine.errors import ConfigError
 
     twin = Path(pool.model_for("llamacpp", str(model_path)))
-    out = tmp_path / "swapped"
-    out.mkdir()
-    for item in twin.iterdir():
-        if item.suffix == ".gguf":
-            os.symlink(item.resolve(), out / item.name)
-        elif item.is_file():
-            shutil.copy2(item, out / item.name)
+    out = model_copy(twin, tmp_path / "swapped")
     tokenizer = json.loads((out / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]
     by_id = {i: t for t, i in vocab.items()}
@@ -76,13 +56,18 @@ def test_a_gguf_whose_vocabulary_differs_from_the_tokenizer_is_refused_at_load(p
 
 
 def test_pad_fallback_left_padding_and_no_leaked_defaults(pool, backend, engine, variant_model):
+    """No pad token: EOS pads, left padding. The checkpoint's generation_config.json (sampling defaults, a 2-token
+    budget, an EOS list with a token the answers produce) changes nothing: the rows equal the clean model's."""
     variant = pool.engine(backend, str(variant_model))
     assert variant.tokenizer.pad_token_id == variant.tokenizer.eos_token_id
     assert variant.tokenizer.padding_side == "left"
-    opts = {"max_new_tokens": 24}
-    got = variant.generate(CHAT, options=opts)
-    want = engine.generate(CHAT, options=opts)
+    got = variant.generate(CHAT, options=BUDGET)
+    want = engine.generate(CHAT, options=BUDGET)
+    listed = json.loads((variant_model / "generation_config.json").read_text())["eos_token_id"][1]
+    assert any(listed in w.token_ids[:-1] for w in want), "the listed EOS id must occur inside a clean answer"
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.meta["pad_token_fallback"] is True and w.meta["pad_token_fallback"] is False
-        assert g.token_ids == w.token_ids, f"request {i}: variant (no pad, poisoned defaults) differs"
+        assert g.token_ids == w.token_ids, (f"request {i}: variant (no pad, poisoned defaults) differs"
+                                            + (" (the checkpoint's EOS list ended it)" if g.token_ids[-1:] == (listed,)
+                                               else ""))
     assert max(len(r.token_ids) for r in got) > 2, "a leaked max_new_tokens=2 would have cut every row"

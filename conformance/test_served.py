@@ -254,6 +254,26 @@ def test_64_concurrent_clients_get_their_own_answers(server, reference):
     print(f"640 requests from 64 clients in {elapsed:.1f}s ({640 / elapsed:.1f} req/s)")
 
 
+def test_concurrent_seeded_calls_each_get_their_in_process_samples(server, reference):
+    """Seeded sampling calls sent at once (HF's batcher merges them, each row keeping its own seed) each get exactly
+    what the same call gives in-process, row by row."""
+    from engine.client import RolloutClient
+
+    calls = [([MIXED[i % len(MIXED)], MIXED[(i + 3) % len(MIXED)]], 100 + i) for i in range(6)]
+    sampled = {"max_new_tokens": BUDGET["max_new_tokens"], "temperature": 1.0}
+    want = [reference.generate(rows, options={**sampled, "seed": seed}) for rows, seed in calls]
+
+    def one(call):
+        rows, seed = call
+        with RolloutClient(server.url, repeat_terminate=LOOP_GUARD, timeout=300, health_timeout=30) as client:
+            return client.infer(rows, {"max_tokens": sampled["max_new_tokens"], "temperature": 1.0, "seed": seed})
+
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool_:
+        got = list(pool_.map(one, calls))
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert [r.token_ids for r in g] == [r.token_ids for r in w], f"call {i} (seed {calls[i][1]})"
+
+
 def test_client_disconnect_cancels_only_its_request(server):
     import httpx
 

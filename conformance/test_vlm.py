@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
+from pathlib import Path
 
 import pytest
 
+from conformance.variants import model_copy
 from engine.errors import RequestError, UnsupportedCapabilityError
 from fixtures.data.images import IMAGE_SIZES, make_image
 
@@ -155,19 +154,8 @@ def test_fallback_is_explicit_lazy_and_recorded(text_only_vllm_on_vlm, vlm_engin
 
 @pytest.fixture(scope="session")
 def vlm_without_pad(pool, tmp_path_factory):
-    src = pool.options.vlm_model
-    out = tmp_path_factory.mktemp("vlm-variant") / "no-pad"
-    out.mkdir()
-    for name in os.listdir(src):
-        item = os.path.join(src, name)
-        if name.endswith(".safetensors"):
-            os.symlink(os.path.realpath(item), out / name)
-        elif os.path.isfile(item):
-            shutil.copy2(item, out / name)
-    cfg = json.loads((out / "tokenizer_config.json").read_text())
-    cfg.pop("pad_token", None)
-    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return str(out)
+    return str(model_copy(Path(pool.options.vlm_model), tmp_path_factory.mktemp("vlm-variant") / "no-pad",
+                          drop_pad=True))
 
 
 def test_vlm_pad_fallback_and_left_padding(pool, vlm_engine, backend, vlm_without_pad, images):

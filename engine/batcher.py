@@ -1,8 +1,9 @@
 """``AsyncBatcher``: concurrent async callers of a synchronous backend (HF) share batched ``generate`` calls.
 
 A submission waits at most ``wait_s`` for others; up to ``max_batch_size`` prompts whose plans are equal run in
-one ``generate`` on a single worker thread (the model is never used by two threads at once). Seeded sampling is
-never merged with other submissions, so a seed reproduces what the same call gives in-process. When a merged
+one ``generate`` on a single worker thread (the model is never used by two threads at once). Seeded calls merge
+too: each row samples with its own seed (``Prompt.seed``, see ``engine.rules.seeding``), so a seed reproduces what
+the same call gives in-process whatever it was merged with. When a merged
 batch fails, each submission is retried alone, so one bad request does not fail its neighbours. A submission
 whose caller went away (cancelled) before its batch started is dropped. A streaming submission (``on_token``)
 hears each of its tokens on the caller's loop while the merged ``generate`` runs; a retry repeats the positions.
@@ -12,6 +13,7 @@ In a batch with a streaming submission, the rows of submissions cancelled meanwh
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,17 +35,21 @@ class _Job:
 
 
 def mergeable(a: SamplingPlan, b: SamplingPlan) -> bool:
-    """Two submissions may share one ``generate``: same plan, and not seeded sampling (a seed is per call).
+    """Two submissions may share one ``generate``: the same plan, but for the call seed (each row carries its own,
+    derived from its call's seed and its index there, ``Prompt.seed``).
 
     >>> from engine.config import GenerationOptions, StopPolicy
     >>> plan = lambda **o: SamplingPlan(GenerationOptions(**o), StopPolicy(), (2,))
     >>> mergeable(plan(), plan()), mergeable(plan(), plan(max_new_tokens=8))
     (True, False)
-    >>> mergeable(plan(temperature=1.0, seed=3), plan(temperature=1.0, seed=3))
-    False
+    >>> mergeable(plan(temperature=1.0, seed=3), plan(temperature=1.0, seed=4))
+    True
     """
-    seeded = not a.options.is_greedy and a.options.seed is not None
-    return a == b and not seeded
+    return _unseeded(a) == _unseeded(b)
+
+
+def _unseeded(plan: SamplingPlan) -> SamplingPlan:
+    return dataclasses.replace(plan, options=dataclasses.replace(plan.options, seed=None))
 
 
 class AsyncBatcher:

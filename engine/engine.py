@@ -15,7 +15,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.backends import Backend, BackendOutput, Prompt, SamplingPlan, TokenScores, backend_class
+from engine.backends import Backend, BackendOutput, SamplingPlan, TokenScores, backend_class
+from engine.backends.base import Prompt, prompts_of
 from engine.completion import PromptLike, canonical_schema, check_scored, plain_prompts
 from engine.config import EngineConfig, GenerationOptions, PixelBudget, StopPolicy
 from engine.errors import ConfigError, PluginCompatibilityError, RequestError, UnsupportedCapabilityError
@@ -241,8 +242,8 @@ class GenerationEngine:
         ``plugins`` (a list of ``{name: ..., <params>}``) replaces the engine's plugins for this call;
         ``json_schema`` (a JSON Schema object) constrains every output to it by construction."""
         rendered, plan = self.prepare(requests, options=options, stop=stop, plugins=plugins, json_schema=json_schema)
-        prompts = [Prompt(token_ids=r.token_ids, text=r.text) for r in rendered]
-        return self._run(self.backend, prompts, rendered, plan, fallback=None, plugins=self._plugins(plugins))
+        return self._run(self.backend, prompts_of(rendered, plan), rendered, plan, fallback=None,
+                         plugins=self._plugins(plugins))
 
     def complete(self, prompts: Sequence[PromptLike], *, options: OptionsLike = None, stop: StopLike = None,
                  plugins: PluginsLike = None, json_schema: SchemaLike = None) -> list[GenerationResult]:
@@ -252,8 +253,7 @@ class GenerationEngine:
         self._check_plugins(active, self.backend.name, self.backend.capabilities.hooks, kinds="text")
         plan = self._plan(options, stop, None, self.backend, active, json_schema)
         rendered = plain_prompts(self.tokenizer, prompts, self.backend.capabilities.max_model_len)
-        batch = [Prompt(token_ids=r.token_ids, text=r.text) for r in rendered]
-        return self._run(self.backend, batch, rendered, plan, fallback=None, plugins=active)
+        return self._run(self.backend, prompts_of(rendered, plan), rendered, plan, fallback=None, plugins=active)
 
     def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[TokenScores]:
         """The model's log-probability of every token of ``sequences[i][starts[i]:]`` given the tokens before
@@ -271,7 +271,7 @@ class GenerationEngine:
         ``vllm.async_engine``; otherwise an :class:`~engine.batcher.AsyncBatcher` over the backend's batches).
         Validation happens first, in the caller, and raises before anything is generated."""
         rendered, plan = self.prepare(requests, options=options, stop=stop, plugins=plugins)
-        prompts = [Prompt(token_ids=r.token_ids, text=r.text) for r in rendered]
+        prompts = prompts_of(rendered, plan)
         if not prompts:
             return []
         native = getattr(self.backend, "agenerate", None)
@@ -321,8 +321,7 @@ class GenerationEngine:
                 check_unresized(c.image, index=i, grid=grid, min_pixels=plan.pixels.min_pixels,
                                 max_pixels=plan.pixels.max_pixels)
         rendered = [render_prompt(self.processor, r.messages, tokenizer=self.tokenizer) for r in checked]
-        prompts = [Prompt(token_ids=r.token_ids, text=r.text, image=c.image) for r, c in zip(rendered, checked,
-                                                                                             strict=True)]
+        prompts = prompts_of(rendered, plan, images=[c.image for c in checked])
         return self._run(backend, prompts, rendered, plan, fallback=fallback, plugins=active)
 
     def _vision_grid(self) -> int:

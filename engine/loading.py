@@ -26,6 +26,8 @@ class LoadInfo:
     pad_token_fallback: bool
     """True when the tokenizer had no pad token and EOS was used instead."""
     eos_token_ids: tuple[int, ...]
+    """The ids that end a row besides ``stop.token_ids``, decided here for every backend: the tokenizer's EOS, then
+    (``model.checkpoint_eos``) the checkpoint's ``generation_config.json`` ones."""
 
 
 def check_model_dir(model: ModelConfig) -> Path:
@@ -95,4 +97,24 @@ def load_tokenizer(model: ModelConfig, processor: Any = None) -> tuple[Any, Load
         tokenizer.pad_token = tokenizer.eos_token
         fallback = True
         log.warning("tokenizer of %s has no pad token; using EOS %r as pad", model.path, tokenizer.eos_token)
-    return tokenizer, LoadInfo(pad_token_fallback=fallback, eos_token_ids=(int(tokenizer.eos_token_id),))
+    eos = (int(tokenizer.eos_token_id),)
+    if model.checkpoint_eos:
+        eos = tuple(dict.fromkeys((*eos, *checkpoint_eos_ids(model))))
+    return tokenizer, LoadInfo(pad_token_fallback=fallback, eos_token_ids=eos)
+
+
+def checkpoint_eos_ids(model: ModelConfig) -> tuple[int, ...]:
+    """The ``eos_token_id`` (an id or a list) of the checkpoint's ``generation_config.json`` (next to a GGUF file);
+    asked for with ``model.checkpoint_eos`` and absent: a ``ConfigError``."""
+    path = check_model_dir(model)
+    file = (path.parent if path.suffix == ".gguf" else path) / "generation_config.json"
+    found = json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
+    if found is None:
+        raise ConfigError("model.checkpoint_eos", True, f"asks for the checkpoint's EOS ids but {file} "
+                          f"{'has no eos_token_id' if file.is_file() else 'does not exist'}",
+                          fix="set model.checkpoint_eos false, or add stop.token_ids for the ids to end at")
+    ids = [found] if isinstance(found, int) else found
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ConfigError("model.checkpoint_eos", True, f"found eos_token_id {found!r} in {file}, not token ids",
+                          fix="fix the checkpoint's generation_config.json, or set model.checkpoint_eos false")
+    return tuple(ids)

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.backends.base import BackendOutput, Prompt, SamplingPlan
+from engine.backends.base import BackendOutput, Prompt, SamplingPlan, prompts_of
 from engine.rules.stream import TextStream
 from engine.types import GenerationResult
 
@@ -74,7 +74,7 @@ class ResultStream:
 
     async def _chunks(self) -> AsyncIterator[StreamChunk]:
         engine, plan = self.engine, self.plan
-        prompt = Prompt(token_ids=self.rendered.token_ids, text=self.rendered.text)
+        prompt = prompts_of([self.rendered], plan)[0]
         final: BackendOutput | None = None
         async for update in token_updates(engine, prompt, plan):
             if isinstance(update, BackendOutput):

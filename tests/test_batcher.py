@@ -1,6 +1,7 @@
-"""``AsyncBatcher`` scheduling: concurrent submissions share ``generate`` calls, unequal or seeded plans never do,
-one failing submission does not fail the others. The backend here is a recording stand-in: the batcher's rule is
-what is under test (the real backends run through it in conformance/test_served.py)."""
+"""``AsyncBatcher`` scheduling: concurrent submissions share ``generate`` calls, unequal plans never do (calls that
+differ only in their seed do), one failing submission does not fail the others. The backend here is a recording
+stand-in: the batcher's rule is what is under test (the real backends run through it in conformance/test_served.py).
+"""
 
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ class Recorder:
 
     def __init__(self) -> None:
         self.calls: list[list[tuple[int, ...]]] = []
+        self.prompts: list[list[Prompt]] = []
         self.threads: set[int] = set()
 
     def generate(self, prompts, plan):
         self.threads.add(threading.get_ident())
         self.calls.append([p.token_ids for p in prompts])
+        self.prompts.append(list(prompts))
         if any(666 in p.token_ids for p in prompts):
             raise RuntimeError("poisoned prompt")
         return [BackendOutput(token_ids=tuple(reversed(p.token_ids))) for p in prompts]
@@ -66,17 +69,18 @@ def test_batches_respect_the_size_limit():
     assert all(len(c) <= 4 for c in backend.calls) and sum(map(len, backend.calls)) == 10
 
 
-def test_different_plans_and_seeded_sampling_are_never_merged():
+def test_different_plans_are_never_merged_seeded_calls_are_with_each_row_s_seed():
     backend = Recorder()
     batcher = AsyncBatcher(backend, max_batch_size=32, wait_s=0.05)
-    seeded = plan(temperature=1.0, seed=5)
 
     async def main():
         await asyncio.gather(batcher.submit([prompt(1)], plan()), batcher.submit([prompt(2)], plan(max_new_tokens=9)),
-                             batcher.submit([prompt(3)], seeded), batcher.submit([prompt(4)], seeded))
+                             batcher.submit([Prompt((3,), "", seed=11)], plan(temperature=1.0, seed=5)),
+                             batcher.submit([Prompt((4,), "", seed=12)], plan(temperature=1.0, seed=6)))
 
     run(main())
-    assert sorted(len(c) for c in backend.calls) == [1, 1, 1, 1]
+    assert sorted(len(c) for c in backend.calls) == [1, 1, 2]
+    assert [p.seed for p in backend.prompts[-1] if p.seed is not None] == [11, 12]  # rows keep their own seeds
 
 
 def test_a_failing_submission_does_not_fail_its_neighbours():

@@ -14,6 +14,7 @@ from engine.config import EngineConfig, LlamaCppConfig, ModelConfig
 from engine.errors import ConfigError
 from engine.rules.base import RuleSet
 from engine.rules.repeat import RepeatRule, RepeatThresholds
+from engine.rules.seeding import row_seed
 from fixtures.gguf_llama import permute_rotary
 
 
@@ -60,18 +61,20 @@ def test_the_gguf_is_the_path_itself_or_the_one_in_the_folder(tmp_path):
     assert resolve_gguf(ModelConfig(path=str(tmp_path / "b.gguf")), LlamaCppConfig()) == tmp_path / "b.gguf"
 
 
-@pytest.mark.parametrize(("request_seed", "config_seed", "want"), [
-    (7, None, 7), (None, 9, 9), (7, 9, 7), (2**32 - 1, None, 0), (2**63 - 1, None, (2**63 - 1) % (2**32 - 1)),
+@pytest.mark.parametrize(("row_seed_", "config_seed", "index", "want"), [
+    (7, None, 0, 7), (7, 9, 3, 7), (2**32 - 1, None, 0, 0), (2**63 - 1, None, 0, (2**63 - 1) % (2**32 - 1)),
+    (None, 9, 0, row_seed(9, 0) % (2**32 - 1)), (None, 9, 4, row_seed(9, 4) % (2**32 - 1)),
 ])
-def test_seeds_map_to_llama_cpp_s_32_bit_seeds_never_to_its_random_one(request_seed, config_seed, want):
+def test_seeds_map_to_llama_cpp_s_32_bit_seeds_never_to_its_random_one(row_seed_, config_seed, index, want):
+    """A row's own seed wins; a call without one uses ``llamacpp.seed`` per row (the engine's seeding rule), so
+    identical prompts still get distinct samples; every seed maps below llama.cpp's "random" value."""
     from types import SimpleNamespace
 
-    from engine.backends import SamplingPlan
+    from engine.backends import Prompt
     from engine.backends.llamacpp import LlamaCppBackend
-    from engine.config import GenerationOptions, StopPolicy
 
-    plan = SamplingPlan(options=GenerationOptions(seed=request_seed), stop=StopPolicy(), eos_token_ids=(0,))
-    got = LlamaCppBackend._seed(SimpleNamespace(settings=LlamaCppConfig(seed=config_seed)), plan)
+    prompt = Prompt(token_ids=(1,), text="x", seed=row_seed_)
+    got = LlamaCppBackend._seed(SimpleNamespace(settings=LlamaCppConfig(seed=config_seed)), index, prompt)
     assert got == want and 0 <= got < SEED_MODULUS  # 2**32 - 1 would make llama.cpp draw a random seed
 
 

@@ -52,6 +52,9 @@ class Prompt:
     token_ids: tuple[int, ...]
     text: str
     image: Any = None
+    seed: int | None = None
+    """This row's own sampling seed (``engine.rules.seeding``: from the call's seed and the row's index in its
+    call); None: greedy, or unseeded sampling. Backends sample each row with a generator of its own."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,18 @@ class SamplingPlan:
     @property
     def terminal_token_ids(self) -> tuple[int, ...]:
         return tuple(dict.fromkeys((*self.eos_token_ids, *self.stop.token_ids)))
+
+
+def prompts_of(rendered: Sequence[Any], plan: SamplingPlan, images: Sequence[Any] | None = None) -> list[Prompt]:
+    """The backend prompts of one call's rendered prompts (anything with ``token_ids`` and ``text``), each with its
+    row's sampling seed (``engine.rules.seeding``) when the call samples with a seed."""
+    from engine.rules.seeding import row_seeds
+
+    opts = plan.options
+    seeds = row_seeds(None if opts.is_greedy else opts.seed, len(rendered))
+    pictures = images if images is not None else [None] * len(rendered)
+    return [Prompt(token_ids=tuple(r.token_ids), text=r.text, image=image, seed=seed)
+            for r, image, seed in zip(rendered, pictures, seeds, strict=True)]
 
 
 @dataclass(frozen=True)

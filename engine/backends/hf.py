@@ -2,8 +2,10 @@
 
 The model's own ``generation_config`` is replaced by an empty one at load, and every call passes a
 complete ``GenerationConfig`` built from the plan, so no checkpoint default (temperature, top_k=50,
-repetition penalty, max_length) leaks in. A finished row keeps being padded by ``generate``; the
-:class:`RowFinishRecorder` notes the step at which each row ended, so its ids are cut exactly there.
+repetition penalty, max_length) leaks in. Sampling is the backend's own last logits processor, one generator
+per row (:mod:`engine.backends.hf_sampling`), so ``generate`` itself always selects greedily. A finished row keeps
+being padded by ``generate``; the :class:`RowFinishRecorder` notes the step at which each row ended, so its ids
+are cut exactly there.
 """
 
 from __future__ import annotations
@@ -160,12 +162,6 @@ class HfBackend:
         from transformers import GenerationConfig
 
         opts = plan.options
-        sampling: dict[str, Any] = {"do_sample": False}
-        if not opts.is_greedy and plan.json_schema is not None:  # warpers come after the grammar mask
-            sampling = {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": None}
-        elif not opts.is_greedy:
-            sampling = {"do_sample": True, "temperature": opts.temperature, "top_p": opts.top_p,
-                        "top_k": opts.top_k or None}
         return GenerationConfig(
             max_new_tokens=opts.max_new_tokens,
             min_new_tokens=opts.min_new_tokens or None,
@@ -176,7 +172,7 @@ class HfBackend:
             return_dict_in_generate=True,
             output_logits=opts.logprobs is not None,
             num_beams=1,
-            **sampling,
+            do_sample=False,  # sampled plans too: the backend's last logits processor draws (hf_sampling)
         )
 
     def _decode_skip_special(self, ids: Sequence[int]) -> str:
@@ -229,6 +225,7 @@ class HfBackend:
         from transformers import LogitsProcessorList, StoppingCriteriaList, StopStringCriteria
 
         from engine.backends.hf_rules import HfRowRules, rule_sets
+        from engine.backends.hf_sampling import RowSampler
 
         inputs = self._inputs(prompts, plan)
         width = inputs["input_ids"].shape[1]
@@ -246,8 +243,10 @@ class HfBackend:
             processors.append(HfRowRules(logit_specs, prompt_len=width, eos_id=plan.eos_token_ids[0],
                                          terminal_ids=plan.terminal_token_ids, decode=decode, min_new_tokens=min_new))
         masks = self._grammar_processors(plan, len(prompts), width)
-        if plan.options.seed is not None:
-            torch.manual_seed(plan.options.seed)
+        opts = plan.options
+        if not opts.is_greedy:  # warpers after every other processor, then one draw per row with its own seed
+            masks.append(RowSampler([p.seed for p in prompts], temperature=opts.temperature, top_k=opts.top_k,
+                                    top_p=opts.top_p))
         with torch.inference_mode():
             out = self.model.generate(**inputs, generation_config=self.generation_config(plan),
                                       stopping_criteria=StoppingCriteriaList([recorder]),
@@ -268,16 +267,14 @@ class HfBackend:
         return results
 
     def _grammar_processors(self, plan: SamplingPlan, batch: int, prompt_len: int) -> list[Any]:
-        """The grammar mask (and, when sampling, the warpers after it) of a constrained plan; none otherwise."""
+        """The grammar mask of a constrained plan (sampling warpers come after it); none otherwise."""
         if plan.json_schema is None:
             return []
-        from engine.backends.hf_structured import GrammarMask, SchemaCompiler, sampling_warpers
+        from engine.backends.hf_structured import GrammarMask, SchemaCompiler
 
         if self._schemas is None:
             self._schemas = SchemaCompiler(self.tokenizer, self.vocab_size)
-        mask = GrammarMask(self._schemas.compile(plan.json_schema), batch, prompt_len, self.vocab_size)
-        opts = plan.options
-        return [mask] if opts.is_greedy else [mask, *sampling_warpers(opts.temperature, opts.top_k, opts.top_p)]
+        return [GrammarMask(self._schemas.compile(plan.json_schema), batch, prompt_len, self.vocab_size)]
 
     def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[TokenScores]:
         """Log-probabilities of ``sequences[i][starts[i]:]`` (each token given all before it) from one forward

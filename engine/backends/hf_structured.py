@@ -2,8 +2,8 @@
 
 vLLM's structured outputs use the same xgrammar grammar (compact JSON: no whitespace between tokens), so on
 the same prompt ids both backends are allowed the same tokens at every step. The mask runs before any
-sampling warper (temperature, top-k, top-p), as in vLLM: :func:`sampling_warpers` supplies those warpers
-after the mask when a constrained request samples.
+sampling warper (temperature, top-k, top-p), as in vLLM: ``hf_sampling.RowSampler``, the last processor,
+applies them.
 """
 
 from __future__ import annotations
@@ -72,15 +72,3 @@ class GrammarMask:
         masked = scores.to("cpu") if device.type not in ("cpu", "cuda") else scores
         self._xgr.apply_token_bitmask_inplace(masked, self.bitmask.to(masked.device))
         return masked.to(device)
-
-
-def sampling_warpers(temperature: float, top_k: int, top_p: float) -> list[Any]:
-    """HF's own warpers in vLLM's order, for use after the grammar mask (``generate`` then gets none)."""
-    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-    warpers: list[Any] = [TemperatureLogitsWarper(temperature)]
-    if top_k:
-        warpers.append(TopKLogitsWarper(top_k))
-    if top_p < 1.0:
-        warpers.append(TopPLogitsWarper(top_p))
-    return warpers

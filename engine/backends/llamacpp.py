@@ -149,8 +149,14 @@ class LlamaCppBackend:
         with self._lock:
             return [self._generate_row(i, p, plan, on_token) for i, p in enumerate(prompts)]
 
-    def _seed(self, plan: SamplingPlan) -> int:
-        seed = plan.options.seed if plan.options.seed is not None else self.settings.seed
+    def _seed(self, index: int, prompt: Prompt) -> int:
+        """The row's own seed (``Prompt.seed``); for a call without one, ``llamacpp.seed`` per row the same way
+        (``engine.rules.seeding``), else a random one."""
+        from engine.rules.seeding import row_seed
+
+        seed = prompt.seed
+        if seed is None and self.settings.seed is not None:
+            seed = row_seed(self.settings.seed, index)
         if seed is None:
             return int(_import_llama_cpp().LLAMA_DEFAULT_SEED)  # llama.cpp draws a random seed
         return seed % SEED_MODULUS
@@ -180,7 +186,7 @@ class LlamaCppBackend:
             table = self._text_table()
             text = table.stream() if table is not None else IncrementalDetokenizer(self._decode)
         budget = min(opts.max_new_tokens, self.n_ctx - len(prompt.token_ids))
-        llm.set_seed(self._seed(plan))
+        llm.set_seed(self._seed(index, prompt))
         tokens: list[int] = []
         logprobs: list[dict[int, float]] = []
         generated_text, min_end = "", 0

@@ -1,8 +1,9 @@
 """The vLLM backend: a ``vllm.LLM`` owned by the engine, in-process ("colocate", the default) or with its
 engine core in a child process (``vllm.multiprocessing: true``).
 
-vLLM's hidden defaults are shut out: ``generation_config="vllm"`` (the checkpoint's generation_config.json
-is not applied) and a complete ``SamplingParams`` per call (its ``max_tokens=16`` default never applies).
+vLLM's hidden defaults are shut out: its generation config is an empty one of the engine's
+(:func:`empty_generation_config`; with ``"vllm"`` vLLM still reads the checkpoint's file and adds its EOS list to
+every request's stop ids) and a complete ``SamplingParams`` per call (its ``max_tokens=16`` default never applies).
 Prompts arrive as token ids, so vLLM never renders a template or adds a BOS of its own. vLLM loads its
 own tokenizer instance from the same folder only to detect stop strings natively; the engine decodes.
 """
@@ -52,6 +53,29 @@ def _reread_vllm_environment() -> None:
         envs.disable_envs_cache()
 
 
+def empty_generation_config() -> str:
+    """A folder whose ``generation_config.json`` is empty, for vLLM's ``generation_config``.
+
+    vLLM 0.32 reads the checkpoint's ``generation_config.json`` even with ``generation_config="vllm"``
+    (``ModelConfig.try_get_generation_config``), and its input processor merges that file's ``eos_token_id`` list
+    into every request's stop ids (``SamplingParams.update_from_generation_config``): rows would end at ids the
+    other backends never stop at. Given this folder, it finds no sampling defaults and no EOS list; the rows end
+    at the plan's ids only (``LoadInfo.eos_token_ids``, where ``model.checkpoint_eos`` opts into the file's list).
+    """
+    import json
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(tempfile.gettempdir()) / "engine-empty-generation-config"
+    file = folder / "generation_config.json"
+    if not file.is_file():
+        folder.mkdir(exist_ok=True)
+        part = folder / f".generation_config.{os.getpid()}.json"
+        part.write_text(json.dumps({}))
+        part.replace(file)  # atomic: concurrent engines never read a half-written file
+    return str(folder)
+
+
 def llm_kwargs(model: ModelConfig, settings: VllmConfig) -> dict[str, Any]:
     """The ``vllm.LLM`` arguments for a text model (the engine adds its logits processor and image limits).
 
@@ -62,7 +86,7 @@ def llm_kwargs(model: ModelConfig, settings: VllmConfig) -> dict[str, Any]:
         "tokenizer": model.path,
         "dtype": model.dtype,
         "seed": 0,
-        "generation_config": "vllm",
+        "generation_config": empty_generation_config(),
         "trust_remote_code": model.trust_remote_code,
         "gpu_memory_utilization": settings.gpu_memory_utilization,
         "enforce_eager": settings.enforce_eager,
@@ -162,7 +186,7 @@ def sampling_params(plan: SamplingPlan, **extra: Any) -> Any:
         temperature=opts.temperature,
         top_p=opts.top_p,
         top_k=opts.top_k,
-        seed=opts.seed,
+        seed=None,  # each row's own seed is set per request (request_params)
         repetition_penalty=opts.repetition_penalty,
         stop=list(plan.stop.strings) or None,
         stop_token_ids=list(plan.terminal_token_ids),
@@ -174,16 +198,19 @@ def sampling_params(plan: SamplingPlan, **extra: Any) -> Any:
     )
 
 
-def request_params(base: Any, plan: SamplingPlan, key: str) -> Any:
-    """``base`` for one request: with the plan's row rules under ``key`` (a copy), or ``base`` itself."""
+def request_params(base: Any, prompt: Prompt, plan: SamplingPlan, key: str) -> Any:
+    """``base`` for one request: with the row's own seed (``Prompt.seed``) and the plan's row rules under ``key``
+    (a copy), or ``base`` itself when it needs neither."""
     from engine.backends import vllm_rules
 
-    if not plan.rules:
+    if not plan.rules and prompt.seed is None:
         return base
     params = base.clone()
-    params.extra_args = vllm_rules.request_args(plan.rules, key=key, eos_id=plan.eos_token_ids[0],
-                                                terminal_ids=plan.terminal_token_ids,
-                                                min_new=plan.options.min_new_tokens)
+    params.seed = prompt.seed
+    if plan.rules:
+        params.extra_args = vllm_rules.request_args(plan.rules, key=key, eos_id=plan.eos_token_ids[0],
+                                                    terminal_ids=plan.terminal_token_ids,
+                                                    min_new=plan.options.min_new_tokens)
     return params
 
 
@@ -252,7 +279,7 @@ class VllmBackend:
             return []
         base = sampling_params(plan)
         keys = [uuid.uuid4().hex for _ in prompts]
-        params = [request_params(base, plan, key) for key in keys] if plan.rules else base
+        params = [request_params(base, p, plan, key) for p, key in zip(prompts, keys, strict=True)]
         outs = self.llm.generate([engine_input(p, plan) for p in prompts], params, use_tqdm=False)
         events = self.rule_events(keys) if plan.rules else {}
         return [backend_output(out, plan, events.get(key, {})) for key, out in zip(keys, outs, strict=True)]

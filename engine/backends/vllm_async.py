@@ -113,7 +113,7 @@ class AsyncVllmBackend:
             return []
         base = sampling_params(plan, output_kind=self._final_only)
         keys = [uuid.uuid4().hex for _ in prompts]
-        finals = await asyncio.gather(*(self._one(engine_input(p, plan), request_params(base, plan, key), key)
+        finals = await asyncio.gather(*(self._one(engine_input(p, plan), request_params(base, p, plan, key), key)
                                          for p, key in zip(prompts, keys, strict=True)))
         events = await self.rule_events(keys) if plan.rules else {}
         return [backend_output(out, plan, events.get(key, {})) for key, out in zip(keys, finals, strict=True)]
@@ -135,7 +135,7 @@ class AsyncVllmBackend:
         caller = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         key = uuid.uuid4().hex
-        params = request_params(sampling_params(plan, output_kind=self._cumulative), plan, key)
+        params = request_params(sampling_params(plan, output_kind=self._cumulative), prompt, plan, key)
 
         def send(kind: str, value: Any) -> None:
             with contextlib.suppress(RuntimeError):  # the caller's loop is gone: nobody is listening

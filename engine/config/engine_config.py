@@ -45,6 +45,10 @@ Fix: did you mean 'float16'? available: auto, bfloat16, float16, float32.
     """Allow model code shipped inside the checkpoint."""
     max_model_len: int | None = None
     """Context length cap (prompt + output); vLLM sizes its KV cache by it. None: the model's own."""
+    checkpoint_eos: bool = False
+    """Rows end at the tokenizer's EOS (plus ``stop.token_ids``) only: a checkpoint's ``generation_config.json``
+    ``eos_token_id`` list never applies by itself (vLLM would otherwise read it). True: every id in that list ends
+    rows too, on every backend alike, and ``min_new_tokens`` holds them all back."""
 
     def __post_init__(self) -> None:
         check_type("model.path", self.path, str, "a path string")
@@ -60,6 +64,7 @@ Fix: did you mean 'float16'? available: auto, bfloat16, float16, float32.
         if self.attn_implementation is not None:
             check_type("model.attn_implementation", self.attn_implementation, str, "a string")
         check_type("model.trust_remote_code", self.trust_remote_code, bool, "true or false")
+        check_type("model.checkpoint_eos", self.checkpoint_eos, bool, "true or false")
         if self.max_model_len is not None:
             check_type("model.max_model_len", self.max_model_len, int, "an integer")
             check_range("model.max_model_len", self.max_model_len, low=1)

@@ -1,0 +1,57 @@
+"""HF sampling with a generator per row (the seeded-sampling contract, ``engine.rules.seeding``).
+
+``generate(do_sample=True)`` draws every row from one ``torch.multinomial`` stream, so identical prompts in one
+seeded call get different samples only by their position, and a row's sample changes with its batch-mates. The
+HF backend therefore runs ``generate`` greedy and samples in its last logits processor: HF's own warpers in HF's
+order (temperature, top-k, top-p, after every other processor: penalties, min-length, row rules, grammar mask),
+then one draw per row from that row's own ``torch.Generator``; the processor returns scores where only the drawn
+token is finite, so greedy selection picks it. Raw logits (``output_logits``, the logprobs' source) are untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def sampling_warpers(temperature: float, top_k: int, top_p: float) -> list[Any]:
+    """HF's own warpers, in HF's (and vLLM's) order: temperature, then top-k, then top-p."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    warpers: list[Any] = [TemperatureLogitsWarper(temperature)]
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    return warpers
+
+
+class RowSampler:
+    """The last logits processor of a sampled HF call: warps, then draws each row with its own generator.
+
+    ``seeds[i]`` seeds row ``i`` (None: that row draws from torch's global generator, i.e. unseeded)::
+
+        >>> import torch
+        >>> sampler = RowSampler([7, 7], temperature=1.0, top_k=0, top_p=1.0)
+        >>> scores = sampler(torch.zeros(2, 1), torch.zeros(2, 50))  # two rows, a flat distribution
+        >>> bool((scores[0] == scores[1]).all()), int(torch.isfinite(scores[0]).sum())  # same seed: same draw
+        (True, 1)
+    """
+
+    def __init__(self, seeds: Sequence[int | None], *, temperature: float, top_k: int, top_p: float) -> None:
+        import torch
+
+        self.warpers = sampling_warpers(temperature, top_k, top_p)
+        self.generators = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import torch
+
+        for warp in self.warpers:
+            scores = warp(input_ids, scores)
+        probs = torch.softmax(scores.float(), dim=-1).cpu()  # (batch, vocab); the generators live on the CPU
+        drawn = torch.full_like(scores, float("-inf"))
+        for row, generator in enumerate(self.generators):
+            token = torch.multinomial(probs[row], 1, generator=generator)
+            drawn[row, token.to(scores.device)] = 0.0
+        return drawn
