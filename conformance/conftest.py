@@ -30,8 +30,9 @@ from engine.config import BACKENDS, DTYPES
 
 POOL_KEY = pytest.StashKey[EnginePool]()
 CALL_PASSED = pytest.StashKey[bool]()
-SERVED_ORDER = ("test_parity.py", "test_plugins.py", "test_stop.py", "test_engine_core_process.py", "test_repeat.py")
-"""Served twins run module by module in this order (then any other): the first three compare the text engine
+SERVED_ORDER = ("test_parity.py", "test_divergences.py", "test_plugins.py", "test_stop.py",
+                "test_engine_core_process.py", "test_repeat.py")
+"""Served twins run module by module in this order (then any other): the first four compare the text engine
 of each backend, so one server per backend serves them all; the engine-core check leaves the looper's guarded
 servers running for the repeat checks, which then need one server per guard setting."""
 VLM_BACKENDS = ("hf", "vllm")

@@ -27,6 +27,27 @@ from conformance.served import IN_PROCESS
 # 10 s instead of 45 s (torch.compile buys about 10 % of decode speed on these models, which no check measures),
 # and takes about 0.8 GiB less memory. The benchmarks keep vLLM's defaults.
 CPU_VLLM = {"enforce_eager": True, "cpu_kv_cache_space_gib": 0.5}
+TINY_KV_GIB = 1 / 16
+"""The KV cache of a tiny model's engine on CPU (a tiny fixture needs 1 KiB per token: 64 MiB hold 32 full-length
+sequences of tiny-looper); SmolLM2 (45 KiB per token) keeps ``CPU_VLLM``'s 0.5 GiB."""
+
+
+def kv_cache_gib(model: str) -> float:
+    """The CPU KV cache an engine of ``model`` gets: ``TINY_KV_GIB`` when 16 full-length sequences (the pool's
+    ``max_num_seqs``) fit in it, else ``CPU_VLLM``'s. Every in-process vLLM engine stays alive for the session, so
+    this is most of what a tiny fixture's engine holds."""
+    from pathlib import Path
+
+    config_file = Path(model) / "config.json"
+    if not config_file.is_file():
+        return float(CPU_VLLM["cpu_kv_cache_space_gib"])
+    config = json.loads(config_file.read_text())
+    text = config.get("text_config", config)
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    per_token = text["num_hidden_layers"] * 2 * text.get("num_key_value_heads", text["num_attention_heads"]) \
+        * head_dim * 4  # float32 keys and values
+    needed = 16 * per_token * text.get("max_position_embeddings", 2048) / 2**30
+    return TINY_KV_GIB if needed <= TINY_KV_GIB else float(CPU_VLLM["cpu_kv_cache_space_gib"])
 
 
 
@@ -94,7 +115,7 @@ class EnginePool:
             model_cfg["device"] = self.options.device
         model_cfg.update(sections.pop("model", {}))  # more model settings (e.g. checkpoint_eos), not its path
         vllm = {"max_num_seqs": 16, "multiprocessing": self.options.vllm_multiprocessing,
-                **({} if has_cuda() else CPU_VLLM)}
+                **({} if has_cuda() else {**CPU_VLLM, "cpu_kv_cache_space_gib": kv_cache_gib(model)})}
         return {"backend": backend, "model": model_cfg, "generation": {"max_new_tokens": 48}, "vllm": vllm,
                 **sections}
 

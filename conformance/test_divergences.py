@@ -198,3 +198,58 @@ def test_prompt_logprobs_same_with_the_prefix_cache_cold_warm_and_reordered(pool
             for i, (c, g) in enumerate(zip(cold, got, strict=True)):
                 assert max(abs(x - y) for x, y in zip(c.logprobs, g.logprobs, strict=True)) < 1e-4, \
                     f"{b} sequence {i}: {name} prefix cache changed its logprobs"
+
+
+BOS_TEMPLATES = {  # role-prefixed turns, so the BOS token occurs nowhere else in the prompt
+    "writes bos_token": "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}assistant:{% endif %}",
+    "writes none": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                   "{% if add_generation_prompt %}assistant:{% endif %}",
+}
+
+
+def adding_bos(folder: Path) -> Path:
+    """``folder``'s tokenizer made to add its BOS token (``add_special_tokens=True`` prepends it), as Llama's do."""
+    import json
+
+    path = folder / "tokenizer.json"
+    data = json.loads(path.read_text())
+    bos = json.loads((folder / "tokenizer_config.json").read_text())["bos_token"]
+    bos_id = next(t["id"] for t in data["added_tokens"] if t["content"] == bos)
+    first = {"SpecialToken": {"id": bos, "type_id": 0}}
+    a, b = ({"Sequence": {"id": name, "type_id": i}} for i, name in enumerate("AB"))
+    data["post_processor"] = {"type": "TemplateProcessing", "single": [first, a], "pair": [first, a, b],
+                              "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}
+    path.write_text(json.dumps(data))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def bos_adding_model(pool, looper, tmp_path_factory) -> str:
+    """The looper whose tokenizer adds BOS (and its GGUF twin's likewise)."""
+    root = tmp_path_factory.mktemp("bos-adding")
+    out = adding_bos(model_copy(Path(looper), root / "looper"))
+    twin = dict(pool.twins).get(looper)
+    if twin is not None:
+        pool.twins[str(out)] = str(adding_bos(model_copy(Path(twin), root / "looper-gguf")))
+    return str(out)
+
+
+@pytest.mark.parametrize("template", list(BOS_TEMPLATES))
+def test_a_tokenizer_that_adds_bos_gets_exactly_one_whatever_the_template(pool, backend_names, bos_adding_model,
+                                                                          template):
+    """Double BOS (a template writing ``bos_token``, then a tokenizer adding one; or none at all): every backend's
+    prompt starts with exactly one BOS, and the backends agree on the prompt and the answer."""
+    got = {}
+    for b in backend_names:
+        engine = pool.engine(b, bos_adding_model)
+        tokenizer = engine.tokenizer
+        assert tokenizer("x", add_special_tokens=True)["input_ids"][0] == tokenizer.bos_token_id, "variant adds no BOS"
+        saved, tokenizer.chat_template = tokenizer.chat_template, BOS_TEMPLATES[template]
+        try:
+            got[b] = engine.generate([CHAT[0]], options={"max_new_tokens": 8})
+        finally:
+            tokenizer.chat_template = saved
+        ids = list(got[b][0].prompt_token_ids)
+        assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1, f"{b}: {ids[:4]}..."
+    assert_same_results(got, what=f"a BOS-adding tokenizer, template that {template}")
