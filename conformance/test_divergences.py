@@ -253,3 +253,18 @@ def test_a_tokenizer_that_adds_bos_gets_exactly_one_whatever_the_template(pool, 
         ids = list(got[b][0].prompt_token_ids)
         assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1, f"{b}: {ids[:4]}..."
     assert_same_results(got, what=f"a BOS-adding tokenizer, template that {template}")
+
+
+def test_a_stop_string_holding_a_special_token_is_refused_on_every_backend(pool, backend, count_backend_calls):
+    """A special token's text as a stop string ("<|im_end|>", a common port from other stacks) can never match:
+    outputs are decoded with special tokens skipped on every backend, so it would be silently ignored. It is
+    refused before generation, naming the field and the token id to use instead (``stop.token_ids``)."""
+    from engine.errors import ConfigError
+
+    engine = pool.text_engine(backend)
+    calls = count_backend_calls(engine.local)
+    eos = engine.tokenizer.eos_token
+    with pytest.raises(ConfigError, match=r"stop\.token_ids: \[") as info:
+        engine.generate([CHAT[0]], options={"max_new_tokens": 4}, stop={"strings": ["\n\n", f"{eos}\n"]})
+    assert info.value.field == "stop.strings[1]" and str(engine.tokenizer.eos_token_id) in str(info.value)
+    assert calls == [], "a refused request must generate nothing"

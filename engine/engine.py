@@ -24,7 +24,7 @@ from engine.loading import load_processor, load_tokenizer
 from engine.plugins import POST_DECODE, Plugin, PluginContext, create_plugin
 from engine.rules.base import RuleSpec
 from engine.rules.min_length import is_sentence_end_token
-from engine.rules.stop import ended_by_rule, finish_reason, truncate_at_stop
+from engine.rules.stop import ended_by_rule, finish_reason, special_stop, truncate_at_stop
 from engine.templates import RenderedPrompt, render_prompt
 from engine.types import ChatRequest, GenerationResult
 from engine.vision import VisionRequest, check_unresized
@@ -70,6 +70,7 @@ class GenerationEngine:
         self._check_plugins(self.plugins, self.backend.name, self.backend.capabilities.hooks, kinds=None)
         self._fallback: Backend | None = None
         self._context: PluginContext | None = None
+        self._specials: dict[str, int] | None = None
         self._batcher: Any = None
         self._owns_backend = True
 
@@ -106,6 +107,7 @@ class GenerationEngine:
         derived._check_plugins(derived.plugins, self.backend.name, self.backend.capabilities.hooks, kinds=None)
         derived.backend = self.backend
         derived._fallback, derived._context, derived._batcher = None, self._context, None
+        derived._specials = self._specials
         derived._owns_backend = False
         return derived
 
@@ -164,6 +166,15 @@ class GenerationEngine:
                     f"offer (it offers: {', '.join(sorted(hooks)) or 'none'}). "
                     "Fix: use another backend, another plugin setting, or drop the plugin")
 
+    def _special_texts(self) -> dict[str, int]:
+        """Special tokens' texts and ids: what ``skip_special_tokens`` decoding drops (cached)."""
+        if self._specials is None:
+            tok = self.tokenizer
+            found = {str(t.content): int(i) for i, t in getattr(tok, "added_tokens_decoder", {}).items() if t.special}
+            found.update({str(t): int(tok.convert_tokens_to_ids(t)) for t in tok.all_special_tokens})
+            self._specials = found
+        return self._specials
+
     def _plugin_context(self, plugins: Sequence[Plugin]) -> PluginContext:
         """Tokenizer facts for plugins; the vocabulary scan for sentence ends runs once, when first needed."""
         wants_ends = any(p.needs_sentence_ends for p in plugins)
@@ -185,6 +196,12 @@ class GenerationEngine:
                                              "here. Fix: drop json_schema, or use a text model on hf or vllm")
         opts = self.config.generation.merged(options)
         policy = self.config.stop.merged(stop)
+        found = special_stop(policy.strings, self._special_texts())
+        if found is not None:
+            i, text, token_id = found
+            raise ConfigError(f"stop.strings[{i}]", policy.strings[i], f"holds the special token {text!r}, whose text "
+                              "no output contains (special tokens are decoded away on every backend)",
+                              fix=f"end rows at it with stop.token_ids: [{token_id}]")
         budget = self.config.vision.merged(pixels)
         if opts.logprobs is not None and not backend.capabilities.logprobs:
             raise UnsupportedCapabilityError(f"backend {backend.name!r} cannot return logprobs; "

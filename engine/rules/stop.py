@@ -133,3 +133,21 @@ def finish_reason(
     if ends_with_stop_id:
         return "stop", token_ids[-1]
     return "length", None
+
+
+def special_stop(strings: Iterable[str], specials: Mapping[str, int]) -> tuple[int, str, int] | None:
+    """The first stop string that holds a special token's text, as (index, that text, its id); None if none does.
+
+    Outputs are decoded with special tokens skipped, on every backend, so such a stop string could never match:
+    the engine refuses it and points at ``stop.token_ids`` instead.
+
+    >>> special_stop(["\\n\\n", "<|im_end|>"], {"<|im_end|>": 2})
+    (1, '<|im_end|>', 2)
+    >>> special_stop(["Answer:"], {"<|im_end|>": 2}) is None
+    True
+    """
+    for i, s in enumerate(strings):
+        for text, token_id in specials.items():
+            if text and text in s:
+                return i, text, token_id
+    return None
