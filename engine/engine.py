@@ -195,6 +195,9 @@ class GenerationEngine:
             raise UnsupportedCapabilityError(f"backend {backend.name!r} cannot constrain output to a JSON Schema "
                                              "here. Fix: drop json_schema, or use a text model on hf or vllm")
         opts = self.config.generation.merged(options)
+        default_seed = getattr(backend, "default_seed", None)  # a backend-level seed for calls without one
+        if opts.seed is None and default_seed is not None:
+            opts = dataclasses.replace(opts, seed=default_seed)
         policy = self.config.stop.merged(stop)
         found = special_stop(policy.strings, self._special_texts())
         if found is not None:

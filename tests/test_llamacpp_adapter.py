@@ -61,21 +61,39 @@ def test_the_gguf_is_the_path_itself_or_the_one_in_the_folder(tmp_path):
     assert resolve_gguf(ModelConfig(path=str(tmp_path / "b.gguf")), LlamaCppConfig()) == tmp_path / "b.gguf"
 
 
-@pytest.mark.parametrize(("row_seed_", "config_seed", "index", "want"), [
-    (7, None, 0, 7), (7, 9, 3, 7), (2**32 - 1, None, 0, 0), (2**63 - 1, None, 0, (2**63 - 1) % (2**32 - 1)),
-    (None, 9, 0, row_seed(9, 0) % (2**32 - 1)), (None, 9, 4, row_seed(9, 4) % (2**32 - 1)),
-])
-def test_seeds_map_to_llama_cpp_s_32_bit_seeds_never_to_its_random_one(row_seed_, config_seed, index, want):
-    """A row's own seed wins; a call without one uses ``llamacpp.seed`` per row (the engine's seeding rule), so
-    identical prompts still get distinct samples; every seed maps below llama.cpp's "random" value."""
-    from types import SimpleNamespace
-
+@pytest.mark.parametrize(("seed", "want"), [(7, 7), (2**32 - 1, 0), (2**63 - 1, (2**63 - 1) % (2**32 - 1))])
+def test_seeds_map_to_llama_cpp_s_32_bit_seeds_never_to_its_random_one(seed, want):
+    """A row's own seed maps below llama.cpp's "random" value (2**32 - 1)."""
     from engine.backends import Prompt
     from engine.backends.llamacpp import LlamaCppBackend
 
-    prompt = Prompt(token_ids=(1,), text="x", seed=row_seed_)
-    got = LlamaCppBackend._seed(SimpleNamespace(settings=LlamaCppConfig(seed=config_seed)), index, prompt)
-    assert got == want and 0 <= got < SEED_MODULUS  # 2**32 - 1 would make llama.cpp draw a random seed
+    got = LlamaCppBackend._seed(Prompt(token_ids=(1,), text="x", seed=seed))
+    assert got == want and 0 <= got < SEED_MODULUS
+
+
+def test_the_configured_seed_seeds_calls_without_one_row_by_row():
+    """``llamacpp.seed`` reaches the plan as the call's seed (the engine asks the backend's ``default_seed``), so its
+    rows get ``row_seed(seed, i)`` like any seeded call's; a call's own seed wins."""
+    from types import SimpleNamespace
+
+    from engine.backends.base import SamplingPlan, prompts_of
+    from engine.backends.llamacpp import LlamaCppBackend
+    from engine.config import EngineConfig
+    from engine.engine import GenerationEngine
+    from engine.templates import RenderedPrompt
+
+    engine = object.__new__(GenerationEngine)
+    engine.config = EngineConfig.from_dict({"backend": "llamacpp", "model": {"path": "/m"}})
+    engine._specials = {}
+    backend = SimpleNamespace(name="llamacpp", default_seed=9,
+                              capabilities=SimpleNamespace(structured_outputs=False, logprobs=True))
+    engine.load_info = SimpleNamespace(eos_token_ids=(2,))
+    rendered = [RenderedPrompt(text="a", token_ids=(1,), fallback=None)] * 2
+    plan: SamplingPlan = engine._plan({"temperature": 1.0}, None, None, backend)
+    assert [p.seed for p in prompts_of(rendered, plan)] == [row_seed(9, 0), row_seed(9, 1)]
+    own = engine._plan({"temperature": 1.0, "seed": 3}, None, None, backend)
+    assert [p.seed for p in prompts_of(rendered, own)] == [row_seed(3, 0), row_seed(3, 1)]
+    assert LlamaCppBackend.default_seed.fget(SimpleNamespace(settings=LlamaCppConfig(seed=9))) == 9
 
 
 def test_rotary_permutation_is_a_pure_reordering_of_each_head():

@@ -149,17 +149,18 @@ class LlamaCppBackend:
         with self._lock:
             return [self._generate_row(i, p, plan, on_token) for i, p in enumerate(prompts)]
 
-    def _seed(self, index: int, prompt: Prompt) -> int:
-        """The row's own seed (``Prompt.seed``); for a call without one, ``llamacpp.seed`` per row the same way
-        (``engine.rules.seeding``), else a random one."""
-        from engine.rules.seeding import row_seed
+    @property
+    def default_seed(self) -> int | None:
+        """``llamacpp.seed``: the engine seeds a sampled call that gives none with it (rows then get their own
+        seeds from it, ``engine.rules.seeding``, whether or not a batcher merged the call)."""
+        return self.settings.seed
 
-        seed = prompt.seed
-        if seed is None and self.settings.seed is not None:
-            seed = row_seed(self.settings.seed, index)
-        if seed is None:
+    @staticmethod
+    def _seed(prompt: Prompt) -> int:
+        """The row's own seed (``Prompt.seed``) as a 32-bit llama.cpp seed; none: a random one."""
+        if prompt.seed is None:
             return int(_import_llama_cpp().LLAMA_DEFAULT_SEED)  # llama.cpp draws a random seed
-        return seed % SEED_MODULUS
+        return prompt.seed % SEED_MODULUS
 
     def _generate_row(self, index: int, prompt: Prompt, plan: SamplingPlan,
                       on_token: Callable[[int, int, int], bool | None] | None) -> BackendOutput:
@@ -186,7 +187,7 @@ class LlamaCppBackend:
             table = self._text_table()
             text = table.stream() if table is not None else IncrementalDetokenizer(self._decode)
         budget = min(opts.max_new_tokens, self.n_ctx - len(prompt.token_ids))
-        llm.set_seed(self._seed(index, prompt))
+        llm.set_seed(self._seed(prompt))
         tokens: list[int] = []
         logprobs: list[dict[int, float]] = []
         generated_text, min_end = "", 0

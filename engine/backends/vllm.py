@@ -171,7 +171,8 @@ def checked_runner(backend: Any, vllm_config: Any, plan: Any) -> str:
 
 
 def sampling_params(plan: SamplingPlan, **extra: Any) -> Any:
-    """The complete ``SamplingParams`` for ``plan`` (``extra``: e.g. ``output_kind``)."""
+    """The complete ``SamplingParams`` for ``plan`` (``extra``: e.g. ``output_kind``); each row's seed and rules are
+    added per request by :func:`request_params`."""
     from vllm import SamplingParams
 
     opts = plan.options
