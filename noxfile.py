@@ -49,6 +49,16 @@ def build_env() -> dict[str, str]:
     return {"CMAKE_ARGS": os.environ.get("CMAKE_ARGS", LLAMA_CPP_CMAKE_ARGS)}
 
 
+CUDA_TORCH_CHECK = (
+    "assert torch.version.cuda and '+cpu' not in torch.__version__, "
+    "f'the vllm flavour needs a CUDA build of torch, this venv got {torch.__version__} (a CPU wheel found first, "
+    "e.g. from a local find-links folder); fix: pip install --force-reinstall torch==<the version vllm pins> "
+    "--index-url https://download.pytorch.org/whl/<your CUDA, e.g. cu130>'"
+)
+"""vllm (CUDA) pins a torch version that a CPU find-links folder may also hold as +cpu: pip would then install
+the CPU build and every vLLM engine would fail at start, far from the cause. The install refuses it now."""
+
+
 STACK = ROOT / ".nox" / "stack"
 """The one virtualenv of ``conformance`` and ``benchmark``: HF, vLLM, llama.cpp and the clients, installed once."""
 STACK_EXTRAS = ("test", "bench", "serve", "clients", "lm-eval", "llamacpp")
@@ -82,6 +92,8 @@ def _install(session: nox.Session, *, with_vllm: bool, extras: tuple[str, ...], 
         # torchvision & co. from the registry are CUDA builds: with CPU torch they break transformers imports.
         session.run_install(python, "-m", "pip", "uninstall", "-y", "-q", *CUDA_ONLY, external=True)
     check = "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+    if with_vllm and flavour == "vllm":
+        check += "; " + CUDA_TORCH_CHECK
     if with_vllm:
         check += "; import vllm; print('vllm', vllm.__version__)"
     session.run_install(python, "-c", check, external=True)

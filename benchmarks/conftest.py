@@ -19,6 +19,7 @@ import pytest
 
 from benchmarks.harness import Rounds, Variant
 from benchmarks.workload import SIZES, Size
+from engine.backends.vllm_memory import engine_share
 
 SESSION_KEY = pytest.StashKey["BenchSession"]()
 BACKENDS = ("hf", "vllm")
@@ -99,6 +100,12 @@ def bench(pytestconfig: pytest.Config) -> Iterator[BenchSession]:
     session.close()
 
 
+VLLM_ENGINES_AT_ONCE = 3
+"""vLLM engines a benchmark run holds on one card at once: the engine, the raw ``LLM`` and the served engine (one
+server process, shared by the served and chat benchmarks); at ``engine_share(3)`` = 0.26 each they take 0.78 of it,
+the rest is left to the HF model and the processes' CUDA contexts."""
+
+
 class BenchSession:
     """Engines shared by all benchmarks of a run, the report being written, and the progress lines."""
 
@@ -150,9 +157,9 @@ class BenchSession:
                 pytest.skip(f"llamacpp: --benchmark-model {self.model_arg!r} has no GGUF twin fixture "
                             f"({', '.join(GGUF_TWINS)} do)")
             model["path"] = str(ensure(GGUF_TWINS[self.model_arg]))
-        # Two vLLM instances share one GPU (the engine, whose guarded twin is derived from it, and the raw LLM)
-        # beside the HF model, hence the memory share.
-        vllm = {"max_num_seqs": max(self.size.batches), "gpu_memory_utilization": 0.25}
+        # vLLM engines share one GPU beside the HF model: the engine (its guarded twin is derived from it), the
+        # raw LLM and the served engine's, each with an equal share of the card (engine.backends.vllm_memory).
+        vllm = {"max_num_seqs": max(self.size.batches), "gpu_memory_utilization": engine_share(VLLM_ENGINES_AT_ONCE)}
         return {"backend": backend, "model": model, "vllm": vllm, **sections}
 
     def engine(self, backend: str, *, guarded: bool = False) -> Any:

@@ -45,6 +45,12 @@ def _default_model(name: str) -> str:
     return str(fixture_path(name))
 
 
+def _cuda_host() -> bool:
+    from engine.backends.vllm import has_cuda
+
+    return has_cuda()
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("engine conformance")
     group.addoption("--engine-backends", default=",".join(BACKENDS),
@@ -65,7 +71,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="HF device: auto, cpu, cuda, cuda:N (default: auto)")
     group.addoption("--engine-vllm-multiprocessing", action="store_true", default=False,
                     help="run every vLLM engine core in a child process (VLLM_ENABLE_V1_MULTIPROCESSING=1), as "
-                         "servers and multi-GPU runs do (default: in-process)")
+                         "servers and multi-GPU runs do (default: in-process on CPU hosts; always on CUDA hosts, "
+                         "where the pool stops engines to stay within the card)")
+    group.addoption("--engine-gpu-vllm-engines", type=int, default=6,
+                    help="CUDA hosts: vLLM engines held on the card at once, servers' included; each gets an "
+                         "equal share of 0.8 of the card (default: 6, 0.13 each)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -89,7 +99,8 @@ def pytest_configure(config: pytest.Config) -> None:
         vlm_model=config.getoption("--engine-vlm-model") or _default_model("tiny-qwen2-vl"),
         dtype=config.getoption("--engine-dtype"),
         device=config.getoption("--engine-device"),
-        vllm_multiprocessing=config.getoption("--engine-vllm-multiprocessing"),
+        vllm_multiprocessing=config.getoption("--engine-vllm-multiprocessing") or _cuda_host(),
+        gpu_vllm_engines=config.getoption("--engine-gpu-vllm-engines"),
         gguf_models=tuple(twins.items()),
     )
     pool = EnginePool(options)

@@ -65,6 +65,11 @@ class PoolOptions:
     a vLLM server holds about 4 GB in two processes here, and a cross-backend check needs one of each backend."""
     gguf_models: tuple[tuple[str, str], ...] = ()
     """(HF model folder, its GGUF twin) pairs: what the llamacpp backend loads for a model the suite names."""
+    gpu_vllm_engines: int = 6
+    """On a CUDA host: vLLM engines held on the card at once, servers' included. Each gets ``engine_share`` of
+    this many (vLLM refuses to start below its share of free memory); beyond it, the least recently used
+    in-process engine is stopped first (its engine core runs in a child process there, so stopping it frees the
+    card and leaves the others intact)."""
 
 
 @dataclass
@@ -79,6 +84,8 @@ class EnginePool:
     _references: dict[tuple[str, ...], Any] = field(default_factory=dict)
     _raw: dict[tuple[str, ...], Any] = field(default_factory=dict)
     _servers: dict[tuple[str, ...], Any] = field(default_factory=dict)
+    _loaded: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)
+    """Derived engine key -> the key of the engine whose loaded backend it shares."""
     twins: dict[str, str] = field(default_factory=dict)
     """HF model folder -> its GGUF twin (from ``options.gguf_models``; checks may register more)."""
     runners: set[str] = field(default_factory=set)
@@ -87,6 +94,10 @@ class EnginePool:
     """(kind, key, seconds) of every engine, server and kept object the pool started, in order."""
     derived: int = 0
     """Engines derived from a loaded one (no model loaded for them)."""
+    leases: Any = None
+    """On a CUDA host, the in-process vLLM engines holding a share of the card (``EngineLeases``)."""
+    released: int = 0
+    """vLLM engines stopped to make room on the card (started again when a later check asks for them)."""
     served_calls: int = 0
     """Calls the served twins answered through a server (or refused there, as in-process): the ``reach`` fixture
     checks that a served twin really reached one."""
@@ -114,8 +125,13 @@ class EnginePool:
         if backend == "hf":
             model_cfg["device"] = self.options.device
         model_cfg.update(sections.pop("model", {}))  # more model settings (e.g. checkpoint_eos), not its path
-        vllm = {"max_num_seqs": 16, "multiprocessing": self.options.vllm_multiprocessing,
-                **({} if has_cuda() else {**CPU_VLLM, "cpu_kv_cache_space_gib": kv_cache_gib(model)})}
+        if has_cuda():
+            from engine.backends.vllm_memory import engine_share
+
+            host = {"gpu_memory_utilization": engine_share(self.options.gpu_vllm_engines)}
+        else:
+            host = {**CPU_VLLM, "cpu_kv_cache_space_gib": kv_cache_gib(model)}
+        vllm = {"max_num_seqs": 16, "multiprocessing": self.options.vllm_multiprocessing, **host}
         return {"backend": backend, "model": model_cfg, "generation": {"max_new_tokens": 48}, "vllm": vllm,
                 **sections}
 
@@ -159,6 +175,8 @@ class EnginePool:
 
     def _local(self, key: tuple[str, ...], backend: str, model: str, shared: bool, sections: dict[str, Any]) -> Any:
         if key in self._engines:
+            if self.leases is not None and backend == "vllm":
+                self.leases.admit(self._loaded.get(key, key))  # used now: the last to be stopped
             return self._engines[key]
         from engine import GenerationEngine
         from engine.engine import REQUEST_SECTIONS
@@ -169,14 +187,43 @@ class EnginePool:
             base = self._local(self._key(backend, model, True, loaded), backend, model, True, loaded)
             config = self.config(backend, model, **sections)
             self._engines[key] = base.derive(**{k: config[k] for k in REQUEST_SECTIONS if k in config})
+            self._loaded[key] = self._loaded.get(self._key(backend, model, True, loaded),
+                                                 self._key(backend, model, True, loaded))
             self.derived += 1
             return self._engines[key]
+        if backend == "vllm":
+            self._make_room(key)
         with self.timed("engine", key):
             self._engines[key] = GenerationEngine(self.config(backend, model, **sections))
         runner = getattr(self._engines[key].backend, "runner", None)
         if runner is not None:
             self.runners.add(runner)
         return self._engines[key]
+
+    def _make_room(self, key: tuple[str, ...]) -> None:
+        """On a CUDA host, stop the least recently started vLLM engines beyond the card's budget (with every engine
+        derived from them) before ``key`` starts; servers hold ``servers_per_backend`` of the budget."""
+        from engine.backends.vllm import has_cuda
+        from engine.backends.vllm_memory import EngineLeases
+
+        if not has_cuda():
+            return  # CPU hosts: every engine has its own KV cache size, none is stopped early
+        if self.leases is None:
+            self.leases = EngineLeases(max(1, self.options.gpu_vllm_engines - self.options.servers_per_backend))
+        released = self.leases.admit(key)
+        if released and not self.options.vllm_multiprocessing:
+            raise RuntimeError(f"the card holds {self.leases.capacity} vLLM engines and closing an in-process one "
+                               "breaks the others; fix: --engine-vllm-multiprocessing (the default on CUDA hosts) "
+                               "or a larger --engine-gpu-vllm-engines")
+        for old in released:
+            doomed = [k for k in self._engines if k == old or self._loaded.get(k) == old]
+            self._engines[old].close()
+            for k in doomed:
+                self._engines.pop(k)
+                self._loaded.pop(k, None)
+                self._twins.pop(k, None)
+                self._references.pop(k, None)
+            self.released += 1
 
     def server(self, key: tuple[str, str], config: dict[str, Any]) -> Any:
         """The running server for ``key`` ((backend, the served config)): started on first need; beyond

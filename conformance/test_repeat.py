@@ -117,7 +117,7 @@ def test_real_model_loop_triggers_and_near_miss_does_not(pool, backend, engine, 
 
 
 def test_refuses_to_start_when_the_guard_cannot_be_activated(pool, backend_names, monkeypatch):
-    """A vLLM without the V1 logits-processor interface: the engine refuses before starting vLLM."""
+    """A vLLM without its runner's logits-processor interface (either runner): the engine refuses before starting."""
     from engine import GenerationEngine
     from engine.backends import vllm_rules
 

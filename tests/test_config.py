@@ -27,6 +27,7 @@ def cfg(**over):
         ({**BASE, "model": {"path": "/m", "dtype": "fp16"}}, "model.dtype", "float16"),
         ({**BASE, "model": {"path": "/m", "device": "tpu"}}, "model.device", "cuda:N"),
         ({**BASE, "vllm": {"gpu_memory_utilization": 1.5}}, "vllm.gpu_memory_utilization", "(0, 1]"),
+        ({**BASE, "vllm": {"data_parallel_size": 2}}, "vllm.data_parallel_size", "first data-parallel engine"),
         ({**BASE, "vllm": {"cpu_kv_cache_space_gib": 0}}, "vllm.cpu_kv_cache_space_gib", "(0, inf)"),
         ({**BASE, "vllm": {"cpu_kv_cache_space_gib": "1G"}}, "vllm.cpu_kv_cache_space_gib", "a number"),
         ({**BASE, "hf": {"max_batch_size": 0}}, "hf.max_batch_size", "[1, inf)"),

@@ -97,7 +97,9 @@ class VllmConfig:
     tensor_parallel_size: int = 1
     """vLLM tensor parallelism, in [1, inf)."""
     data_parallel_size: int = 1
-    """vLLM data parallelism, in [1, inf)."""
+    """vLLM data parallelism: only 1. With data parallel > 1, vLLM's ``collective_rpc`` answers with the first
+    engine's reply only, so the rule events (trigger flags, meta) of rows served by the other engines would be lost;
+    run one engine per data-parallel rank instead (one server each, behind a router)."""
     max_num_seqs: int | None = None
     """Most sequences vLLM schedules at once. None: vLLM's default."""
     multiprocessing: bool = False
@@ -121,6 +123,12 @@ class VllmConfig:
         for name in ("tensor_parallel_size", "data_parallel_size"):
             check_type(f"vllm.{name}", getattr(self, name), int, "an integer")
             check_range(f"vllm.{name}", getattr(self, name), low=1)
+        if self.data_parallel_size > 1:
+            raise ConfigError("vllm.data_parallel_size", self.data_parallel_size,
+                              "must be 1: vLLM's collective_rpc returns the first data-parallel engine's reply only, "
+                              "so rule events of rows on the other engines would be lost",
+                              fix="run one engine per data-parallel rank (one engine-serve each, behind a router), "
+                                  "each with data_parallel_size 1")
         if self.max_num_seqs is not None:
             check_type("vllm.max_num_seqs", self.max_num_seqs, int, "an integer")
             check_range("vllm.max_num_seqs", self.max_num_seqs, low=1)

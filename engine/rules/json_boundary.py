@@ -79,4 +79,5 @@ class JsonBoundaryRule(RowRule):
         return Decision(force_eos=True) if self.closed_at_token is not None else CONTINUE
 
     def events(self) -> dict[str, object]:
-        return {"json_boundary_closed": self.closed_at_token is not None}
+        return {"json_boundary_closed": self.closed_at_token is not None,
+                "json_boundary_closed_at": self.closed_at_token}

@@ -54,12 +54,16 @@ class MinLengthRule(RowRule):
         self.punctuation_bias = punctuation_bias
         self.sentence_end_ids = tuple(sentence_end_ids)
         self.chars = 0
+        self.tokens = 0
         self.eos_suppressed = False
         self.capped = False
+        self.suppressed_at: int | None = None  # tokens seen when EOS was first held back
+        self.capped_at: int | None = None  # tokens seen when max_chars first forced EOS
         self._last: tuple[int, Decision] | None = None  # decision at a character count (it depends on nothing else)
 
     def push(self, token: int, text: str) -> None:
         self.chars += len(text)
+        self.tokens += 1
 
     def decision(self) -> Decision:
         if self._last is None or self._last[0] != self.chars:
@@ -67,11 +71,14 @@ class MinLengthRule(RowRule):
                                     punctuation_bias=self.punctuation_bias, sentence_end_ids=self.sentence_end_ids)
             self._last = (self.chars, d)
         d = self._last[1]
-        self.capped = self.capped or d.force_eos
+        if d.force_eos and not self.capped:
+            self.capped, self.capped_at = True, self.tokens
         return d
 
     def note_eos_suppressed(self) -> None:
-        self.eos_suppressed = True
+        if not self.eos_suppressed:
+            self.eos_suppressed, self.suppressed_at = True, self.tokens
 
     def events(self) -> dict[str, object]:
-        return {"min_length_eos_suppressed": self.eos_suppressed, "min_length_capped": self.capped}
+        return {"min_length_eos_suppressed": self.eos_suppressed, "min_length_capped": self.capped,
+                "min_length_eos_suppressed_at": self.suppressed_at, "min_length_capped_at": self.capped_at}

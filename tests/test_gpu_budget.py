@@ -1,0 +1,113 @@
+"""On a CUDA host the vLLM engines held at once share the card: each asks vLLM for an equal share of it, and the
+conformance pool stops the least recently used engine before one more would exceed it (vLLM refuses to start an
+engine when free memory is below its ``gpu_memory_utilization`` share of the card).
+
+The pool runs here with the CUDA host forced and a stand-in for ``GenerationEngine`` that records what vLLM would
+be asked for; the real engines start in the conformance suite."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pytest
+
+from conformance.pool import EnginePool, PoolOptions
+from engine.backends.vllm_memory import RESERVE, EngineLeases, engine_share
+
+
+@pytest.mark.parametrize("engines", range(1, 81))
+def test_equal_shares_never_exceed_the_card_minus_the_reserve(engines):
+    share = engine_share(engines)
+    assert share >= 0.01 and engines * share <= 1 - RESERVE + 1e-9
+
+
+def test_leases_release_the_least_recently_used_first():
+    leases = EngineLeases(capacity=2)
+    assert leases.admit("a") == [] and leases.admit("b") == []
+    assert leases.admit("a") == []  # a is now the most recent
+    assert leases.admit("c") == ["b"]
+    assert leases.alive == ["a", "c"]
+    with pytest.raises(ValueError, match="capacity: 0"):
+        EngineLeases(capacity=0)
+
+
+class FakeBackend:
+    def __init__(self, card, share):
+        self.card, self.share, self.open = card, share, True
+        card.append(self)
+
+    def close(self):
+        self.open = False
+        self.card.remove(self)
+
+
+class FakeEngine:
+    """What the pool does with an engine: build it from a config, derive request-level variants, close it."""
+
+    card: ClassVar[list[FakeBackend]] = []
+
+    def __init__(self, config):
+        share = config["vllm"]["gpu_memory_utilization"] if config["backend"] == "vllm" else 0.0
+        self.backend = FakeBackend(self.card, share) if config["backend"] == "vllm" else None
+        self.owner = True
+
+    def derive(self, **sections):
+        twin = object.__new__(FakeEngine)
+        twin.backend, twin.owner = self.backend, False
+        return twin
+
+    def close(self):
+        if self.owner and self.backend is not None:
+            self.backend.close()
+
+
+@pytest.fixture
+def cuda_pool(monkeypatch):
+    import engine
+    import engine.backends.vllm as vllm_backend
+
+    monkeypatch.setattr(vllm_backend, "has_cuda", lambda: True)
+    monkeypatch.setattr(engine, "GenerationEngine", FakeEngine)
+    FakeEngine.card = []
+    options = PoolOptions(backends=("hf", "vllm"), model="/models/text", vlm_model="/models/vlm", dtype="bfloat16",
+                          device="cuda", vllm_multiprocessing=True)
+    return EnginePool(options)
+
+
+def suite_like_requests():
+    """30 distinct loaded vLLM engines (the CPU suite starts 26 engines of all backends), each asked for again
+    later and with request-level variants derived from it, interleaved with HF engines."""
+    for i in range(30):
+        yield "vllm", {"model": {"checkpoint_eos": bool(i % 2)}, "hf": {"max_batch_size": i}}
+        yield "vllm", {"model": {"checkpoint_eos": bool(i % 2)}, "hf": {"max_batch_size": i},
+                       "generation": {"max_new_tokens": 8}}  # derived: no second model
+        yield "hf", {"hf": {"max_batch_size": i}}
+        if i >= 3:
+            yield "vllm", {"model": {"checkpoint_eos": bool((i - 3) % 2)}, "hf": {"max_batch_size": i - 3}}
+
+
+def test_the_pool_keeps_the_card_within_budget_for_a_whole_session(cuda_pool):
+    budget = 1 - RESERVE
+    servers = cuda_pool.options.servers_per_backend  # a vLLM server holds a share in its own process
+    share = engine_share(cuda_pool.options.gpu_vllm_engines)
+    peak = 0.0
+    for backend, sections in suite_like_requests():
+        cuda_pool._local(cuda_pool._key(backend, "/models/text", True, sections), backend, "/models/text", True,
+                         sections)
+        held = sum(b.share for b in FakeEngine.card) + servers * share
+        peak = max(peak, held)
+        assert held <= budget + 1e-9, f"the card would hold {held:.2f} of itself"
+        alive = {id(e.backend) for e in cuda_pool._engines.values() if e.backend is not None}
+        assert alive == {id(b) for b in FakeEngine.card}, "an engine of a stopped backend is still handed out"
+    assert all(b.share == share for b in FakeEngine.card)
+    assert cuda_pool.released > 0 and peak == pytest.approx(cuda_pool.options.gpu_vllm_engines * share)
+
+
+def test_in_process_engines_are_never_stopped_behind_the_suites_back(cuda_pool):
+    from dataclasses import replace
+
+    cuda_pool.options = replace(cuda_pool.options, vllm_multiprocessing=False, gpu_vllm_engines=2)
+    cuda_pool._local(cuda_pool._key("vllm", "/m", True, {}), "vllm", "/m", True, {})
+    with pytest.raises(RuntimeError, match="--engine-vllm-multiprocessing"):
+        sections = {"hf": {"max_batch_size": 1}}
+        cuda_pool._local(cuda_pool._key("vllm", "/m", True, sections), "vllm", "/m", True, sections)
