@@ -152,6 +152,16 @@ def benchmark(session: nox.Session) -> None:
     session.run(str(bin_dir / "python"), "-m", "engine.report", "gate", str(latest), external=True)
 
 
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """The GPU runbook (conformance/runbook.py) on one CUDA GPU: the checks that differ on CUDA on Model Runner V2
+    and again on V1, then the dtype-dependent ones in bfloat16; prints a one-screen verdict and writes it to
+    reports/gpu-verdict.txt. Runs in the stack venv (.nox/stack), fixtures built first; arguments after -- go to
+    every pytest pass."""
+    bin_dir = _stack(session)
+    session.run(str(bin_dir / "python"), "-m", "conformance.runbook", "--", *session.posargs, external=True)
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff over the whole repository."""

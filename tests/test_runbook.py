@@ -1,0 +1,36 @@
+"""The GPU runbook's plan and verdict (the passes themselves run the conformance suite on a GPU runner)."""
+
+from __future__ import annotations
+
+from conformance.runbook import DTYPE_CHECKS, RUNNER_CHECKS, Outcome, plan_passes, read_junit, verdict
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
+<testcase classname="conformance.test_parity" name="test_a[hf]"/>
+<testcase classname="conformance.test_parity" name="test_b[vllm]"><failure message="assert 1 == 2"/></testcase>
+<testcase classname="conformance.test_served" name="test_c"><skipped message="no"/></testcase>
+<testcase classname="conformance.test_served" name="test_d"><error message="fixture broke">y</error></testcase>
+</testsuite></testsuites>"""
+
+
+def test_both_runners_then_bf16_when_vllm_is_installed():
+    passes = plan_passes(("hf", "vllm"))
+    assert [p.env.get("VLLM_USE_V2_MODEL_RUNNER") for p in passes] == ["1", "0", None]
+    assert passes[0].checks == RUNNER_CHECKS and passes[-1].checks == DTYPE_CHECKS
+    assert [p.dtype for p in passes] == ["float32", "float32", "bfloat16"]
+
+
+def test_junit_counts_and_failures(tmp_path):
+    (tmp_path / "r.xml").write_text(JUNIT)
+    counts, failures = read_junit(tmp_path / "r.xml")
+    assert counts == {"passed": 1, "failed": 1, "errors": 1, "skipped": 1}
+    assert failures == ["test_parity::test_b[vllm]: assert 1 == 2", "test_served::test_d: fixture broke"]
+    assert read_junit(tmp_path / "absent.xml")[1] == ["no JUnit report: pytest did not finish"]
+
+
+def test_the_verdict_fails_on_any_failure_and_says_when_only_hf_ran():
+    good = Outcome("hf-fp32", 12.0, {"passed": 3, "failed": 0, "errors": 0, "skipped": 0}, [], 0)
+    bad = Outcome("bf16", 5.0, {"passed": 2, "failed": 1, "errors": 0, "skipped": 0}, ["t::x: boom"], 1)
+    assert verdict(["torch"], "v2", [good], ("hf",))[-2].strip() == "VERDICT: PASS (HF side only: vLLM is not " \
+                                                                    "installed here)"
+    lines = verdict(["torch"], "v2", [good, bad], ("hf", "vllm"))
+    assert "  VERDICT: FAIL" in lines and "  FAIL bf16: t::x: boom" in lines
