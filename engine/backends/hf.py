@@ -16,6 +16,7 @@ from typing import Any
 from engine.backends.base import BackendOutput, Capabilities, Prompt, SamplingPlan, TokenScores
 from engine.config import HfConfig, ModelConfig
 from engine.errors import BackendUnavailableError, EngineError
+from engine.rules.events import stopped_on_seen_token
 
 HOOKS = frozenset({"hf_logits_processor", "hf_stopping_criteria"})
 
@@ -242,15 +243,18 @@ class HfBackend:
         if logit_specs:
             processors.append(HfRowRules(logit_specs, prompt_len=width, eos_id=plan.eos_token_ids[0],
                                          terminal_ids=plan.terminal_token_ids, decode=decode, min_new_tokens=min_new))
+        # The grammar mask first, as vLLM applies it before its logits processors: the rules then see what the
+        # grammar allows and never revive a token it masked (row_apply.apply_decisions).
         masks = self._grammar_processors(plan, len(prompts), width)
         opts = plan.options
+        sampler = []
         if not opts.is_greedy:  # warpers after every other processor, then one draw per row with its own seed
-            masks.append(RowSampler([p.seed for p in prompts], temperature=opts.temperature, top_k=opts.top_k,
-                                    top_p=opts.top_p))
+            sampler.append(RowSampler([p.seed for p in prompts], temperature=opts.temperature, top_k=opts.top_k,
+                                      top_p=opts.top_p))
         with torch.inference_mode():
             out = self.model.generate(**inputs, generation_config=self.generation_config(plan),
                                       stopping_criteria=StoppingCriteriaList([recorder]),
-                                      logits_processor=LogitsProcessorList(processors + masks))
+                                      logits_processor=LogitsProcessorList(masks + processors + sampler))
         generated = out.sequences[:, width:].tolist()  # (batch, steps)
         results = []
         for row, ids in enumerate(generated):
@@ -260,7 +264,7 @@ class HfBackend:
             for proc in processors:
                 events.update(proc.events(row))
             if stop_specs and stop_sets:
-                events.update(stop_sets[row].events())
+                events.update(stopped_on_seen_token(stop_sets[row].events()))
             results.append(BackendOutput(token_ids=tuple(ids[:n]),
                                          logprobs=self._logprobs(out.logits, row, n, ids, plan),
                                          prompt_token_ids=tuple(seen), events=events))

@@ -64,11 +64,9 @@ class HfRowRules:
         self.decode = decode
         self.sets: list[RuleSet] = []
         self.banks: list[Any] = []
-        self._eos_row: Any = None
 
     def __call__(self, input_ids: Any, scores: Any) -> Any:
         import numpy as np
-        import torch
 
         if self.vector_thresholds and not self.banks and input_ids.shape[0] < self.vector_min_batch:
             self.vector_thresholds, self.specs = [], self.all_specs  # a few rows: Python per row is cheaper
@@ -81,7 +79,9 @@ class HfRowRules:
             # A row a vectorized guard ends now is ended, as a RuleSet's "any force wins" would decide.
             self._apply_row_rules(scores, fire.tolist() if fire is not None else None)
         if fire is not None and fire.any():
-            scores[torch.as_tensor(np.flatnonzero(fire), device=scores.device)] = self._eos_row
+            from engine.backends.row_apply import FORCE, apply_decisions
+
+            apply_decisions(scores, [(int(row), self.eos_id, FORCE) for row in np.flatnonzero(fire)])
         return scores
 
     def _apply_row_rules(self, scores: Any, forced: list[bool] | None) -> None:
@@ -91,7 +91,7 @@ class HfRowRules:
         apply_decisions(scores, decide(scores, rows))
 
     def _vectorized_fire(self, input_ids: Any, scores: Any) -> Any:
-        import torch
+        import numpy as np
 
         from engine.backends.repeat_bank import RepeatBank
 
@@ -102,14 +102,14 @@ class HfRowRules:
                 for row in range(batch):
                     bank.assign(row, t, terminal_ids=self.terminal_ids)
                 self.banks.append(bank)
-            self._eos_row = torch.full_like(scores[0], float("-inf"))
-            self._eos_row[self.eos_id] = 0.0
         if input_ids.shape[1] <= self.prompt_len:
             return None
         last = input_ids[:, -1].cpu().numpy()  # the step's new token of every row (one small copy)
-        fire = self.banks[0].push(None, last)  # None: rows 0 .. batch - 1, the whole batch
-        for bank in self.banks[1:]:
-            fire |= bank.push(None, last)
+        rows = np.arange(batch)
+        fire = np.zeros(batch, dtype=bool)
+        for bank in self.banks:
+            bank.push(None, last)  # None: rows 0 .. batch - 1, the whole batch
+            fire |= bank.has_fired(rows)  # now or before: forced until the EOS lands (a grammar may mask it)
         return fire
 
     def events(self, row: int) -> dict[str, Any]:

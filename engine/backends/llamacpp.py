@@ -23,6 +23,7 @@ from typing import Any
 from engine.backends.base import BackendOutput, Capabilities, Prompt, SamplingPlan
 from engine.config import LlamaCppConfig, ModelConfig
 from engine.errors import BackendUnavailableError, ConfigError, EngineError
+from engine.rules.events import stopped_on_seen_token
 
 HOOKS = frozenset({"llamacpp_logits_processor"})
 SEED_MODULUS = 2**32 - 1
@@ -220,8 +221,9 @@ class LlamaCppBackend:
         finally:
             generator.close()
         events: dict[str, Any] = {}
-        for rs in (rules, stoppers):
-            if rs is not None:
-                events.update(rs.events())
+        if rules is not None:
+            events.update(rules.events())
+        if stoppers is not None:
+            events.update(stopped_on_seen_token(stoppers.events()))
         return BackendOutput(token_ids=tuple(tokens), logprobs=tuple(logprobs) if opts.logprobs is not None else None,
                              prompt_token_ids=tuple(prompt.token_ids), events=events)

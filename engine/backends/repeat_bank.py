@@ -185,6 +185,11 @@ class RepeatBank:
             fire_out[np.arange(len(tokens))[where][fire]] = True
         return fire_out
 
+    def has_fired(self, rows: Any) -> np.ndarray:
+        """Which of ``rows`` have fired (at this step or before): their EOS stays forced until it lands, since a
+        grammar may mask it for a while (``row_apply.apply_decisions``)."""
+        return self.fired_at[np.asarray(rows, dtype=np.int64)] >= 0
+
     def _index(self, rows: int) -> np.ndarray:
         if rows not in self._positions:
             self._positions = {rows: np.arange(rows)}

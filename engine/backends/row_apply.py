@@ -49,11 +49,20 @@ def decide(logits: Any, rows: Sequence[tuple[int, RuleSet, int]]) -> list[tuple[
 def apply_decisions(logits: Any, decisions: Sequence[tuple[int, int, Decision]]) -> Any:
     """Apply force / ban / bias to ``logits`` (num_rows, vocab) in place; returns it.
 
+    What another processor already masked (a grammar of structured outputs, applied before the rules on every
+    backend) is never undone, and no row is left without a token: a forced EOS that is masked waits (the row goes
+    on as the mask allows; its rule forces again at the next step, until the grammar allows EOS), and EOS is not
+    banned from a row where it is the only token still allowed (vLLM's own min-tokens restores such rows too).
+
     >>> import torch
     >>> logits = torch.zeros(3, 4)
     >>> _ = apply_decisions(logits, [(0, 1, Decision(force_eos=True)), (2, 1, Decision(ban_eos=True, bias={3: .5}))])
     >>> logits.tolist()
     [[-inf, 0.0, -inf, -inf], [0.0, 0.0, 0.0, 0.0], [0.0, -inf, 0.0, 0.5]]
+    >>> inf = float("inf")
+    >>> masked = torch.tensor([[0.0, -inf, 1.0], [-inf, 2.0, -inf]])  # row 0: EOS (1) masked; row 1: EOS only
+    >>> apply_decisions(masked, [(0, 1, Decision(force_eos=True)), (1, 1, Decision(ban_eos=True))]).tolist()
+    [[0.0, -inf, 1.0], [-inf, 2.0, -inf]]
     """
     import torch
 
@@ -72,11 +81,16 @@ def apply_decisions(logits: Any, decisions: Sequence[tuple[int, int, Decision]])
         logits.index_put_((torch.tensor(bias_rows, device=device), torch.tensor(bias_cols, device=device)),
                           torch.tensor(bias_vals, device=device, dtype=logits.dtype), accumulate=True)
     if ban:
-        rows, cols = zip(*ban, strict=True)
-        logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
+        rows, cols = (torch.tensor(x, device=device) for x in zip(*ban, strict=True))
+        saved = logits[rows, cols].clone()
+        logits[rows, cols] = float("-inf")
+        # EOS was the only token allowed (a grammar's end): banning it would leave nothing to sample.
+        emptied = torch.isinf(logits[rows].amax(dim=-1)) & ~torch.isinf(saved)
+        logits[rows[emptied], cols[emptied]] = saved[emptied]
     if force:
-        rows, cols = zip(*force, strict=True)
-        index = torch.tensor(rows, device=device)
-        logits[index] = float("-inf")
-        logits[index, torch.tensor(cols, device=device)] = 0.0
+        rows, cols = (torch.tensor(x, device=device) for x in zip(*force, strict=True))
+        allowed = ~torch.isinf(logits[rows, cols])  # a masked EOS stays masked: the force waits for the grammar
+        rows, cols = rows[allowed], cols[allowed]
+        logits[rows] = float("-inf")
+        logits[rows, cols] = 0.0
     return logits

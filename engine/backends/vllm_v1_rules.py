@@ -87,8 +87,7 @@ class RowRulesV1(LogitsProcessor):
                     step_tokens.append(output[-1])
                 elif behind > 1:  # a resumed request: feed its committed tokens again
                     for token in output[row.bank_seen:]:
-                        if self.bank.push([index], [token])[0]:
-                            forced.add(index)
+                        self.bank.push([index], [token])
                 row.bank_seen = len(output)
             rules = row.rules
             if rules.rules:
@@ -96,8 +95,10 @@ class RowRulesV1(LogitsProcessor):
                     rules.feed(output[rules.fed])
                 per_row.append((index, rules, row.eos))
         if step_rows:
-            fired = self.bank.push(step_rows, step_tokens)
-            forced.update(i for i, f in zip(step_rows, fired.tolist(), strict=True) if f)
+            self.bank.push(step_rows, step_tokens)
+        repeat_rows = [index for index, (row, _) in self.rows.items() if row.repeat]
+        if repeat_rows:  # fired now or before: forced until the EOS lands (a grammar may mask it for a while)
+            forced.update(i for i, f in zip(repeat_rows, self.bank.has_fired(repeat_rows).tolist(), strict=True) if f)
         decisions = decide(logits, [r for r in per_row if r[0] not in forced])
         decisions += [(index, self.rows[index][0].eos, FORCE) for index in forced]
         return apply_decisions(logits, decisions)

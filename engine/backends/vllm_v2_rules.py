@@ -99,12 +99,14 @@ class RowRulesV2(LogitsProcessor):
         behind = np.where(in_bank, outputs - self.bank_seen[slots], 0)
         step = behind == 1
         if step.any():
-            forced[step] = self.bank.push(slots[step], lasts[step])
+            self.bank.push(slots[step], lasts[step])
         for i in np.flatnonzero(behind > 1):  # a resumed request: feed its committed tokens again
             slot, start = int(slots[i]), int(totals[i] - behind[i])
             for token in tokens[slot, start: int(totals[i])].tolist():
-                forced[i] |= bool(self.bank.push([slot], [token])[0])
+                self.bank.push([slot], [token])
         self.bank_seen[slots[in_bank]] = outputs[in_bank]
+        if in_bank.any():  # fired now or before: forced until the EOS lands (a grammar may mask it for a while)
+            forced[in_bank] = self.bank.has_fired(slots[in_bank])
         # Every other rule, per row.
         per_row = []
         for i, slot in enumerate(slots.tolist()):

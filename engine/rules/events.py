@@ -44,3 +44,18 @@ def events_within(events: Mapping[str, Any], *, generated: int) -> dict[str, Any
         if position is not None and position >= generated:
             kept[flag], kept[at] = False, None
     return kept
+
+
+def stopped_on_seen_token(events: Mapping[str, Any]) -> dict[str, Any]:
+    """The events of rules run as a stopping criterion (HF ``stopping_criteria``, llama.cpp's stoppers): the row
+    stops on the token the rule had just seen, so the token its decision shaped is that one, one before the tokens
+    seen (a logits-processor rule shapes the next token instead). Only ``json_boundary`` runs this way.
+
+    >>> stopped_on_seen_token({"json_boundary_closed": True, "json_boundary_closed_at": 4})
+    {'json_boundary_closed': True, 'json_boundary_closed_at': 3}
+    """
+    shifted = dict(events)
+    for at in FLAG_POSITIONS.values():
+        if shifted.get(at) is not None:
+            shifted[at] = int(shifted[at]) - 1
+    return shifted
