@@ -27,11 +27,30 @@ SAMPLED = {"temperature": 1.0, "top_p": 0.95, "seed": 11}
 MIN_60 = {"name": "min_length", "min_chars": 60}
 
 
-@pytest.fixture
-def constrained(backend):
-    if backend not in CONSTRAINED:
-        pytest.skip(f"{backend} has no structured outputs (the engine refuses json_schema there by name)")
-    return backend
+@pytest.fixture(params=CONSTRAINED)
+def constrained(request, pool):
+    from conformance.conftest import unavailable_reason
+
+    if request.param not in pool.options.backends:
+        pytest.skip(f"{request.param} is not selected (--engine-backends)")
+    if reason := unavailable_reason(request.param):
+        pytest.skip(reason)
+    return request.param
+
+
+def test_backends_without_structured_outputs_refuse_a_schema_by_name(pool, backend_names):
+    """llama.cpp constrains nothing: a json_schema there fails before any generation, naming the backend and the
+    fix, with the rules on or off (never a silent unconstrained answer)."""
+    from engine.errors import UnsupportedCapabilityError
+
+    others = [b for b in backend_names if b not in CONSTRAINED]
+    if not others:
+        pytest.skip(f"every selected backend constrains ({', '.join(backend_names)})")
+    for b in others:
+        for sections in ({}, {"repeat_terminate": GUARD}):
+            with pytest.raises(UnsupportedCapabilityError, match=rf"backend '{b}' cannot constrain.*Fix: drop"):
+                pool.engine(b, pool.options.model, **sections).local.generate(
+                    PROMPT, options={"max_new_tokens": 4}, json_schema=TWO_ZEROS)
 
 
 def expect_exact(results, schema_text, what):
