@@ -134,15 +134,15 @@ def host_facts() -> list[str]:
     return lines
 
 
-def planned_runner(model: str | None) -> str:
-    """vLLM's own runner decision for the fixture model (V2 expected on CUDA)."""
+def planned_runner() -> str:
+    """vLLM's own runner decision for the SmolLM2 fixture ("v2 ..." expected on CUDA)."""
     try:
         from engine.backends.vllm import import_vllm, llm_kwargs, prepare_environment
         from engine.backends.vllm_runner import plan_runner
         from engine.config import ModelConfig, VllmConfig
         from fixtures import ensure
 
-        path = model or str(ensure("smollm2-135m-instruct"))
+        path = str(ensure("smollm2-135m-instruct"))
         import_vllm()  # as an engine start does: the torchvision shim first where torchvision is absent
         prepare_environment(VllmConfig())
         plan = plan_runner(llm_kwargs(ModelConfig(path=path, dtype="float32"), VllmConfig()))
@@ -151,10 +151,18 @@ def planned_runner(model: str | None) -> str:
         return f"not decided: {type(err).__name__}: {err}"
 
 
-def verdict(facts: list[str], runner: str, outcomes: list[Outcome], backends: tuple[str, ...]) -> list[str]:
-    ok = all(o.exit_code == 0 and not o.failures for o in outcomes)
+def passed(runner: str, outcomes: list[Outcome], *, expect_v2: bool) -> bool:
+    """Every pass clean, and on a CUDA host with vLLM, V2 is vLLM's default runner (step 2)."""
+    return all(o.exit_code == 0 and not o.failures for o in outcomes) and (not expect_v2 or runner.startswith("v2"))
+
+
+def verdict(facts: list[str], runner: str, outcomes: list[Outcome], backends: tuple[str, ...], *,
+            expect_v2: bool = False) -> list[str]:
+    ok = passed(runner, outcomes, expect_v2=expect_v2)
     lines = ["GPU runbook verdict", *[f"  {f}" for f in facts], f"  vLLM runner planned by default: {runner}",
              f"  backends: {', '.join(backends)}", ""]
+    if expect_v2 and not runner.startswith("v2"):
+        lines.insert(-1, "  FAIL runner: a CUDA host with vLLM should plan Model Runner V2 by default")
     lines.append(f"  {'pass':<16}{'passed':>7}{'failed':>7}{'errors':>7}{'skipped':>8}{'seconds':>9}")
     for o in outcomes:
         c = o.counts
@@ -186,13 +194,16 @@ def main(argv: list[str] | None = None) -> int:
     backends = tuple(b for b in wanted if b not in missing)
     REPORTS.mkdir(exist_ok=True)
     facts = host_facts() + [f"left out (not installed): {b}" for b in missing]
-    runner = planned_runner(None) if "vllm" in backends else "not decided: vLLM is not installed"
+    runner = planned_runner() if "vllm" in backends else "not decided: vLLM is not installed"
+    from engine.backends.vllm import has_cuda
+
+    expect_v2 = "vllm" in backends and has_cuda()
     outcomes = [run_pass(p, backends=backends, extra=args.pytest_args, timeout=args.pass_timeout)
                 for p in plan_passes(backends)]
-    lines = verdict(facts, runner, outcomes, backends)
+    lines = verdict(facts, runner, outcomes, backends, expect_v2=expect_v2)
     (REPORTS / "gpu-verdict.txt").write_text("\n".join(lines) + "\n")
     print("\n" + "\n".join(lines))
-    return 0 if all(o.exit_code == 0 for o in outcomes) else 1
+    return 0 if passed(runner, outcomes, expect_v2=expect_v2) else 1
 
 
 if __name__ == "__main__":

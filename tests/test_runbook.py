@@ -34,3 +34,11 @@ def test_the_verdict_fails_on_any_failure_and_says_when_only_hf_ran():
                                                                     "installed here)"
     lines = verdict(["torch"], "v2", [good, bad], ("hf", "vllm"))
     assert "  VERDICT: FAIL" in lines and "  FAIL bf16: t::x: boom" in lines
+
+
+def test_a_cuda_host_with_vllm_must_plan_v2():
+    clean = Outcome("runner-v2-fp32", 9.0, {"passed": 3, "failed": 0, "errors": 0, "skipped": 0}, [], 0)
+    lines = verdict(["torch"], "v1 (row rules: supported)", [clean], ("hf", "vllm"), expect_v2=True)
+    assert "  VERDICT: FAIL" in lines and any("should plan Model Runner V2" in line for line in lines)
+    assert "  VERDICT: PASS" in verdict(["torch"], "v2 (row rules: supported)", [clean], ("hf", "vllm"),
+                                        expect_v2=True)

@@ -78,6 +78,3 @@ class EngineLeases:
             released.append(oldest)
         self._alive[key] = None
         return released
-
-    def release(self, key: Hashable) -> None:
-        self._alive.pop(key, None)
