@@ -27,6 +27,9 @@ from conformance.served import IN_PROCESS
 # 10 s instead of 45 s (torch.compile buys about 10 % of decode speed on these models, which no check measures),
 # and takes about 0.8 GiB less memory. The benchmarks keep vLLM's defaults.
 CPU_VLLM = {"enforce_eager": True, "cpu_kv_cache_space_gib": 0.5}
+SERVED_CHAT = {"temperature": 0, "top_p": 1.0}
+"""Pattern C ``/chat`` defaults of every server the pool starts: greedy (its other defaults kept), so HF, vLLM and
+llama.cpp must agree to the character. The chat checks use the text engine's server the served twins use too."""
 TINY_KV_GIB = 1 / 16
 """The KV cache of a tiny model's engine on CPU (a tiny fixture needs 1 KiB per token: 64 MiB hold 32 full-length
 sequences of tiny-looper); SmolLM2 (45 KiB per token) keeps ``CPU_VLLM``'s 0.5 GiB."""
@@ -148,13 +151,23 @@ class EnginePool:
         key = self._key(backend, model, shared, sections)
         if key not in self._twins:
             local = self._local(key, backend, model, shared, sections)
-            config = self.config(backend, model, **sections)
-            # A served vLLM engine always runs AsyncLLM, its engine core in a child process, whatever
-            # vllm.multiprocessing says: engines that differ only there share one server.
-            config["vllm"] = {k: v for k, v in config["vllm"].items() if k != "multiprocessing"}
-            served = (backend, json.dumps(config, sort_keys=True))
+            served, config = self.served_config(backend, model, **sections)
             self._twins[key] = ServedTwin(local, lambda: self.server(served, config), self)
         return self._twins[key]
+
+    def served_config(self, backend: str, model: str, /, **sections: Any) -> tuple[tuple[str, str], dict[str, Any]]:
+        """(server key, config) of the server that serves the engine ``engine(backend, model, **sections)``."""
+        config = self.config(backend, model, **sections)
+        # A served vLLM engine always runs AsyncLLM, its engine core in a child process, whatever
+        # vllm.multiprocessing says: engines that differ only there share one server.
+        config["vllm"] = {k: v for k, v in config["vllm"].items() if k != "multiprocessing"}
+        config["serve"] = {"chat": dict(SERVED_CHAT), **config.get("serve", {}), "port": 0}
+        return (backend, json.dumps(config, sort_keys=True)), config
+
+    def text_server(self, backend: str) -> Any:
+        """The running server of ``backend``'s text engine: the one its served twins reach, and the chat checks'
+        (``/v1/chat/completions`` and Pattern C ``/chat``)."""
+        return self.server(*self.served_config(backend, self.options.model))
 
     def reference(self, backend: str, model: str, /, **sections: Any) -> Any:
         """The engine for expectations a check derives, not for what it compares: in-process whatever the reach
@@ -237,15 +250,14 @@ class EnginePool:
             # Stopped before the next one starts: two vLLM servers at once would hold ~8 GB.
             self._servers.pop(next(k for k in self._servers if k[0] == key[0])).stop()
         with self.timed("server", (key[0], self._chosen(config))):
-            self._servers[key] = launch_server({**config, "serve": {"port": 0}})
+            self._servers[key] = launch_server(config)
         return self._servers[key]
 
     def _chosen(self, config: dict[str, Any]) -> str:
         """A served config in a report line: the model folder's name and every section that differs from the pool's
         defaults for it."""
-        default = self.config(config["backend"], self.options.model)
-        chosen = {k: v for k, v in config.items() if k not in ("backend", "model") and v != default.get(k)
-                  and not (k == "vllm" and v == {n: x for n, x in default["vllm"].items() if n != "multiprocessing"})}
+        _, default = self.served_config(config["backend"], self.options.model)
+        chosen = {k: v for k, v in config.items() if k not in ("backend", "model") and v != default.get(k)}
         return f"{config['model']['path'].rsplit('/', 1)[-1]} {json.dumps(chosen, sort_keys=True) if chosen else ''}"
 
     def keep(self, key: tuple[str, ...], factory: Any) -> Any:

@@ -2,8 +2,9 @@
 official ``openai`` client, curl and plain HTTP: streamed text == non-streamed text == in-process ``generate``
 text; Pattern C's min-length numbers are the rule's own; bad input is refused before anything is generated.
 
-One server per backend on ``--engine-model`` (fp32 by default), its Pattern C defaults made greedy. Servers bind
-127.0.0.1 only; every request loop is bounded.
+One server per backend on ``--engine-model`` (fp32 by default): the pool's, which its served twins reach too, its
+Pattern C defaults made greedy (``conformance.pool.SERVED_CHAT``). Servers bind 127.0.0.1 only; every request loop
+is bounded.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 pytestmark = pytest.mark.slow
-CHAT_DEFAULTS = {"temperature": 0, "top_p": 1.0}  # greedy, so HF and vLLM must agree to the character
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPTS = [
     FRANCE,
@@ -26,29 +26,21 @@ PROMPTS = [
     [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2 + 2?"}],
     [{"role": "user", "content": "Write one sentence about the sea."}],
 ]
-_servers: dict[str, object] = {}
-
-
 @pytest.fixture(scope="session")
 def chat_server(pool):
-    """``chat_server(backend)``: the session's server for ``backend`` (started on first use)."""
+    """``chat_server(backend)``: the running server of ``backend``'s text engine (the pool's, started on first use,
+    shared with the served twins; its Pattern C defaults are ``SERVED_CHAT``)."""
     from conformance.conftest import unavailable_reason
-    from engine.client import launch_server
 
     def get(backend: str):
         if unavailable_reason(backend):
             pytest.skip(unavailable_reason(backend))
-        if backend not in _servers:
-            config = pool.config(backend, pool.options.model, serve={"port": 0, "chat": CHAT_DEFAULTS})
-            _servers[backend] = launch_server(config)
-        return _servers[backend]
+        return pool.text_server(backend)
 
-    yield get
-    while _servers:
-        _servers.popitem()[1].stop()
+    return get
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def client(chat_server, backend):
     import openai
 
