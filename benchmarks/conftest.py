@@ -20,6 +20,7 @@ import pytest
 from benchmarks.harness import Rounds, Variant
 from benchmarks.workload import SIZES, Size
 from engine.backends.vllm_memory import engine_share
+from engine.report.schema import RATIO_COLUMNS
 
 SESSION_KEY = pytest.StashKey["BenchSession"]()
 BACKENDS = ("hf", "vllm")
@@ -100,10 +101,11 @@ def bench(pytestconfig: pytest.Config) -> Iterator[BenchSession]:
     session.close()
 
 
-VLLM_ENGINES_AT_ONCE = 3
-"""vLLM engines a benchmark run holds on one card at once: the engine, the raw ``LLM`` and the served engine (one
-server process, shared by the served and chat benchmarks); at ``engine_share(3)`` = 0.26 each they take 0.78 of it,
-the rest is left to the HF model and the processes' CUDA contexts."""
+VLLM_ENGINES_AT_ONCE = 4
+"""vLLM engines a benchmark run holds on one card at once: the engine, the raw ``LLM``, the served engine (one
+server process, shared by the served and chat benchmarks) and the ``rollout_vs_trainer`` group's engine in the other
+dtype; at ``engine_share(4)`` = 0.2 each they take 0.8 of it, the rest is left to the HF models and the processes'
+CUDA contexts."""
 
 
 class BenchSession:
@@ -148,8 +150,9 @@ class BenchSession:
             self._objects[key] = factory()
         return self._objects[key]
 
-    def config_for(self, backend: str, **sections: Any) -> dict[str, Any]:
-        model: dict[str, Any] = {"path": self.model_path, "dtype": self.dtype}
+    def config_for(self, backend: str, *, dtype: str | None = None, **sections: Any) -> dict[str, Any]:
+        """The config of ``backend``'s engine (in the run's dtype unless ``dtype`` says another)."""
+        model: dict[str, Any] = {"path": self.model_path, "dtype": dtype or self.dtype}
         if backend == "llamacpp":  # the same weights as an F32 GGUF (the twin fixture)
             from fixtures import GGUF_TWINS, ensure
 
@@ -172,6 +175,15 @@ class BenchSession:
             return self._keep(("engine", backend, "guarded"),
                               lambda: self.engine(backend).derive(repeat_terminate=REPEAT_GUARD))
         return self._keep(("engine", backend, "plain"), lambda: GenerationEngine(self.config_for(backend)))
+
+    def engine_in(self, backend: str, dtype: str) -> Any:
+        """``backend``'s engine with the model in ``dtype``: the run's own engine when that is its dtype, else one
+        more engine, kept for the run (vLLM's count in ``VLLM_ENGINES_AT_ONCE``)."""
+        from engine import GenerationEngine
+
+        if dtype == self.dtype:
+            return self.engine(backend)
+        return self._keep(("engine", backend, dtype), lambda: GenerationEngine(self.config_for(backend, dtype=dtype)))
 
     def raw_vllm(self) -> Any:
         """A bare ``vllm.LLM`` with the engine's own arguments, minus what the engine adds."""
@@ -244,5 +256,5 @@ class BenchSession:
         row = {"model": self.model_name, "dtype": self.dtype, **case}
         self.writer.add_case(row, rounds.rows(), ratios)
         benchmark.extra_info.update({**case, **ratios})
-        shown = ", ".join(f"{k} {v:.3f}" for k, v in ratios.items())
+        shown = ", ".join(f"{k} {v:.3f}" if k in RATIO_COLUMNS else f"{k} {v:.3g}" for k, v in ratios.items())
         self.progress(f"{case['benchmark']}: {shown}")

@@ -156,27 +156,16 @@ def test_rollout_logprobs_equal_the_trainers_rescoring(pool, backend, summary_no
     penalty, which change the draw but not the reported logprobs: they are the model's raw ones) re-scored
     teacher-forced by HF (``engine.score``, the trainer's view). In float32 it is a bound: every token within 2e-3,
     every sequence's importance ratio within 1 %."""
-    import math
+    from engine.mismatch import rescore_mismatch
 
     rollout = pool.text_engine(backend).generate(CHAT[:4], options={
         "max_new_tokens": 24, "temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.3, "seed": 5, "logprobs": 0})
-    trainer = pool.reference("hf", pool.options.model)
-    scores = trainer.score([r.prompt_token_ids + r.token_ids for r in rollout],
-                           [len(r.prompt_token_ids) for r in rollout])
-    deltas, log_ratios = [], []
-    for r, s in zip(rollout, scores, strict=True):
-        mine = [step[t] for step, t in zip(r.logprobs, r.token_ids, strict=True)]
-        deltas += [abs(a - b) for a, b in zip(mine, s.logprobs, strict=True)]
-        log_ratios.append(sum(s.logprobs) - sum(mine))
-    deltas.sort()
-    p99 = deltas[min(len(deltas) - 1, int(0.99 * len(deltas)))]
-    ratios = [math.exp(x) for x in log_ratios]
-    summary_note(f"rollout {backend} vs trainer hf ({pool.options.dtype}, {len(deltas)} sampled tokens, repetition "
-                 f"penalty 1.3, temperature 0.7): |dlogprob| mean {sum(deltas) / len(deltas):.1e}, p99 {p99:.1e}, "
-                 f"max {deltas[-1]:.1e}; sequence importance ratio {min(ratios):.4f}..{max(ratios):.4f}")
+    got = rescore_mismatch(rollout, pool.reference("hf", pool.options.model))
+    summary_note(f"rollout {backend} vs trainer hf ({pool.options.dtype}, sampled, repetition penalty 1.3, "
+                 f"temperature 0.7): {got.line()}")
     if pool.options.dtype == "float32":
-        assert deltas[-1] < 2e-3, f"{backend}: a token's logprob is {deltas[-1]:.1e} off the trainer's"
-        assert all(abs(x) < 0.01 for x in log_ratios), f"{backend}: importance ratios {ratios}"
+        assert got.max < 2e-3, f"{backend}: a token's logprob is {got.max:.1e} off the trainer's"
+        assert all(abs(x) < 0.01 for x in got.log_ratios), f"{backend}: importance ratios {got.line()}"
 
 
 def test_prompt_logprobs_same_with_the_prefix_cache_cold_warm_and_reordered(pool, backend_names):

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ RUN_COLUMNS = (
 CASE_COLUMNS = (
     Column("benchmark", "string", "case id: group[backend-bN-prompt-oN-guard]; the comparison key with variant"),
     Column("group", "string", "throughput, repeat_vs_native, rule_cost, served, chat_stream, pattern_c, "
-                              "constrained or backends"),
+                              "constrained, backends or rollout_vs_trainer"),
     Column("backend", "string", "hf, vllm or llamacpp (backends: llamacpp, the subject of every ratio of the case)"),
     Column("model", "string", "model name (fixture name or folder name)"),
     Column("dtype", "string", "model dtype"),
@@ -106,6 +106,14 @@ FIGURE_COLUMNS = {
     "added_ms_per_step": "what the subject adds per decode step of the whole batch, in ms: guard and constrained "
                          "cases (subject median - reference median) / new_tokens; rule_cost: the subject's median / "
                          "steps",
+    "dlogprob_mean": "rollout_vs_trainer: mean over the sampled tokens of the absolute difference between the "
+                     "rollout's logprob and the trainer's teacher-forced one (the trainer: HF in the case's dtype, "
+                     "engine.score)",
+    "dlogprob_p99": "rollout_vs_trainer: 99th percentile of the same per-token absolute difference",
+    "dlogprob_max": "rollout_vs_trainer: largest per-token absolute difference",
+    "importance_ratio_min": "rollout_vs_trainer: smallest sequence importance ratio exp(sum trainer - sum rollout "
+                            "logprobs) over the case's sequences (1: the trainer sees exactly what the rollout drew)",
+    "importance_ratio_max": "rollout_vs_trainer: largest sequence importance ratio",
 }
 COLUMNS = (*RUN_COLUMNS, *CASE_COLUMNS, *ROUND_COLUMNS,
            *(Column(name, "float64", doc) for name, doc in {**RATIO_COLUMNS, **FIGURE_COLUMNS}.items()))
