@@ -163,12 +163,13 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if "vllm" not in pool.options.backends or unavailable_reason("vllm"):
         return []
     try:
-        from engine.backends.vllm import llm_kwargs, prepare_environment
+        from engine.backends.vllm import import_vllm, llm_kwargs, prepare_environment
         from engine.backends.vllm_runner import plan_runner
         from engine.config import ModelConfig, VllmConfig
 
         settings = VllmConfig(multiprocessing=pool.options.vllm_multiprocessing)
         prepare_environment(settings)
+        import_vllm()  # as an engine does: without torchvision, its stand-in first (vLLM's config imports need it)
         plan = plan_runner(llm_kwargs(ModelConfig(path=pool.options.model, dtype=pool.options.dtype), settings))
         runner = f"{plan.runner} (vLLM's own decision for --engine-model; row rules: {plan.problem or 'supported'})"
     except Exception as err:  # the header must not hide the run; the engines will report the real error
