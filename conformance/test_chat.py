@@ -26,6 +26,8 @@ PROMPTS = [
     [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2 + 2?"}],
     [{"role": "user", "content": "Write one sentence about the sea."}],
 ]
+
+
 @pytest.fixture(scope="session")
 def chat_server(pool):
     """``chat_server(backend)``: the running server of ``backend``'s text engine (the pool's, started on first use,

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine.metrics import p99
+
 
 @dataclass(frozen=True)
 class Mismatch:
@@ -63,10 +65,8 @@ def logprob_mismatch(rollout: Sequence[Sequence[float]], trainer: Sequence[Seque
         log_ratios.append(math.fsum(theirs) - math.fsum(mine))
     if not deltas:
         raise ValueError("no generated tokens to compare; generate at least one token per sequence")
-    deltas.sort()
     ratios = [math.exp(x) for x in log_ratios]
-    return Mismatch(tokens=len(deltas), mean=math.fsum(deltas) / len(deltas),
-                    p99=deltas[min(len(deltas) - 1, int(0.99 * len(deltas)))], max=deltas[-1],
+    return Mismatch(tokens=len(deltas), mean=math.fsum(deltas) / len(deltas), p99=p99(deltas), max=max(deltas),
                     ratio_min=min(ratios), ratio_max=max(ratios), log_ratios=tuple(log_ratios))
 
 

@@ -27,9 +27,9 @@ def test_a_constant_shift_gives_exp_of_the_summed_shift_per_sequence():
 
 def test_p99_is_taken_over_every_token_of_every_sequence():
     rollout = [[0.0] * 100, [0.0] * 100]
-    trainer = [[0.0] * 99 + [5.0], [0.0] * 98 + [1.0, 2.0]]
+    trainer = [[0.0] * 99 + [5.0], [0.0] * 97 + [1.0, 2.0, 3.0]]  # the 4 largest of 200: 1, 2, 3, 5
     got = logprob_mismatch(rollout, trainer)
-    assert got.max == 5.0 and got.p99 == 2.0 and got.tokens == 200
+    assert got.max == 5.0 and got.p99 == 2.0 and got.tokens == 200  # nearest rank: the 198th of 200
 
 
 @pytest.mark.parametrize(("rollout", "trainer", "message"), [
