@@ -131,6 +131,21 @@ def conformance(session: nox.Session) -> None:
                 external=True)
 
 
+@nox.session(name="conformance-bf16", venv_backend="none")
+def conformance_bf16(session: nox.Session) -> None:
+    """The checks whose comparisons depend on the dtype (marker ``dtype_dependent``: parity, batch invariance,
+    rule-ended rows, logprobs, repeat, stop, sampling, structured outputs) again in bfloat16 on HF and vLLM, so
+    that the low-precision rule (vLLM's: equal up to the first divergence, where each side's token is in the
+    other's top-k) runs, not only the float32 exact path. In-process only: a served twin compares an engine with
+    itself, which no dtype changes. llama.cpp is left out: its weights stay as the GGUF has them (F32)."""
+    bin_dir = _stack(session)
+    REPORTS.mkdir(exist_ok=True)
+    session.run(str(bin_dir / "pytest"), "conformance", "-m", "dtype_dependent and not served",
+                "--engine-dtype=bfloat16", "--engine-backends=hf,vllm", "--engine-require=hf,vllm",
+                f"--junitxml={REPORTS / 'conformance-bf16-junit.xml'}", *session.posargs,
+                env={"TOKENIZERS_PARALLELISM": "false"}, external=True)
+
+
 @nox.session(venv_backend="none")
 def benchmark(session: nox.Session) -> None:
     """Benchmarks on HF, vLLM and llama.cpp: writes reports/benchmark-<run>.parquet, shows it, then gates its ratios.

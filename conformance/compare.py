@@ -18,6 +18,9 @@ class Divergence:
 EXACT_IN_FP32 = frozenset({frozenset({"hf", "vllm"})})
 """Backend pairs whose float32 greedy token ids are asserted identical. Other pairs (llama.cpp's kernels against
 HF's) are held to vLLM's rule (:func:`check_logprobs_close`), and how many prompts still matched exactly is reported."""
+LOW_PRECISION_TOPK = 5
+"""Log-probabilities the pool asks every engine for when the dtype is not float32 (``generation.logprobs``), so
+that a divergence can be judged by vLLM's rule."""
 
 
 def exact_pair(name_0: str, name_1: str, dtype: str) -> bool:
@@ -65,33 +68,71 @@ def describe(results_0: Sequence[Any], results_1: Sequence[Any], *, name_0: str,
 def check_logprobs_close(*, outputs_0: Sequence[Any], outputs_1: Sequence[Any], name_0: str, name_1: str) -> None:
     """vLLM's rule: equal up to the first divergence, where each side's token is in the other's top-k."""
     for i, (r0, r1) in enumerate(zip(outputs_0, outputs_1, strict=True)):
-        step = first_divergence(r0.token_ids, r1.token_ids)
-        if step is None or step >= min(len(r0.token_ids), len(r1.token_ids)):
-            continue
-        t0, t1 = r0.token_ids[step], r1.token_ids[step]
-        assert t0 in r1.logprobs[step], (f"request {i} step {step}: {name_0} token {t0} not in {name_1} top-k "
-                                         f"{sorted(r1.logprobs[step])}")
-        assert t1 in r0.logprobs[step], (f"request {i} step {step}: {name_1} token {t1} not in {name_0} top-k "
-                                         f"{sorted(r0.logprobs[step])}")
+        close_at_divergence(r0, r1, what=f"request {i}", name_0=name_0, name_1=name_1)
+
+
+def close_at_divergence(r0: Any, r1: Any, *, what: str, name_0: str, name_1: str) -> int | None:
+    """vLLM's rule for one request: the step where the token ids first differ (None: identical), asserting that
+    each side's token there is in the other's top-k log-probabilities. A row that is a strict prefix of the other
+    fails: both saw the same tokens, so no tie can explain why one went on."""
+    step = first_divergence(r0.token_ids, r1.token_ids)
+    if step is None:
+        return None
+    assert step < min(len(r0.token_ids), len(r1.token_ids)), (
+        f"{what}: {name_0} ({len(r0.token_ids)} tokens) and {name_1} ({len(r1.token_ids)}) agree on every shared "
+        "token but one row went on")
+    for name, r in ((name_0, r0), (name_1, r1)):
+        assert r.logprobs is not None and len(r.logprobs) > step, (
+            f"{what}: {name} returned no log-probabilities at step {step}; a low-precision comparison needs them "
+            f"(the pool asks every engine for the top {LOW_PRECISION_TOPK} when the dtype is not float32)")
+    t0, t1 = r0.token_ids[step], r1.token_ids[step]
+    assert t0 in r1.logprobs[step], (f"{what} step {step}: {name_0} token {t0} not in {name_1} top-k "
+                                     f"{sorted(r1.logprobs[step])}")
+    assert t1 in r0.logprobs[step], (f"{what} step {step}: {name_1} token {t1} not in {name_0} top-k "
+                                     f"{sorted(r0.logprobs[step])}")
+    return step
 
 
 RESULT_FIELDS = ("token_ids", "text", "raw_text", "finish_reason", "stop_reason")
 BACKEND_OWN_META = ("backend",)  # meta that names the backend itself; every other key must agree
 
 
-def assert_same_results(results: dict[str, Sequence[Any]], *, what: str) -> None:
-    """Every backend's results are equal field by field (ids, texts, finish and stop reasons, meta except the
-    backend's own name); a failure names the request, the field and each backend's value."""
+def assert_same_results(results: dict[str, Sequence[Any]], *, what: str, dtype: str) -> int:
+    """Every side's results agree with the first's, by the rule of ``dtype``; returns how many requests diverged.
+
+    float32: equal field by field (ids, texts, finish and stop reasons, meta except the backend's own name).
+    Other dtypes (vLLM's rule for low precision, where rounding breaks near-ties differently per kernel and batch):
+    a request whose token ids are identical is still equal on every field; one that diverges is equal up to the
+    first divergence, where each side's token is in the other's top-k (:func:`close_at_divergence`), and past it
+    nothing is compared, since each check asserts what its rule guarantees on every side's own rows. A failure
+    names the request, the field and each side's value.
+
+    >>> from types import SimpleNamespace as R
+    >>> row = lambda ids, lp: R(token_ids=ids, text="", raw_text="", finish_reason="stop", stop_reason=None,
+    ...                         meta={}, logprobs=lp)
+    >>> tie = [{5: -0.7, 6: -0.7}, {7: -0.1}]
+    >>> assert_same_results({"a": [row((5, 7), tie)], "b": [row((6, 7), tie)]}, what="x", dtype="bfloat16")
+    1
+    >>> assert_same_results({"a": [row((5, 7), tie)], "b": [row((6, 7), tie)]}, what="x", dtype="float32")
+    Traceback (most recent call last):
+    AssertionError: x: request 0 token_ids: a=(5, 7) vs b=(6, 7)
+    """
     (name_0, first), *others = results.items()
+    diverged = 0
     for name_1, second in others:
         assert len(first) == len(second), f"{what}: {name_0} gave {len(first)} results, {name_1} {len(second)}"
         for i, (r0, r1) in enumerate(zip(first, second, strict=True)):
+            if dtype != "float32" and close_at_divergence(r0, r1, what=f"{what}: request {i}", name_0=name_0,
+                                                          name_1=name_1) is not None:
+                diverged += 1
+                continue
             for field_name in RESULT_FIELDS:
                 a, b = getattr(r0, field_name), getattr(r1, field_name)
                 assert a == b, f"{what}: request {i} {field_name}: {name_0}={a!r} vs {name_1}={b!r}"
             meta_0 = {k: v for k, v in r0.meta.items() if k not in BACKEND_OWN_META}
             meta_1 = {k: v for k, v in r1.meta.items() if k not in BACKEND_OWN_META}
             assert meta_0 == meta_1, f"{what}: request {i} meta: {name_0}={meta_0!r} vs {name_1}={meta_1!r}"
+    return diverged
 
 
 def assert_served_equal(served: Sequence[Any], local: Sequence[Any], *, what: str, logprob_tol: float = 1e-4) -> None:

@@ -79,9 +79,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "servable: the check also runs as its served twin (reach=served), every "
-                                       "engine it compares reached through python -m engine.serve too")
-    config.addinivalue_line("markers", "served: the served twin of a servable check (-m 'not served' skips them)")
     backends = [b.strip() for b in config.getoption("--engine-backends").split(",") if b.strip()]
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
@@ -107,7 +104,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[POOL_KEY] = pool
     context = lambda: {"vllm_runner": ",".join(sorted(pool.runners)) or "none started",  # noqa: E731
                        "vllm_engine_core": pool.vllm_mode, "served_calls": pool.served_calls}
-    config.pluginmanager.register(SummaryCollector(Path(config.rootpath) / "reports", context), "engine-summary")
+    stem = "conformance-summary" + ("" if options.dtype == "float32" else f"-{options.dtype}")
+    config.pluginmanager.register(SummaryCollector(Path(config.rootpath) / "reports", context, stem), "engine-summary")
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own grouping by backend, which it keeps for in-process checks

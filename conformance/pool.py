@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from conformance.compare import LOW_PRECISION_TOPK
 from conformance.served import IN_PROCESS
 
 # On CPU hosts the suite's vLLM engines start eager with a small KV cache: a fixture engine then starts in about
@@ -135,8 +136,10 @@ class EnginePool:
         else:
             host = {**CPU_VLLM, "cpu_kv_cache_space_gib": kv_cache_gib(model)}
         vllm = {"max_num_seqs": 16, "multiprocessing": self.options.vllm_multiprocessing, **host}
-        return {"backend": backend, "model": model_cfg, "generation": {"max_new_tokens": 48}, "vllm": vllm,
-                **sections}
+        generation: dict[str, Any] = {"max_new_tokens": 48}
+        if self.options.dtype != "float32":  # a divergence is then judged by vLLM's rule, which reads the top-k
+            generation["logprobs"] = LOW_PRECISION_TOPK
+        return {"backend": backend, "model": model_cfg, "generation": generation, "vllm": vllm, **sections}
 
     # -- engines -------------------------------------------------------------------------------------------
 

@@ -33,8 +33,9 @@ def check_of(nodeid: str) -> str:
 class SummaryCollector:
     """A pytest plugin: counts outcomes per (backend, check) and writes the summary at session end."""
 
-    def __init__(self, out_dir: Path, context: Any = None) -> None:
+    def __init__(self, out_dir: Path, context: Any = None, stem: str = "conformance-summary") -> None:
         self.out_dir = out_dir
+        self.stem = stem
         self.context = context or dict
         """Run-wide facts recorded in every row (e.g. the vLLM model runner), read at session end."""
         self.counts: Counter[tuple[str, str, str]] = Counter()
@@ -79,13 +80,13 @@ class SummaryCollector:
                   f"{r['skip_reason']} |" for r in rows]
         if self.notes:
             lines += ["", "## Notes", ""] + [f"- `{check}`: {text}" for check, text in self.notes]
-        md = self.out_dir / "conformance-summary.md"
+        md = self.out_dir / f"{self.stem}.md"
         md.write_text("\n".join(lines) + "\n")
         written = [md]
         try:
             import pandas as pd
 
-            pq = self.out_dir / "conformance-summary.parquet"
+            pq = self.out_dir / f"{self.stem}.parquet"
             pd.DataFrame(rows).to_parquet(pq, index=False)
             written.append(pq)
         except ImportError:

@@ -1,19 +1,27 @@
-"""A request's greedy result does not depend on its batch-mates (sizes 1, 3, 8; mixed prompt lengths)."""
+"""A request's greedy result does not depend on its batch-mates (sizes 1, 3, 8; mixed prompt lengths): every field
+equal in float32; in lower precision, vLLM's rule (a divergence only where each side's token is in the other's
+top-k: rounding differs per batch shape, so near-ties may break either way)."""
 
 from __future__ import annotations
 
+import pytest
+
+from conformance.compare import assert_same_results
 from fixtures import load_prompts
+
+pytestmark = pytest.mark.dtype_dependent
 
 MIXED = [p["messages"] for p in load_prompts("chat") + load_prompts("lists")]  # 8 prompts, mixed lengths
 
 
-def test_batch_invariance(engine):
+def test_batch_invariance(engine, backend, pool, summary_note):
     opts = {"max_new_tokens": 32}
-    alone = [engine.generate([m], options=opts)[0].token_ids for m in MIXED]
-    in_three = [r.token_ids for i in range(0, len(MIXED), 3) for r in engine.generate(MIXED[i : i + 3], options=opts)]
-    in_eight = [r.token_ids for r in engine.generate(MIXED, options=opts)]
+    alone = [engine.generate([m], options=opts)[0] for m in MIXED]
+    in_three = [r for i in range(0, len(MIXED), 3) for r in engine.generate(MIXED[i : i + 3], options=opts)]
+    in_eight = engine.generate(MIXED, options=opts)
     lengths = {len(ids) for ids in (engine.prepare([m])[0][0].token_ids for m in MIXED)}
     assert len(lengths) > 3, "the batch must mix prompt lengths"
-    for i, ids in enumerate(alone):
-        assert in_three[i] == ids, f"request {i}: batch of 3 differs from batch of 1"
-        assert in_eight[i] == ids, f"request {i}: batch of 8 differs from batch of 1"
+    diverged = assert_same_results({"batch of 1": alone, "batch of 3": in_three, "batch of 8": in_eight},
+                                   what="batch invariance", dtype=pool.options.dtype)
+    summary_note(f"batch invariance {backend} ({pool.options.dtype}, {len(MIXED)} prompts in batches of 1, 3 and 8): "
+                 f"{diverged} of {2 * len(MIXED)} comparisons diverged at a near-tie")

@@ -86,7 +86,7 @@ def test_checkpoint_eos_list_is_held_back_by_min_new_tokens(pool, backend_names,
         for i, r in enumerate(got[b]):
             assert not set(r.token_ids[:12]) & set(honoured.load_info.eos_token_ids), f"{b} row {i}: ended early"
             assert len(r.token_ids) >= 12, f"{b} row {i}"
-    assert_same_results(got, what="checkpoint EOS list under min_new_tokens")
+    assert_same_results(got, what="checkpoint EOS list under min_new_tokens", dtype=pool.options.dtype)
 
 
 @pytest.mark.servable
@@ -241,7 +241,7 @@ def test_a_tokenizer_that_adds_bos_gets_exactly_one_whatever_the_template(pool, 
             tokenizer.chat_template = saved
         ids = list(got[b][0].prompt_token_ids)
         assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1, f"{b}: {ids[:4]}..."
-    assert_same_results(got, what=f"a BOS-adding tokenizer, template that {template}")
+    assert_same_results(got, what=f"a BOS-adding tokenizer, template that {template}", dtype=pool.options.dtype)
 
 
 def test_a_stop_string_holding_a_special_token_is_refused_on_every_backend(pool, backend, count_backend_calls):

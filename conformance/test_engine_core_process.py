@@ -39,19 +39,19 @@ def engine_cores(pool, backend_names):
 
 
 @pytest.mark.servable
-def test_repeat_trigger_meta_comes_back_from_the_engine_core_process(engine_cores):
+def test_repeat_trigger_meta_comes_back_from_the_engine_core_process(engine_cores, pool):
     got = {name: e.generate(MIXED, options=BUDGET) for name, e in engine_cores.items()}
     child = got["vllm child process"]
     fired = [r.meta["repeat_terminate_index"] for r in child if r.meta["repeat_terminate_triggered"]]
     assert 0 < len(fired) < len(MIXED), f"the batch must mix looping and healthy rows, fired at {fired}"
-    assert_same_results(got, what="repeat guard, engine core in-process vs child process")
+    assert_same_results(got, what="repeat guard, engine core in-process vs child process", dtype=pool.options.dtype)
 
 
-def test_min_length_cap_events_come_back_from_the_engine_core_process(engine_cores):
+def test_min_length_cap_events_come_back_from_the_engine_core_process(engine_cores, pool):
     """The looper never ends by itself, so its rows meet min_length's cap (a rule that forces EOS) unless the
     repeat guard ends them first: both kinds of rule events, one call."""
     plugins = [{"name": "min_length", "min_chars": 10, "max_chars": 120}]
     got = {name: e.generate(MIXED, options=BUDGET, plugins=plugins) for name, e in engine_cores.items()}
     ended = [r.stop_reason for r in got["vllm child process"]]
     assert "min_length" in ended, f"no row met the cap in the child process (stop reasons: {ended})"
-    assert_same_results(got, what="min_length cap, engine core in-process vs child process")
+    assert_same_results(got, what="min_length cap, engine core in-process vs child process", dtype=pool.options.dtype)

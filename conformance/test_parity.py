@@ -9,7 +9,7 @@ import pytest
 from conformance.compare import check_logprobs_close, describe, divergence_steps, exact_pair
 from fixtures import load_prompts
 
-pytestmark = pytest.mark.servable
+pytestmark = [pytest.mark.servable, pytest.mark.dtype_dependent]
 
 
 def test_greedy_parity_on_chat_prompts(engines, pool, summary_note):

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.compare import assert_same_results
+from conformance.compare import assert_same_results, close_at_divergence, first_divergence
 from engine.errors import UnsupportedCapabilityError
 from engine.rules.repeat import RepeatThresholds, reference_fire_index
 from fixtures import fixture_path, load_prompts
+
+pytestmark = pytest.mark.dtype_dependent
 
 LOOP_GUARD = {"enabled": True, "max_consecutive_token_repeats": 4, "ngram_size": 3, "ngram_repeats": 3}
 HEALTHY_GUARD = {"enabled": True, "max_consecutive_token_repeats": 8, "ngram_size": 4, "ngram_repeats": 4}
@@ -27,20 +29,47 @@ def looper():
     return str(fixture_path("tiny-looper"))
 
 
-def check_against_reference(free, guarded, guard, eos, decode=None):
-    """Each guarded row equals the unguarded row cut where the reference fires, plus EOS; others are untouched."""
+def check_against_reference(free, guarded, guard, eos, decode=None, *, dtype):
+    """Each guarded row equals the unguarded row cut where the reference fires, plus EOS; others are untouched.
+
+    Outside float32 a guarded row may part from the unguarded one before the cut (its batch-mates end early, and
+    the rounding of the rows left changes with them): it must part by vLLM's rule, and then hold on its own tokens
+    what the rule guarantees (:func:`check_own_tokens`)."""
     fired = 0
     for i, (f, g) in enumerate(zip(free, guarded, strict=True)):
         index = reference_fire_index(list(f.token_ids), thresholds(guard), decode)
-        if index is None or index >= len(f.token_ids):
+        if index is not None and index >= len(f.token_ids):
+            index = None
+        want = f.token_ids if index is None else (*f.token_ids[:index], eos)
+        if dtype != "float32" and first_divergence(want, g.token_ids) is not None:
+            step = close_at_divergence(f, g, what=f"row {i}", name_0="unguarded", name_1="guarded")
+            assert step is not None and (index is None or step < index), \
+                f"row {i}: same tokens up to {index}, but no EOS there"
+            fired += check_own_tokens(g, guard, eos, decode, row=i)
+            continue
+        if index is None:
             assert g.token_ids == f.token_ids, f"row {i}: a row the rule does not fire on was changed"
             assert g.meta["repeat_terminate_triggered"] == 0 and g.meta["repeat_terminate_index"] is None
             continue
         fired += 1
-        assert g.token_ids == (*f.token_ids[:index], eos), f"row {i}: expected EOS at {index}, got {g.token_ids}"
+        assert g.token_ids == want, f"row {i}: expected EOS at {index}, got {g.token_ids}"
         assert (g.meta["repeat_terminate_triggered"], g.meta["repeat_terminate_index"]) == (1, index), f"row {i}"
         assert g.finish_reason == "stop" and g.stop_reason == "repeat_terminate"
     return fired
+
+
+def check_own_tokens(g, guard, eos, decode, *, row):
+    """What the rule guarantees on a guarded row's own tokens: fired, the EOS stands exactly where the reference
+    first fires on the tokens before it; not fired, the reference never fires within the row. Returns 1 if fired."""
+    if not g.meta["repeat_terminate_triggered"]:
+        index = reference_fire_index(list(g.token_ids), thresholds(guard), decode)
+        assert index is None or index >= len(g.token_ids), f"row {row}: the rule fires at {index} but did not"
+        return 0
+    body = list(g.token_ids[:-1])
+    assert g.token_ids[-1] == eos and (g.finish_reason, g.stop_reason) == ("stop", "repeat_terminate"), f"row {row}"
+    index = reference_fire_index(body, thresholds(guard), decode)
+    assert index == len(body) == g.meta["repeat_terminate_index"], f"row {row}: fired at {len(body)}, rule: {index}"
+    return 1
 
 
 @pytest.mark.servable
@@ -50,9 +79,9 @@ def test_looping_rows_end_at_the_same_index_on_every_backend(pool, backend_names
         free = pool.reference(b, looper).generate(MIXED, options=BUDGET)
         guarded[b] = pool.engine(b, looper, repeat_terminate=LOOP_GUARD).generate(MIXED, options=BUDGET)
         eos = pool.reference(b, looper).tokenizer.eos_token_id
-        fired = check_against_reference(free, guarded[b], LOOP_GUARD, eos)
+        fired = check_against_reference(free, guarded[b], LOOP_GUARD, eos, dtype=pool.options.dtype)
         assert 0 < fired < len(MIXED), f"{b}: the batch must mix looping ({fired}) and healthy rows"
-    assert_same_results(guarded, what="repeat guard")
+    assert_same_results(guarded, what="repeat guard", dtype=pool.options.dtype)
 
 
 
@@ -66,7 +95,7 @@ def test_the_config_path_guard_equals_the_derived_one(pool, backend, looper):
     want = own.generate(MIXED, options=BUDGET)
     assert 0 < sum(r.meta["repeat_terminate_triggered"] for r in want) < len(MIXED)
     assert_same_results({"config path": want, "derived": derived.generate(MIXED, options=BUDGET)},
-                        what="repeat guard from the config vs derived")
+                        what="repeat guard from the config vs derived", dtype=pool.options.dtype)
 
 @pytest.mark.servable
 def test_min_new_tokens_respected(pool, backend, looper):
@@ -74,7 +103,7 @@ def test_min_new_tokens_respected(pool, backend, looper):
     free = pool.reference(backend, looper).generate(MIXED, options=BUDGET)
     got = pool.engine(backend, looper, repeat_terminate=guard).generate(MIXED, options=BUDGET)
     eos = pool.reference(backend, looper).tokenizer.eos_token_id
-    assert check_against_reference(free, got, guard, eos) > 0
+    assert check_against_reference(free, got, guard, eos, dtype=pool.options.dtype) > 0
     for r in got:
         if r.meta["repeat_terminate_triggered"]:
             assert r.meta["repeat_terminate_index"] >= 12
@@ -102,7 +131,7 @@ def test_healthy_smollm2_prompts_never_trigger(pool, backend, engine):
     ],
     ids=["ngram", "object-keys"],
 )
-def test_real_model_loop_triggers_and_near_miss_does_not(pool, backend, engine, guard, reason):
+def test_real_model_loop_triggers_and_near_miss_does_not(pool, backend, engine, guard, reason, summary_note):
     by_id = {p["id"]: p["messages"] for p in load_prompts("json")}
     prompts = [by_id["json-30-fruits"], by_id["json-person"]]
     opts = {"max_new_tokens": 160}
@@ -110,8 +139,12 @@ def test_real_model_loop_triggers_and_near_miss_does_not(pool, backend, engine, 
     got = pool.engine(backend, pool.options.model, repeat_terminate=guard).generate(prompts, options=opts)
     decode = lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     eos = engine.tokenizer.eos_token_id
-    assert check_against_reference(free, got, guard, eos, decode) == 1
+    fired = check_against_reference(free, got, guard, eos, decode, dtype=pool.options.dtype)
     fruits, person = got
+    if pool.options.dtype != "float32":  # the loop is the fixture's float32 behaviour (bfloat16 writes Python)
+        summary_note(f"real-model {reason} on {backend} ({pool.options.dtype}): {fired} of 2 rows fired")
+        return
+    assert fired == 1
     assert fruits.meta["repeat_terminate_reason"] == reason
     assert person.meta["repeat_terminate_triggered"] == 0 and person.token_ids == free[1].token_ids
 
@@ -141,9 +174,9 @@ def test_generation_min_new_tokens_gates_the_guard_alike(pool, backend_names, lo
         got[b] = pool.engine(b, looper, repeat_terminate=LOOP_GUARD).generate(MIXED, options=opts)
         eos = pool.reference(b, looper).tokenizer.eos_token_id
         gate = {**LOOP_GUARD, "min_new_tokens": 14}
-        assert check_against_reference(free, got[b], gate, eos) > 0, b
+        assert check_against_reference(free, got[b], gate, eos, dtype=pool.options.dtype) > 0, b
         assert all(r.meta["repeat_terminate_index"] >= 14 for r in got[b] if r.meta["repeat_terminate_triggered"])
-    assert_same_results(got, what="repeat guard gated by generation.min_new_tokens")
+    assert_same_results(got, what="repeat guard gated by generation.min_new_tokens", dtype=pool.options.dtype)
 
 
 @pytest.mark.servable
@@ -158,6 +191,8 @@ def test_guarded_batch_larger_than_the_engine_queues_alike(pool, backend_names, 
         free = pool.reference(b, looper).generate(rows, options=BUDGET)
         got[b] = pool.engine(b, looper, repeat_terminate=LOOP_GUARD, **small).generate(rows, options=BUDGET)
         eos = pool.reference(b, looper).tokenizer.eos_token_id
-        assert check_against_reference(free, got[b], LOOP_GUARD, eos) == 6 * sum(
-            r.meta["repeat_terminate_triggered"] for r in got[b][: len(MIXED)]), b
-    assert_same_results(got, what="guarded batch queued over small slots")
+        fired = check_against_reference(free, got[b], LOOP_GUARD, eos, dtype=pool.options.dtype)
+        if pool.options.dtype == "float32":  # each copy of a prompt alike (lower precision: batch-mates matter)
+            assert fired == 6 * sum(r.meta["repeat_terminate_triggered"] for r in got[b][: len(MIXED)]), b
+        assert fired > 0, b
+    assert_same_results(got, what="guarded batch queued over small slots", dtype=pool.options.dtype)

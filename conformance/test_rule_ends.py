@@ -16,6 +16,8 @@ from conformance.compare import assert_same_results
 from engine.metrics import TRUNCATED_RATE, rollout_metrics
 from fixtures import load_prompts
 
+pytestmark = pytest.mark.dtype_dependent
+
 CHAT = [p["messages"] for p in load_prompts("chat")]
 JSON = [p["messages"] for p in load_prompts("json") if p["id"] != "json-30-fruits"]
 JSON_BOUNDARY = [{"name": "json_boundary"}]
@@ -35,7 +37,7 @@ def stdlib_json_end(text: str) -> int | None:
     return start + length
 
 
-def test_json_boundary_rows_end_alike_with_the_rule_named(engines):
+def test_json_boundary_rows_end_alike_with_the_rule_named(engines, pool):
     opts = {"max_new_tokens": 96}
     got = {}
     checked = 0
@@ -55,17 +57,18 @@ def test_json_boundary_rows_end_alike_with_the_rule_named(engines):
         assert metrics[TRUNCATED_RATE] == 0.0, f"{b}: rule-ended rows counted as truncated"
         got[b] = cut
     assert checked >= len(engines), "no row had stdlib-parseable JSON; the boundary was never checked"
-    assert_same_results(got, what="json_boundary")
+    assert_same_results(got, what="json_boundary", dtype=pool.options.dtype)
 
 
-def test_json_boundary_inside_min_new_tokens_ends_the_row_at_min_new_tokens(engines):
+def test_json_boundary_inside_min_new_tokens_ends_the_row_at_min_new_tokens(engines, pool):
     """The rule asks for the end while min_new_tokens still holds EOS back: the row goes on and ends with the
     rule's EOS exactly at index min_new_tokens (generation.min_new_tokens wins over every way to stop)."""
     got = {}
+    early = [r for e in engines.values() for r in e.generate(JSON[:2], options={"max_new_tokens": 96},
+                                                             plugins=JSON_BOUNDARY)]
+    min_new = max(len(r.token_ids) for r in early) + 6  # after every backend's own end (they may part outside fp32)
+    opts = {"max_new_tokens": min_new + 20, "min_new_tokens": min_new}
     for b, e in engines.items():
-        early = e.generate(JSON[:2], options={"max_new_tokens": 96}, plugins=JSON_BOUNDARY)
-        min_new = max(len(r.token_ids) for r in early) + 6
-        opts = {"max_new_tokens": min_new + 20, "min_new_tokens": min_new}
         late = e.generate(JSON[:2], options=opts, plugins=JSON_BOUNDARY)
         for i, r in enumerate(late):
             assert len(r.token_ids) == min_new + 1 and r.token_ids[-1] == e.tokenizer.eos_token_id, (b, i, r.token_ids)
@@ -78,10 +81,10 @@ def test_json_boundary_inside_min_new_tokens_ends_the_row_at_min_new_tokens(engi
             assert r.token_ids == late[i].token_ids[:-1], (b, i)
             assert (r.finish_reason, r.stop_reason) == ("length", None), (b, i)
         got[b] = [*late, *full]
-    assert_same_results(got, what="json_boundary inside min_new_tokens")
+    assert_same_results(got, what="json_boundary inside min_new_tokens", dtype=pool.options.dtype)
 
 
-def test_min_length_cap_ends_rows_alike_right_after_crossing(engines):
+def test_min_length_cap_ends_rows_alike_right_after_crossing(engines, pool):
     cap = 60
     plugins = [{"name": "min_length", "min_chars": 10, "max_chars": cap}]
     got = {}
@@ -96,10 +99,10 @@ def test_min_length_cap_ends_rows_alike_right_after_crossing(engines):
             body = r.token_ids[:-1]  # the forced EOS follows the first token whose text crosses the cap
             assert len(decode(body[:-1])) < cap <= len(decode(body)), b
         got[b] = rows
-    assert_same_results(got, what="min_length cap")
+    assert_same_results(got, what="min_length cap", dtype=pool.options.dtype)
 
 
-def test_eos_as_the_last_allowed_token_is_a_stop(engines):
+def test_eos_as_the_last_allowed_token_is_a_stop(engines, pool):
     """A row whose EOS is its max_new_tokens-th token ends with "stop"; one token less of budget is "length"."""
     got = {}
     for b, e in engines.items():
@@ -112,7 +115,7 @@ def test_eos_as_the_last_allowed_token_is_a_stop(engines):
         assert (exact.token_ids, exact.finish_reason, exact.stop_reason) == (free.token_ids, "stop", eos), b
         assert (short.token_ids, short.finish_reason, short.stop_reason) == (free.token_ids[:-1], "length", None), b
         got[b] = [exact, short]
-    assert_same_results(got, what="EOS as the last allowed token")
+    assert_same_results(got, what="EOS as the last allowed token", dtype=pool.options.dtype)
 
 
 def test_hf_stopping_criteria_mechanism_stops_on_the_closing_token(engines):

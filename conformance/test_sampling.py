@@ -12,11 +12,16 @@ import math
 
 import pytest
 
-from conformance.compare import assert_same_results, exact_pair
+from conformance.compare import assert_same_results, divergence_steps, exact_pair
 from engine.errors import ConfigError
 from fixtures import load_prompts
 
+pytestmark = pytest.mark.dtype_dependent
+
 PROMPTS = [p["messages"] for p in load_prompts("chat")[:4]]
+LOW_PRECISION_LOGPROB_TOL = 0.25
+"""Bound on two backends' log-probability of the same token at the same step outside float32. bfloat16 keeps 8
+bits of mantissa, so logits near 20 are only known to about 0.1."""
 SAMPLE = {"max_new_tokens": 12, "temperature": 1.0}
 
 
@@ -38,15 +43,17 @@ def test_a_seed_reproduces_and_another_seed_changes_the_sample(engine, backend):
 
 
 @pytest.mark.parametrize("limit", [{"top_k": 1}, {"top_p": 1e-6}], ids=["top_k-1", "top_p-tiny"])
-def test_a_one_token_candidate_set_is_greedy(engines, limit):
+def test_a_one_token_candidate_set_is_greedy(engines, limit, pool):
     """``top_k: 1`` keeps one candidate; so does a nucleus smaller than any token's probability. Both must
-    reproduce greedy decoding whatever the temperature and the seed, and agree across backends."""
+    reproduce greedy decoding whatever the temperature and the seed, and agree across backends. (In lower
+    precision two tokens can tie exactly, and the sampler's top-k may keep the other one than argmax: vLLM's rule.)"""
     got = {}
     for b, e in engines.items():
         rows = e.generate(PROMPTS, options={**SAMPLE, "temperature": 1.5, "seed": 3, **limit})
-        assert fields(rows) == fields(greedy(e)), f"{b}: {limit} with temperature 1.5 is not greedy"
+        assert_same_results({"greedy": greedy(e), f"{limit}": rows}, what=f"{b}: {limit} with temperature 1.5",
+                            dtype=pool.options.dtype)
         got[b] = rows
-    assert_same_results(got, what=f"sampling limited by {limit}")
+    assert_same_results(got, what=f"sampling limited by {limit}", dtype=pool.options.dtype)
 
 
 def test_greedy_with_a_nucleus_is_refused_before_generation(engine, count_backend_calls):
@@ -60,11 +67,13 @@ def test_greedy_with_a_nucleus_is_refused_before_generation(engine, count_backen
     assert calls == [], "a refused request generated tokens"
 
 
-def test_repetition_penalty_greedy_parity(engines, pool):
-    """CTRL-style penalty on prompt and output tokens: the same greedy rows on every backend (fp32), and not
-    the unpenalised rows (the penalty is applied, not dropped)."""
-    if pool.options.dtype != "float32":
-        pytest.skip("exact greedy parity is defined in float32 only (--engine-dtype float32)")
+def test_repetition_penalty_greedy_parity(engines, pool, summary_note):
+    """CTRL-style penalty on prompt and output tokens: not the unpenalised rows (the penalty is applied, not
+    dropped), and in float32 the same greedy rows on every backend.
+
+    Outside float32 the backends are compared up to their first divergence only, and how many rows agree is
+    reported: vLLM's rule cannot judge a divergence here, since log-probabilities are the raw distribution's and
+    the penalty picks tokens outside its top-k."""
     opts = {"max_new_tokens": 24, "repetition_penalty": 1.3}
     got = {}
     for b, e in engines.items():
@@ -72,10 +81,17 @@ def test_repetition_penalty_greedy_parity(engines, pool):
         plain = e.generate(PROMPTS, options={"max_new_tokens": 24})
         assert [r.token_ids for r in rows] != [r.token_ids for r in plain], f"{b}: the penalty changed nothing"
         got[b] = rows
-    assert_same_results(got, what="repetition_penalty 1.3")
+    if pool.options.dtype == "float32":
+        assert_same_results(got, what="repetition_penalty 1.3", dtype="float32")
+        return
+    (first, rows_0), *others = got.items()
+    for other, rows_1 in others:
+        steps = divergence_steps(rows_0, rows_1)
+        summary_note(f"repetition_penalty 1.3 {first} vs {other} ({pool.options.dtype}): "
+                     f"{steps.count(None)}/{len(steps)} rows token-identical; first divergences {steps}")
 
 
-def test_top_k_logprob_sets_and_values_agree(engines, pool):
+def test_top_k_logprob_sets_and_values_agree(engines, pool, summary_note):
     """Greedy with ``logprobs: 5``: per step, each backend returns the 5 most likely tokens (plus the chosen
     one) of the raw distribution; the sets agree up to ties at the edge, and the values agree within 1e-3 in
     fp32. Each backend's set is checked against its own ranking: every value returned is at least every value
@@ -83,8 +99,8 @@ def test_top_k_logprob_sets_and_values_agree(engines, pool):
     k = 5
     rows = {b: e.generate(PROMPTS[:2], options={"max_new_tokens": 8, "logprobs": k}) for b, e in engines.items()}
     names = list(rows)
-    tol = 1e-3 if pool.options.dtype == "float32" else 5e-2
-    compared = 0
+    tol = 1e-3 if pool.options.dtype == "float32" else LOW_PRECISION_LOGPROB_TOL
+    compared, worst = 0, 0.0
     for other, i in ((o, i) for o in names[1:] for i in range(len(PROMPTS[:2]))):
         a, b = rows[names[0]][i], rows[other][i]
         if exact_pair(names[0], other, pool.options.dtype):
@@ -100,9 +116,12 @@ def test_top_k_logprob_sets_and_values_agree(engines, pool):
             assert sum(math.exp(v) for v in la.values()) <= 1.0 + 1e-4, f"request {i} step {step}: mass above 1"
             for t in set(la) & set(lb):
                 assert abs(la[t] - lb[t]) < tol, f"request {i} step {step} token {t}: {la[t]} vs {lb[t]}"
+                worst = max(worst, abs(la[t] - lb[t]))
             edge = min(min(la.values()), min(lb.values()))
             for t in set(la) ^ set(lb):  # only a near-tie at the k-th place may differ
                 value = la.get(t, lb.get(t))
                 assert value - edge < tol, f"request {i} step {step}: token {t} ({value}) in one top-{k} only"
             compared += 1
     assert compared >= 2 * (len(names) - 1), f"only {compared} steps shared by the backends; the check proves little"
+    summary_note(f"top-{k} logprobs {' vs '.join(names)} ({pool.options.dtype}): {compared} shared steps, largest "
+                 f"difference {worst:.2g} (bound {tol:g})")

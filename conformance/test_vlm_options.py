@@ -36,10 +36,10 @@ def test_a_configured_budget_binds(pool, backend_names):
         full = default.generate_vlm([vlm_request(image)], options=OPTS)[0]
         assert [image_tokens(configured, r) for r in (small, wider, full)] == [60, 112, 198], b
         got[b] = [small, wider]
-    assert_same_results(got, what="configured pixel budget")
+    assert_same_results(got, what="configured pixel budget", dtype=pool.options.dtype)
 
 
-def test_images_below_min_pixels_are_upscaled(vlm_engines):
+def test_images_below_min_pixels_are_upscaled(vlm_engines, pool):
     """64 x 64 = 4096 pixels: under the default floor (3136) it rounds to 56 x 56 = 4 tokens; with
     ``min_pixels: 200704`` it is scaled by sqrt(200704 / 4096) = 7 to 448 x 448 = 16 x 16 = 256 tokens."""
     image = flat_image(64, 64)
@@ -49,10 +49,10 @@ def test_images_below_min_pixels_are_upscaled(vlm_engines):
         up = e.generate_vlm([vlm_request(image)], options=OPTS, pixels={"min_pixels": 200704})[0]
         assert (image_tokens(e, floor), image_tokens(e, up)) == (4, 256), b
         got[b] = [floor, up]
-    assert_same_results(got, what="min_pixels upscaling")
+    assert_same_results(got, what="min_pixels upscaling", dtype=pool.options.dtype)
 
 
-def test_do_resize_false_takes_grid_images_as_they_are(vlm_engines, count_backend_calls):
+def test_do_resize_false_takes_grid_images_as_they_are(vlm_engines, count_backend_calls, pool):
     """84 x 56 is on the 28-pixel grid: 3 x 2 = 6 tokens unresized. 64 x 64 is not, and 1120 x 840 is over the
     budget: both are refused with a typed error naming the image before anything is generated (the processor
     would fail mid-batch on the first and silently ignore the budget on the second)."""
@@ -68,7 +68,7 @@ def test_do_resize_false_takes_grid_images_as_they_are(vlm_engines, count_backen
                 e.generate_vlm([vlm_request(flat_image(84, 56)), vlm_request(bad)], options=OPTS, pixels=pixels)
             assert info.value.field == f"requests[{index}].image" and info.value.value == bad.size, b
         assert calls == [], f"{b}: a refused batch generated tokens"
-    assert_same_results(got, what="do_resize false")
+    assert_same_results(got, what="do_resize false", dtype=pool.options.dtype)
 
 
 class TextOnlyPlugin(Plugin):
@@ -81,7 +81,7 @@ class TextOnlyPlugin(Plugin):
         return frozenset({"post_decode"})
 
 
-def test_plugins_on_image_requests(vlm_engines, count_backend_calls):
+def test_plugins_on_image_requests(vlm_engines, count_backend_calls, pool):
     """A text-only plugin is refused for image requests before generation; a rule plugin (the ``min_length``
     cap) runs inside image generation and ends rows alike on every backend."""
     requests = [vlm_request(flat_image(84, 56), t) for t in ("Describe the image.", "What colour is it?")]
@@ -103,7 +103,7 @@ def test_plugins_on_image_requests(vlm_engines, count_backend_calls):
                 assert c.token_ids[-1] == e.tokenizer.eos_token_id
         assert ended, f"{b}: no image row reached 12 characters; the cap was never exercised"
         got[b] = capped
-    assert_same_results(got, what="min_length on image requests")
+    assert_same_results(got, what="min_length on image requests", dtype=pool.options.dtype)
 
 
 USES_THINKING = (
@@ -115,7 +115,7 @@ USES_THINKING = (
 )
 
 
-def test_processor_template_reading_thinking_gets_it_disabled(vlm_engines):
+def test_processor_template_reading_thinking_gets_it_disabled(vlm_engines, pool):
     """A Qwen3-VL-style processor template: the engine renders it with thinking off on every backend, so the
     prompt ends with the empty think block (hand-written below) and the prompts and outputs agree."""
     saved = {b: e.processor.chat_template for b, e in vlm_engines.items()}
@@ -130,4 +130,4 @@ def test_processor_template_reading_thinking_gets_it_disabled(vlm_engines):
     finally:
         for b, e in vlm_engines.items():
             e.processor.chat_template = saved[b]
-    assert_same_results(got, what="thinking-reading processor template")
+    assert_same_results(got, what="thinking-reading processor template", dtype=pool.options.dtype)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from conformance.runbook import DTYPE_CHECKS, RUNNER_CHECKS, Outcome, plan_passes, read_junit, verdict
+from pathlib import Path
+
+from conformance.runbook import DTYPE_MARKER, RUNNER_CHECKS, Outcome, plan_passes, read_junit, verdict
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
 <testcase classname="conformance.test_parity" name="test_a[hf]"/>
@@ -15,8 +17,18 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="py
 def test_both_runners_then_bf16_when_vllm_is_installed():
     passes = plan_passes(("hf", "vllm"))
     assert [p.env.get("VLLM_USE_V2_MODEL_RUNNER") for p in passes] == ["1", "0", None]
-    assert passes[0].checks == RUNNER_CHECKS and passes[-1].checks == DTYPE_CHECKS
+    assert passes[0].checks == RUNNER_CHECKS and (passes[-1].checks, passes[-1].marker) == ((), DTYPE_MARKER)
     assert [p.dtype for p in passes] == ["float32", "float32", "bfloat16"]
+
+
+def test_the_dtype_dependent_checks_carry_the_marker_the_bf16_passes_select():
+    """The bf16 pass of the runbook and of CI (nox -s conformance-bf16) select by marker: every module whose
+    comparisons depend on the dtype must carry it, or that pass silently leaves it out."""
+    suite = Path(__file__).resolve().parents[1] / "conformance"
+    marked = {f.name for f in suite.glob("test_*.py") if f"pytest.mark.{DTYPE_MARKER}" in f.read_text()}
+    assert marked == {"test_parity.py", "test_batch_invariance.py", "test_rule_ends.py", "test_repeat.py",
+                      "test_stop.py", "test_sampling.py", "test_structured_rules.py"}
+    assert f'"{DTYPE_MARKER}: ' in (suite.parent / "pyproject.toml").read_text()
 
 
 def test_junit_counts_and_failures(tmp_path):
