@@ -339,7 +339,8 @@ def free_port() -> int:
 
 
 def test_guard_that_cannot_run_exits_before_binding(pool, served_config, tmp_path):
-    """vLLM without its runner's logits-processor interface: exit 3 with the reason; the port is never bound."""
+    """vLLM without its runner's logits-processor interface: exit 3 with the reason; the port never listens (it is
+    bound before the model loads, so that a port in use fails first, but nothing is accepted there)."""
     from conformance.conftest import unavailable_reason
 
     if unavailable_reason("vllm"):
@@ -364,5 +365,5 @@ def test_guard_that_cannot_run_exits_before_binding(pool, served_config, tmp_pat
     elapsed = time.perf_counter() - start
     assert proc.returncode == 3, (proc.returncode, err[-2000:])
     assert "cannot start" in err and "repeat_terminate.enabled is true, but the guard cannot be activated" in err
-    assert not bound, "the port was bound although the guard could not run"
-    print(f"guard refusal: exit 3 after {elapsed:.1f}s, port never bound")
+    assert not bound, "the port accepted a connection although the guard could not run"
+    print(f"guard refusal: exit 3 after {elapsed:.1f}s, port never listened")

@@ -7,7 +7,8 @@ the same call gives in-process whatever it was merged with. When a merged
 batch fails, each submission is retried alone, so one bad request does not fail its neighbours. A submission
 whose caller went away (cancelled) before its batch started is dropped. A streaming submission (``on_token``)
 hears each of its tokens on the caller's loop while the merged ``generate`` runs; a retry repeats the positions.
-In a batch with a streaming submission, the rows of submissions cancelled meanwhile end at their next token.
+On a backend that hears each token (``streams_tokens``: HF, llama.cpp), the rows of a submission cancelled while
+its batch runs end at their next token, whether it streams or not.
 """
 
 from __future__ import annotations
@@ -123,7 +124,10 @@ class AsyncBatcher:
         prompts = [p for j in group for p in j.prompts]
         try:
             self.batches.append(len(prompts))
-            kwargs = {"on_token": _fan_out(group, loop)} if any(j.on_token for j in group) else {}
+            # A backend that hears each token (HF, llama.cpp) always gets the fan-out: besides streaming, it ends
+            # the rows of a submission whose caller went away, streamed or not, at their next token.
+            hears = getattr(self.backend, "streams_tokens", False) or any(j.on_token for j in group)
+            kwargs = {"on_token": _fan_out(group, loop)} if hears else {}
             outputs = await loop.run_in_executor(self._executor,
                                                  partial(self.backend.generate, prompts, group[0].plan, **kwargs))
         except Exception as err:

@@ -21,7 +21,7 @@ from engine.completion import PromptLike, canonical_schema, check_scored, plain_
 from engine.config import EngineConfig, GenerationOptions, PixelBudget, StopPolicy
 from engine.errors import ConfigError, PluginCompatibilityError, RequestError, UnsupportedCapabilityError
 from engine.loading import load_processor, load_tokenizer
-from engine.plugins import POST_DECODE, Plugin, PluginContext, create_plugin
+from engine.plugins import POST_DECODE, Plugin, PluginContext, create_plugins
 from engine.rules.base import RuleSpec
 from engine.rules.events import events_within
 from engine.rules.min_length import is_sentence_end_token
@@ -72,6 +72,7 @@ class GenerationEngine:
         self._fallback: Backend | None = None
         self._context: PluginContext | None = None
         self._specials: dict[str, int] | None = None
+        self._token_chars: int | None = None
         self._batcher: Any = None
         self._owns_backend = True
 
@@ -108,7 +109,7 @@ class GenerationEngine:
         derived._check_plugins(derived.plugins, self.backend.name, self.backend.capabilities.hooks, kinds=None)
         derived.backend = self.backend
         derived._fallback, derived._context, derived._batcher = None, self._context, None
-        derived._specials = self._specials
+        derived._specials, derived._token_chars = self._specials, self._token_chars
         derived._owns_backend = False
         return derived
 
@@ -149,8 +150,7 @@ class GenerationEngine:
 
     def _plugins(self, plugins: PluginsLike) -> list[Plugin]:
         """Per-call plugins replace the engine's when given; None keeps the engine's."""
-        specs = self.config.plugins if plugins is None else plugins
-        return [create_plugin(p, index=i) for i, p in enumerate(specs)]
+        return create_plugins(self.config.plugins if plugins is None else plugins)
 
     @staticmethod
     def _check_plugins(plugins: list[Plugin], backend: str, hooks: frozenset[str], kinds: str | None) -> None:
@@ -166,6 +166,28 @@ class GenerationEngine:
                     f"plugin {plugin.name!r} needs {', '.join(missing)}, which backend {backend!r} does not "
                     f"offer (it offers: {', '.join(sorted(hooks)) or 'none'}). "
                     "Fix: use another backend, another plugin setting, or drop the plugin")
+
+    def _chars_per_token(self) -> int:
+        """An upper bound on the characters one token decodes to: its vocabulary string's length (byte-level BPE
+        and SentencePiece spell each decoded byte or space with at least one character), plus one for a decoder
+        that joins tokens with a space. Cached; derived engines share it."""
+        if self._token_chars is None:
+            vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+            self._token_chars = max(map(len, vocab), default=0) + 1 if vocab else None
+        return self._token_chars or 0
+
+    def _check_size(self, checked: Sequence[ChatRequest]) -> None:
+        """Refuse a conversation that cannot fit the context even at the longest token, before tokenizing it (a
+        50 MB message would otherwise be tokenized whole, taking gigabytes, only to be refused after)."""
+        limit, per = self.backend.capabilities.max_model_len, self._chars_per_token()
+        if limit is None or not per:
+            return
+        for i, r in enumerate(checked):
+            chars = sum(len(m["content"]) for m in r.messages)
+            if chars > limit * per:
+                raise RequestError(f"requests[{i}].messages", f"{chars} characters", f"cannot fit the model's "
+                                   f"context length ({limit} tokens of at most {per} characters each); refused "
+                                   "before tokenizing", fix="shorten the conversation")
 
     def _special_texts(self) -> dict[str, int]:
         """Special tokens' texts and ids: what ``skip_special_tokens`` decoding drops (cached)."""
@@ -200,6 +222,12 @@ class GenerationEngine:
         if opts.seed is None and default_seed is not None:
             opts = dataclasses.replace(opts, seed=default_seed)
         policy = self.config.stop.merged(stop)
+        if policy.token_ids:
+            vocab = len(self.tokenizer)
+            for i, token_id in enumerate(policy.token_ids):
+                if token_id >= vocab:
+                    raise ConfigError(f"stop.token_ids[{i}]", token_id, f"is not a token id of this model (its "
+                                      f"tokenizer has {vocab})", fix=f"give ids in [0, {vocab})")
         found = special_stop(policy.strings, self._special_texts())
         if found is not None:
             i, text, token_id = found
@@ -229,6 +257,7 @@ class GenerationEngine:
         self._check_plugins(active, self.backend.name, self.backend.capabilities.hooks, kinds="text")
         plan = self._plan(options, stop, None, self.backend, active, json_schema)
         checked = [ChatRequest.of(r, index=i) for i, r in enumerate(requests)]
+        self._check_size(checked)
         rendered = [render_prompt(self.tokenizer, r.messages) for r in checked]
         limit = self.backend.capabilities.max_model_len
         for i, r in enumerate(rendered):

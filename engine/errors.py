@@ -15,6 +15,24 @@ from __future__ import annotations
 
 from typing import Any
 
+SHOWN_CHARS = 200
+"""Most characters of an offending value an error message repeats (a 50 MB value is named, not echoed back)."""
+
+
+def shown(value: Any) -> str:
+    """``repr(value)``, cut to :data:`SHOWN_CHARS` with the full length said.
+
+    >>> shown("abc")
+    "'abc'"
+    >>> shown("x" * 1000)[-21:], len(shown("x" * 1000))
+    ('... (1002 characters)', 221)
+    """
+    try:
+        text = repr(value)
+    except ValueError:  # an int beyond Python's digit limit for str()
+        return f"<{type(value).__name__} too large to show>"
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
+
 
 class EngineError(Exception):
     """Base class of every error the engine raises on purpose."""
@@ -28,7 +46,7 @@ class _FieldError(EngineError, ValueError):
         self.value = value
         self.problem = problem
         self.fix = fix
-        message = f"{field} {problem}, got {value!r}."
+        message = f"{field} {problem}, got {shown(value)}."
         if fix:
             message += f" Fix: {fix.rstrip('.')}."
         super().__init__(message)
@@ -40,6 +58,11 @@ class ConfigError(_FieldError):
 
 class RequestError(_FieldError):
     """A generation request is malformed (empty messages, unknown role, ...). ``field`` names the request."""
+
+
+class RequestTooLarge(RequestError):
+    """A request goes over one of the server's limits on size (its body, prompts per call, stop strings); served
+    as HTTP 413 where the body itself is too large, else 400."""
 
 
 class UnsupportedCapabilityError(EngineError):

@@ -9,6 +9,43 @@ from typing import Any
 from engine.errors import RequestError
 
 ROLES = ("system", "user", "assistant", "tool")
+MESSAGE_KEYS = ("role", "content")
+"""What the engine reads from a message. Any other key (``name``, ``tool_calls``) is refused by name: the chat
+template would otherwise drop it or not, silently, depending on the model."""
+
+
+def check_unicode(text: str, at: str) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate, as ``"\\ud800"`` in JSON gives): no tokenizer
+    can encode it.
+
+    >>> check_unicode("caf\\u00e9", "x")
+    >>> check_unicode("a\\ud800b", "requests[0].messages[0].content")
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: requests[0].messages[0].content holds a lone surrogate at character 1 (not valid \
+Unicode text), got 'a\\ud800b'. Fix: send the text as valid UTF-8.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise RequestError(at, text, f"holds a lone surrogate at character {err.start} (not valid Unicode text)",
+                           fix="send the text as valid UTF-8") from None
+
+
+def check_message_keys(msg: Mapping[str, Any], at: str) -> None:
+    """Refuse the first key of ``msg`` the engine does not read, naming it.
+
+    >>> check_message_keys({"role": "user", "content": "Hi", "name": "ann"}, "requests[0].messages[0]")
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: requests[0].messages[0].name is not read by the engine (a message is its role and \
+content, rendered with the model's chat template), got 'ann'. Fix: drop 'name' from the message.
+    """
+    for key in msg:
+        if key not in MESSAGE_KEYS:
+            raise RequestError(f"{at}.{key}", msg[key], "is not read by the engine (a message is its role and "
+                               "content, rendered with the model's chat template)",
+                               fix=f"drop {key!r} from the message")
 
 
 @dataclass(frozen=True)
@@ -41,6 +78,7 @@ Fix: give at least one {'role': 'user', 'content': ...} message.
             if not isinstance(msg, Mapping):
                 raise RequestError(at, msg, "must be a mapping with 'role' and 'content'",
                                    fix="write it as {'role': 'user', 'content': 'text'}")
+            check_message_keys(msg, at)
             role = msg.get("role")
             if role not in ROLES:
                 raise RequestError(f"{at}.role", role, f"must be one of {', '.join(ROLES)}",
@@ -50,6 +88,7 @@ Fix: give at least one {'role': 'user', 'content': ...} message.
             if not isinstance(msg["content"], str):
                 raise RequestError(f"{at}.content", msg["content"], "must be a string on the text path",
                                    fix="pass the message text as a string")
+            check_unicode(msg["content"], f"{at}.content")
         return cls(tuple(dict(m) for m in raw))
 
 

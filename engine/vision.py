@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import RequestError
-from engine.types import ROLES
+from engine.types import ROLES, check_message_keys
 
 PART_TYPES = ("text", "image")
 
@@ -80,6 +80,7 @@ Fix: add one {'type': 'image', 'image': ...} part (use generate() for text-only 
             if not isinstance(msg, Mapping):
                 raise RequestError(at, msg, "must be a mapping with 'role' and 'content'",
                                    fix="write it as {'role': 'user', 'content': [...parts]}")
+            check_message_keys(msg, at)
             if msg.get("role") not in ROLES:
                 raise RequestError(f"{at}.role", msg.get("role"), f"must be one of {', '.join(ROLES)}",
                                    fix="use a standard chat role")

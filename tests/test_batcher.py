@@ -172,3 +172,30 @@ def test_rows_of_a_cancelled_submission_are_ended_by_the_backend():
 
     assert [r.token_ids for r in run(main())] == [(1,)]
     assert answers == [(0, False), (1, True)]
+
+
+def test_rows_of_a_cancelled_unstreamed_submission_are_ended_too():
+    """No submission streams: a backend that hears each token (``streams_tokens``, as HF) still gets ``on_token``,
+    so a non-streamed caller that leaves (an HTTP client gone) stops its rows instead of generating to the end."""
+    answers: list[tuple[int, bool]] = []
+
+    class Hearing(Recorder):
+        streams_tokens = True
+
+        def generate(self, prompts, plan, on_token=None):
+            assert on_token is not None, "a token-hearing backend got no on_token"
+            time.sleep(0.2)  # the second caller is cancelled meanwhile
+            answers.extend((row, on_token(row, 0, 1)) for row in range(len(prompts)))
+            return super().generate(prompts, plan)
+
+    batcher = AsyncBatcher(Hearing(), max_batch_size=32, wait_s=0.05)
+
+    async def main():
+        kept = asyncio.ensure_future(batcher.submit([prompt(1)], plan()))
+        gone = asyncio.ensure_future(batcher.submit([prompt(2)], plan()))
+        await asyncio.sleep(0.1)
+        gone.cancel()
+        return await kept
+
+    assert [r.token_ids for r in run(main())] == [(1,)]
+    assert answers == [(0, False), (1, True)]

@@ -4,6 +4,7 @@ validated before torch or vLLM is imported; bad input exits non-zero within seco
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -104,3 +105,43 @@ def test_ambiguous_or_unreadable_sources_are_errors(environ, flag, message):
 def test_namespace_must_not_shadow_the_response(tmp_path):
     proc, _ = serve(tmp_path, {**BASE, "serve": {"namespace": "response"}}, "--check")
     assert proc.returncode == 2 and "serve.namespace must not be 'response'" in proc.stderr
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("backend: hf\nmodel: /models/none\nserve:\n  host: 127.0.0.1\n  port: 0\n  host: 0.0.0.0\n",
+     "--config line 6 has the key 'host' twice in one mapping (first on line 4"),
+    ("backend: hf\nmodel: /models/none\nserve: [port, 8000]\n", "serve must be a mapping of settings"),
+    ("backend: hf\nmodel: /models/none\nserve: {chat: 5}\n", "serve.chat must be a mapping of settings"),
+    ("backend: hf\nmodel: /models/none\nserve: {port: 80\n", "is not valid YAML"),
+], ids=["duplicate-key", "serve-list", "chat-number", "broken-yaml"])
+def test_launch_faults_in_the_config_file_exit_2_with_a_message(tmp_path, text, message):
+    """Each used to exit 1 with a traceback, or (a second ``host:``) to bind whatever the last one said."""
+    path = tmp_path / "served.yaml"
+    path.write_text(text)
+    proc = subprocess.run([sys.executable, "-c", PROBE, "--config", str(path)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "engine.serve: config error:" in proc.stderr and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "HEAVY=\n" in proc.stdout
+
+
+def test_a_port_in_use_exits_2_before_the_model_loads(tmp_path):
+    """The port is taken before the model: the missing model (exit 3 after a load attempt) is never reached."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc, seconds = serve(tmp_path, BASE, "--port", str(port))
+    assert proc.returncode == 2, proc.stderr
+    assert f"serve.port cannot be bound (Address already in use), got '127.0.0.1:{port}'" in proc.stderr
+    assert "cannot start" not in proc.stderr and seconds < 10
+
+
+@pytest.mark.parametrize("seconds", [0, 0.5, 30])
+def test_the_drain_timeout_reaches_uvicorn_as_given(seconds):
+    """``drain_timeout_s: 0.5`` used to become ``int(0.5) or None``: wait forever on SIGTERM."""
+    from engine.config import ServeConfig
+    from engine.serve.launch import uvicorn_config
+
+    assert uvicorn_config(object(), ServeConfig(drain_timeout_s=seconds), log_level="warning"
+                          ).timeout_graceful_shutdown == seconds

@@ -80,3 +80,24 @@ def test_finish_reason_priority():
     assert finish_reason([1, 2], stop_token_ids=[2], matched_stop="x") == ("stop", "x")
     assert finish_reason([1, 2], stop_token_ids=[2], matched_stop=None) == ("stop", 2)
     assert finish_reason([], stop_token_ids=[2], matched_stop=None) == ("length", None)
+
+
+pieces = st.lists(st.text(alphabet=alphabet, max_size=3), min_size=1, max_size=8)  # a tiny vocabulary
+
+
+@given(pieces, st.lists(st.integers(0, 7), max_size=30), st.lists(st.text(alphabet=alphabet, min_size=1, max_size=5),
+                                                                  min_size=1, max_size=3), st.integers(0, 6))
+def test_the_stop_watch_ends_the_row_at_the_first_prefix_whose_text_completes_a_stop(vocab, ids, stops, min_new):
+    """StopStringWatch, fed one token at a time with a bounded tail of text, fires on exactly the token whose
+    prefix text first holds a stop completing after the text of the first ``min_new`` tokens (full decodes)."""
+    from engine.rules.detok import IncrementalDetokenizer
+    from engine.rules.stop import StopStringWatch
+
+    ids = [i % len(vocab) for i in ids]
+    decode = lambda seq: "".join(vocab[i] for i in seq)  # noqa: E731
+    watch = StopStringWatch(stops, IncrementalDetokenizer(decode), min_new_tokens=min_new)
+    fired = next((k for k, token in enumerate(ids, 1) if watch.feed(token)), None)
+    floor = len(decode(ids[:min_new]))
+    want = next((k for k in range(min_new + 1, len(ids) + 1)
+                 if find_earliest_stop(decode(ids[:k]), stops, min_end=floor) is not None), None)
+    assert fired == want

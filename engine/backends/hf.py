@@ -46,30 +46,30 @@ class RowFinishRecorder:
     """A stopping criterion that ends rows on terminal ids, stop strings or stopping-criteria row rules, and
     records when each ended.
 
-    ``lengths[row]`` is the number of generated tokens the row kept (None while it runs). Stop strings
-    count only once more than ``min_new_tokens`` tokens exist, as in vLLM. ``rule_sets`` (one per row) are
+    ``lengths[row]`` is the number of generated tokens the row kept (None while it runs). ``stop_watches`` (one
+    :class:`~engine.rules.stop.StopStringWatch` per row, or None) end rows on stop strings; they count only once
+    more than ``min_new_tokens`` tokens exist, as in vLLM. ``rule_sets`` (one per row) are
     the rules plugged in through the "hf_stopping_criteria" hook: a row stops right after the token that
     makes its rules demand an end (no EOS appended). ``on_token(row, position, token)`` (streaming) hears every
     token a row keeps, the one that ends it included, as soon as it exists; when it returns True the row's caller
     is gone and the row ends there.
 
     >>> import torch
-    >>> rec = RowFinishRecorder(prompt_len=2, terminal_ids=[0], stop_criteria=None, min_new_tokens=0)
+    >>> rec = RowFinishRecorder(prompt_len=2, terminal_ids=[0])
     >>> rec(torch.tensor([[5, 5, 7], [5, 5, 0]]), None).tolist()
     [False, True]
     >>> rec.lengths
     [None, 1]
     """
 
-    def __init__(self, prompt_len: int, terminal_ids: Sequence[int], stop_criteria: Any, min_new_tokens: int,
+    def __init__(self, prompt_len: int, terminal_ids: Sequence[int], stop_watches: list[Any] | None = None,
                  rule_sets: list[Any] | None = None,
                  on_token: Callable[[int, int, int], bool | None] | None = None):
         import torch
 
         self.prompt_len = prompt_len
         self.terminal = torch.tensor(list(terminal_ids), dtype=torch.long)
-        self.stop_criteria = stop_criteria
-        self.min_new_tokens = min_new_tokens
+        self.stop_watches = stop_watches
         self.rule_sets = rule_sets or []
         self.on_token = on_token
         self.lengths: list[int | None] = []
@@ -85,8 +85,11 @@ class RowFinishRecorder:
         step = total - self.prompt_len  # (batch, total): tokens generated so far = step
         last = input_ids[:, -1]
         done = torch.isin(last, self.terminal.to(last.device))
-        if self.stop_criteria is not None and step > self.min_new_tokens:
-            done = done | self.stop_criteria(input_ids, scores).to(done.device)
+        if self.stop_watches:
+            tokens = last.tolist()
+            stopped = [self.lengths[row] is None and watch.feed(tokens[row])
+                       for row, watch in enumerate(self.stop_watches)]
+            done = done | torch.tensor(stopped, device=done.device)
         if self.rule_sets:
             feed_new_tokens(self.rule_sets, input_ids, self.prompt_len)
             ended = torch.tensor([rs.decision().force_eos for rs in self.rule_sets], device=done.device)
@@ -223,10 +226,12 @@ class HfBackend:
     def _generate_batch(self, prompts: Sequence[Prompt], plan: SamplingPlan,
                         on_token: Callable[[int, int, int], bool | None] | None = None) -> list[BackendOutput]:
         import torch
-        from transformers import LogitsProcessorList, StoppingCriteriaList, StopStringCriteria
+        from transformers import LogitsProcessorList, StoppingCriteriaList
 
         from engine.backends.hf_rules import HfRowRules, rule_sets
         from engine.backends.hf_sampling import RowSampler
+        from engine.rules.detok import text_stream
+        from engine.rules.stop import StopStringWatch
 
         inputs = self._inputs(prompts, plan)
         width = inputs["input_ids"].shape[1]
@@ -236,9 +241,10 @@ class HfBackend:
         min_new = plan.options.min_new_tokens
         stop_sets = rule_sets(stop_specs, len(prompts), terminal_ids=plan.terminal_token_ids, decode=decode,
                               min_new_tokens=min_new)
-        stop_criteria = StopStringCriteria(self.tokenizer, list(plan.stop.strings)) if plan.stop.strings else None
-        recorder = RowFinishRecorder(width, plan.terminal_token_ids, stop_criteria, plan.options.min_new_tokens,
-                                     stop_sets if stop_specs else None, on_token=on_token)
+        watches = [StopStringWatch(plan.stop.strings, text_stream(decode), min_new_tokens=min_new)
+                   for _ in prompts] if plan.stop.strings else None
+        recorder = RowFinishRecorder(width, plan.terminal_token_ids, watches, stop_sets if stop_specs else None,
+                                     on_token=on_token)
         processors = []
         if logit_specs:
             processors.append(HfRowRules(logit_specs, prompt_len=width, eos_id=plan.eos_token_ids[0],

@@ -167,8 +167,8 @@ class LlamaCppBackend:
                       on_token: Callable[[int, int, int], bool | None] | None) -> BackendOutput:
         from engine.backends.hf_rules import rule_sets
         from engine.backends.llamacpp_rules import LlamaCppRowStep
-        from engine.rules.detok import IncrementalDetokenizer
-        from engine.rules.stop import find_earliest_stop
+        from engine.rules.detok import text_stream
+        from engine.rules.stop import StopStringWatch
 
         opts, llm = plan.options, self.llm
         terminal = set(plan.terminal_token_ids)
@@ -183,15 +183,12 @@ class LlamaCppBackend:
                                repetition_penalty=opts.repetition_penalty,
                                temperature=None if opts.is_greedy else opts.temperature,
                                logprobs=opts.logprobs is not None)
-        text = None
-        if plan.stop.strings:
-            table = self._text_table()
-            text = table.stream() if table is not None else IncrementalDetokenizer(self._decode)
+        stops = StopStringWatch(plan.stop.strings, text_stream(text_source),
+                                min_new_tokens=opts.min_new_tokens) if plan.stop.strings else None
         budget = min(opts.max_new_tokens, self.n_ctx - len(prompt.token_ids))
         llm.set_seed(self._seed(prompt))
         tokens: list[int] = []
         logprobs: list[dict[int, float]] = []
-        generated_text, min_end = "", 0
         generator = llm.generate(list(prompt.token_ids), temp=0.0 if opts.is_greedy else 1.0, top_k=opts.top_k,
                                  top_p=opts.top_p, min_p=0.0, typical_p=1.0, repeat_penalty=1.0,
                                  logits_processor=[step])
@@ -203,14 +200,8 @@ class LlamaCppBackend:
                 if opts.logprobs is not None:
                     logprobs.append(step.top_logprobs(token, opts.logprobs))
                 done = token in terminal or len(tokens) >= budget
-                if text is not None and not done:
-                    before = len(generated_text)
-                    generated_text += text.push(token)
-                    if len(tokens) <= opts.min_new_tokens:
-                        min_end = len(generated_text)  # stops inside the first min_new_tokens tokens do not count
-                    else:
-                        done = find_earliest_stop(generated_text, plan.stop.strings,
-                                                  min_end=max(before, min_end)) is not None
+                if stops is not None and not done:
+                    done = stops.feed(token)
                 if stoppers is not None and not done:
                     stoppers.feed(token)
                     done = stoppers.decision().force_eos

@@ -255,10 +255,9 @@ vllm.
     @classmethod
     def from_yaml(cls, path: str | Path) -> EngineConfig:
         """Load and validate a YAML config file."""
-        import yaml
+        from engine.config.yaml_file import load_yaml
 
-        text = Path(path).read_text(encoding="utf-8")
-        data = yaml.safe_load(text)
+        data = load_yaml(path, field=str(path))
         if not isinstance(data, dict):
             raise ConfigError(str(path), data, "must hold a YAML mapping at the top level",
                               fix="start the file with keys such as 'backend:' and 'model:'")

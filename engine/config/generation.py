@@ -10,6 +10,12 @@ from engine.config._build import check_range, check_type, merge
 from engine.errors import ConfigError
 
 MAX_LOGPROBS = 20
+MIN_TEMPERATURE = 0.01
+"""The smallest sampling temperature. vLLM raises anything in (0, 0.01) to 0.01 with a warning (below it logits
+overflow to inf and sampling returns NaN); the engine refuses such values instead, so that no backend samples
+another distribution than the one asked for."""
+MIN_REPETITION_PENALTY = 0.01
+"""The smallest repetition penalty: below it the penalised logits overflow float32 (inf, then NaN when sampling)."""
 
 
 @dataclass(frozen=True)
@@ -31,7 +37,7 @@ class GenerationOptions:
     max_new_tokens: int = 256
     """Most tokens generated per request, in [1, inf)."""
     temperature: float = 0.0
-    """Sampling temperature in [0, inf); 0 means greedy decoding."""
+    """Sampling temperature: 0 (greedy decoding) or in [0.01, inf) (:data:`MIN_TEMPERATURE`)."""
     top_p: float = 1.0
     """Nucleus mass in (0, 1]; 1 disables it. Only with temperature > 0."""
     top_k: int = 0
@@ -39,7 +45,7 @@ class GenerationOptions:
     seed: int | None = None
     """Sampling seed in [0, 2**63); reproducible per backend, not across backends. None: unseeded."""
     repetition_penalty: float = 1.0
-    """Penalty on prompt and output tokens (CTRL-style, as HF and vLLM define it), in (0, inf); 1 disables it."""
+    """Penalty on prompt and output tokens (CTRL-style, as HF and vLLM define it), in [0.01, inf); 1 disables it."""
     min_new_tokens: int = 0
     """EOS and stop token ids are banned until this many tokens exist, in [0, max_new_tokens]."""
     logprobs: int | None = None
@@ -52,6 +58,10 @@ class GenerationOptions:
         check_range(f"{p}.max_new_tokens", self.max_new_tokens, low=1, fix="ask for at least one token")
         check_type(f"{p}.temperature", self.temperature, (int, float), "a number")
         check_range(f"{p}.temperature", self.temperature, low=0, fix="use 0 for greedy or a positive value")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ConfigError(f"{p}.temperature", self.temperature, f"must be 0 (greedy) or at least "
+                              f"{MIN_TEMPERATURE} (smaller ones overflow the logits; vLLM would raise it to "
+                              f"{MIN_TEMPERATURE})", fix=f"use 0 for greedy decoding, or {MIN_TEMPERATURE} or more")
         check_type(f"{p}.top_p", self.top_p, (int, float), "a number")
         check_range(f"{p}.top_p", self.top_p, low=0, high=1, low_open=True, fix="use a value such as 0.9")
         check_type(f"{p}.top_k", self.top_k, int, "an integer")
@@ -60,8 +70,8 @@ class GenerationOptions:
             check_type(f"{p}.seed", self.seed, int, "an integer")
             check_range(f"{p}.seed", self.seed, low=0, high=2**63, high_open=True)
         check_type(f"{p}.repetition_penalty", self.repetition_penalty, (int, float), "a number")
-        check_range(f"{p}.repetition_penalty", self.repetition_penalty, low=0, low_open=True,
-                    fix="use 1.0 to disable the penalty")
+        check_range(f"{p}.repetition_penalty", self.repetition_penalty, low=MIN_REPETITION_PENALTY,
+                    fix="use 1.0 to disable the penalty (values below 0.01 overflow the penalised logits)")
         check_type(f"{p}.min_new_tokens", self.min_new_tokens, int, "an integer")
         check_range(f"{p}.min_new_tokens", self.min_new_tokens, low=0, high=self.max_new_tokens,
                     fix=f"keep it at most generation.max_new_tokens ({self.max_new_tokens})")
@@ -110,6 +120,11 @@ class StopPolicy:
         for i, s in enumerate(self.strings):
             if not isinstance(s, str) or not s:
                 raise ConfigError(f"stop.strings[{i}]", s, "must be a non-empty string", fix="remove it or give text")
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ConfigError(f"stop.strings[{i}]", s, "holds a lone surrogate (not valid Unicode text)",
+                                  fix="send the text as valid UTF-8") from None
         for i, t in enumerate(self.token_ids):
             check_type(f"stop.token_ids[{i}]", t, int, "an integer token id")
             check_range(f"stop.token_ids[{i}]", t, low=0)

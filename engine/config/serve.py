@@ -91,6 +91,14 @@ got 'response'. Fix: pick another key, e.g. 'coordexp'.
     """HF backend: most prompts per batched ``generate`` call, in [1, inf)."""
     drain_timeout_s: float = 30.0
     """On shutdown, how long in-flight requests may take to finish, in [0, inf)."""
+    max_body_bytes: int = 16 * 2**20
+    """Largest request body read, in bytes (default 16 MiB); a larger one gets 413 before it is parsed."""
+    max_prompts_per_call: int = 4096
+    """Most conversations in one ``/infer/`` call; more are refused before any is tokenized."""
+    max_stop_strings: int = 64
+    """Most stop strings in one request."""
+    max_stop_string_chars: int = 256
+    """Longest stop string, in characters (each generated token is searched for the longest one)."""
     chat: PatternCConfig = field(default_factory=PatternCConfig)
     """Defaults of the Pattern C ``POST /chat`` endpoint."""
 
@@ -114,3 +122,6 @@ got 'response'. Fix: pick another key, e.g. 'coordexp'.
         check_range("serve.max_batch_size", self.max_batch_size, low=1)
         check_type("serve.drain_timeout_s", self.drain_timeout_s, (int, float), "a number")
         check_range("serve.drain_timeout_s", self.drain_timeout_s, low=0)
+        for name in ("max_body_bytes", "max_prompts_per_call", "max_stop_strings", "max_stop_string_chars"):
+            check_type(f"serve.{name}", getattr(self, name), int, "an integer")
+            check_range(f"serve.{name}", getattr(self, name), low=1)

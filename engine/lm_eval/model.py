@@ -372,10 +372,10 @@ def _build_engine(config: str | None, backend: str | None, model: str | None, dt
 
     data: dict[str, Any] = {}
     if config:
-        import yaml
+        from engine.config.yaml_file import load_yaml
 
         EngineConfig.from_yaml(config)  # the file alone must be valid (errors name its keys)
-        data = yaml.safe_load(Path(config).read_text(encoding="utf-8"))
+        data = load_yaml(config, field="config")
     if backend:
         data["backend"] = backend
     model_section = dict(data.get("model") or {})

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from engine.errors import ConfigError
@@ -34,8 +34,11 @@ def available_plugins() -> dict[str, str]:
 def plugin_class(name: str, *, where: str = "plugins") -> type[Plugin]:
     from engine.config._build import did_you_mean
 
+    if not isinstance(name, str):
+        raise ConfigError(f"{where}.name", name, "must be a plugin name (a string)",
+                          fix=f"use one of {', '.join(sorted(available_plugins()))}")
     # Built-ins resolve without the entry-point scan (about 10 ms: it would run on every request of a server).
-    registry = BUILTINS if isinstance(name, str) and name in BUILTINS else available_plugins()
+    registry = BUILTINS if name in BUILTINS else available_plugins()
     if name not in registry:
         raise ConfigError(f"{where}.name", name, "is not a registered plugin", fix=did_you_mean(str(name), registry))
     module, _, attr = registry[name].partition(":")
@@ -57,5 +60,18 @@ def create_plugin(spec: Plugin | Mapping[str, Any], *, index: int) -> Plugin:
     return plugin_class(spec["name"], where=where)(index, **params)
 
 
+def create_plugins(specs: Any) -> list[Plugin]:
+    """Plugins from a list of specs (``create_plugin`` each); anything but a list is refused by name.
+
+    >>> create_plugins(5)
+    Traceback (most recent call last):
+    ...
+    engine.errors.ConfigError: plugins must be a list of plugins, got 5. Fix: write [{name: cleanup}], or [] for none.
+    """
+    if isinstance(specs, (str, bytes, Mapping)) or not isinstance(specs, Sequence):
+        raise ConfigError("plugins", specs, "must be a list of plugins", fix="write [{name: cleanup}], or [] for none")
+    return [create_plugin(p, index=i) for i, p in enumerate(specs)]
+
+
 __all__ = ["BUILTINS", "ENTRY_POINT_GROUP", "HOOKS", "POST_DECODE", "REQUEST_KINDS", "Plugin", "PluginContext",
-           "available_plugins", "create_plugin", "plugin_class"]
+           "available_plugins", "create_plugin", "create_plugins", "plugin_class"]

@@ -103,13 +103,13 @@ class RuleSet:
         ``engine.rules.token_text.TokenBytes``) or any ``ids -> str`` function (decoded incrementally).
         ``min_new_tokens``: no rule ends the row before that many tokens (generation.min_new_tokens wins, as it
         does over EOS and stop strings on every backend); a rule that asks earlier ends it then."""
-        from engine.rules.detok import IncrementalDetokenizer
+        from engine.rules.detok import text_stream
 
         self.rules = rules
         self.terminal = terminal_ids
         self.detok: Any = None
         if any(r.needs_text for r in rules) and decode is not None:
-            self.detok = decode.stream() if hasattr(decode, "stream") else IncrementalDetokenizer(decode)
+            self.detok = text_stream(decode)
         self.min_new_tokens = min_new_tokens
         self.done = False
         self.fed = 0

@@ -8,6 +8,7 @@ incomplete character (U+FFFD). ``decode`` is any ``ids -> str`` function (specia
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 
 class IncrementalDetokenizer:
@@ -33,3 +34,9 @@ class IncrementalDetokenizer:
             self.prefix, self.read = self.read, len(self.ids)
             return after[len(before) :]
         return ""
+
+
+def text_stream(decode: Any) -> Any:
+    """A row's text stream from a rule's text source: a table with ``stream()`` (the cheap path,
+    :class:`engine.rules.token_text.TokenBytes`) or any ``ids -> str`` function (decoded incrementally)."""
+    return decode.stream() if hasattr(decode, "stream") else IncrementalDetokenizer(decode)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.config.yaml_file import load_yaml
 from engine.errors import ConfigError
 
 ENV_JSON = "ENGINE_REPEAT_TERMINATE_JSON"
@@ -50,19 +51,11 @@ def subtree_from_yaml(spec: str) -> Any:
     ...
     engine.errors.ConfigError: --repeat-terminate-from custom.missing has no key 'missing' ...
     """
-    import yaml
-
     path, sep, dotted = spec.rpartition(":")
     if not sep or not path or not dotted:
         raise ConfigError(FLAG, spec, "must be FILE.yaml:dotted.path",
                           fix="e.g. train.yaml:custom.extra.rollout_matching.repeat_terminate")
-    try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except OSError as err:
-        raise ConfigError(FLAG, spec, f"names a file that cannot be read ({err.strerror})",
-                          fix="give an existing YAML file") from err
-    except yaml.YAMLError as err:
-        raise ConfigError(FLAG, spec, f"names a file that is not valid YAML ({err})", fix="fix the YAML") from err
+    data = load_yaml(path, field=f"{FLAG} {path}")
     node, walked = data, []
     for key in dotted.split("."):
         if not isinstance(node, Mapping) or key not in node:

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.errors import EngineError
 from engine.serve import protocol
-from engine.serve.rollout import until_disconnected
+from engine.serve.rollout import refusal_status, until_disconnected
 from engine.serve.service import ServedEngine
 from engine.types import GenerationResult
 
@@ -31,9 +31,11 @@ def sse(data: Any) -> str:
 
 
 def refuse(err: EngineError, rename: Callable[[EngineError], EngineError]) -> JSONResponse:
-    """A 400 naming the field as the client sent it (``rename`` maps engine field names to wire names)."""
+    """A 400 (413 for a body over ``serve.max_body_bytes``) naming the field as the client sent it (``rename``
+    maps engine field names to wire names)."""
+    status = refusal_status(err)
     err = rename(err)
-    return JSONResponse(protocol.error_body(str(err), param=getattr(err, "field", None)), 400)
+    return JSONResponse(protocol.error_body(str(err), param=getattr(err, "field", None), code=status), status)
 
 
 def unknown_model(name: str, served: ServedEngine) -> JSONResponse:
@@ -66,8 +68,8 @@ class Answering:
                                     cancelled=cancelled, **counts)
 
     def refused(self, err: EngineError, start: float, rename: Callable[[EngineError], EngineError]) -> JSONResponse:
-        """Count a 400 and answer it (see :func:`refuse`)."""
-        self.observe(400, start)
+        """Count a refusal and answer it (see :func:`refuse`)."""
+        self.observe(refusal_status(err), start)
         return refuse(err, rename)
 
     async def whole(self, request: Request, start: float, messages: Any, kwargs: dict[str, Any],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -42,6 +43,18 @@ def create_app(served: ServedEngine, *, close_engine: bool = True) -> FastAPI:
     @app.exception_handler(EngineError)
     async def engine_error(request: Request, err: EngineError) -> JSONResponse:
         return rollout.bad_request(err)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, err: Exception) -> JSONResponse:
+        """Whatever escaped every typed refusal: still a JSON error in the wire format, naming the request (the
+        client's ``x-request-id``, else a new one) so that the log line with the traceback can be found."""
+        request_id = request.headers.get("x-request-id", "")[:64] or uuid.uuid4().hex[:16]
+        log.error("engine.serve: request %s (%s %s) failed: %s", request_id, request.method, request.url.path,
+                  type(err).__name__, exc_info=err)
+        body = protocol.error_body(f"internal error while answering request {request_id} ({request.method} "
+                                   f"{request.url.path}): {type(err).__name__}; the server log has the traceback",
+                                   kind="internal_error", code=500)
+        return JSONResponse(body, 500, headers={"x-request-id": request_id})
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, err: RequestValidationError) -> JSONResponse:

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from engine.errors import EngineError
 from engine.serve import pattern_c
 from engine.serve.answering import Answering, unknown_model
-from engine.serve.rollout import read_json
+from engine.serve.limits import check_call, read_json
 from engine.serve.service import ServedEngine
 
 
@@ -26,7 +26,9 @@ def router(served: ServedEngine) -> APIRouter:
     async def chat(request: Request) -> Any:
         start = time.perf_counter()
         try:
-            call = pattern_c.parse_pattern_c(await read_json(request), served.serve.chat)
+            call = pattern_c.parse_pattern_c(await read_json(request, served.serve.max_body_bytes), served.serve.chat)
+            check_call(served.serve, prompts=1, options=call.options, stop=None,
+                       max_model_len=engine.backend.capabilities.max_model_len)
         except EngineError as err:
             return calls.refused(err, start, pattern_c.wire_error)
         if call.model is not None and call.model != served.model_name:

@@ -1,10 +1,12 @@
 """``python -m engine.serve``: validate, activate, load, then bind -- and fail fast at each step.
 
 1. The config (YAML, overrides, the ``repeat_terminate`` subtree from :mod:`engine.serve.activation`) is
-   validated before torch or vLLM is imported: a bad value exits with code 2 and the ``ConfigError`` text.
-2. The engine loads; an enabled guard that cannot run (e.g. no logits-processor interface for vLLM's runner)
-   refuses before the model loads: exit code 3 with the reason. The port has not been bound yet.
-3. Only then the socket is bound and the ready line printed (and written to ``--ready-file``).
+   validated before torch or vLLM is imported: a bad value (a duplicate YAML key, a section that is not a
+   mapping, a value out of range) exits with code 2 and the ``ConfigError`` text.
+2. The port is bound, not yet listening: a port in use exits with code 2 before any model work.
+3. The engine loads; an enabled guard that cannot run (e.g. no logits-processor interface for vLLM's runner)
+   refuses before the model loads: exit code 3 with the reason. Nothing has listened on the port.
+4. Only then the socket listens and the ready line is printed (and written to ``--ready-file``).
 
 SIGTERM/SIGINT stop accepting connections, let in-flight requests finish (``serve.drain_timeout_s``), then close
 the engine.
@@ -48,41 +50,56 @@ def parser() -> argparse.ArgumentParser:
 
 def served_config(args: argparse.Namespace, environ: Any = None) -> tuple[Any, Activation]:
     """The validated ``EngineConfig`` and the guard's activation, from the arguments and the environment."""
-    import yaml
-
     from engine.config import EngineConfig
+    from engine.config.yaml_file import load_yaml
 
     data: dict[str, Any] = {}
     if args.config:
-        try:
-            data = yaml.safe_load(Path(args.config).read_text(encoding="utf-8")) or {}
-        except OSError as err:
-            raise ConfigError("--config", args.config, f"cannot be read ({err.strerror})",
-                              fix="give an existing YAML file") from err
+        data = load_yaml(args.config, field="--config") or {}
         if not isinstance(data, dict):
             raise ConfigError("--config", args.config, "must hold a YAML mapping", fix="start with 'backend:'")
     if args.backend:
         data["backend"] = args.backend
     if args.model or args.dtype:
         model = data.get("model") or {}
-        model = {"path": model} if isinstance(model, str) else dict(model)
+        model = {"path": model} if isinstance(model, str) else section(model, "model")
         if args.model:
             model["path"] = args.model
         if args.dtype:
             model["dtype"] = args.dtype
         data["model"] = model
-    serve = dict(data.get("serve") or {})
+    serve = section(data.get("serve"), "serve")
     for key in ("host", "port"):
         if getattr(args, key) is not None:
             serve[key] = getattr(args, key)
     if args.namespace is not None:
         serve["namespace"] = None if args.namespace.lower() == "none" else args.namespace
-    serve["chat"] = chat_environment(dict(serve.get("chat") or {}), os.environ if environ is None else environ)
+    chat = section(serve.get("chat"), "serve.chat")
+    serve["chat"] = chat_environment(chat, os.environ if environ is None else environ)
     data["serve"] = serve
     if data.get("backend") == "vllm":  # concurrent requests share vLLM's continuous batching
-        data["vllm"] = {**(data.get("vllm") or {}), "async_engine": True}
+        data["vllm"] = {**section(data.get("vllm"), "vllm"), "async_engine": True}
     data, activation = resolve(data, from_yaml=args.repeat_terminate_from, environ=environ)
     return EngineConfig.from_dict(data), activation
+
+
+def section(value: Any, name: str) -> dict[str, Any]:
+    """A copy of the config section ``name`` (absent: empty), refused by name when it is not a mapping.
+
+    >>> section(None, "serve"), section({"port": 1}, "serve")
+    ({}, {'port': 1})
+    >>> section(["port", 1], "serve.chat")
+    Traceback (most recent call last):
+    ...
+    engine.errors.ConfigError: serve.chat must be a mapping of settings, got ['port', 1]. Fix: write it as \
+'serve.chat:' followed by indented 'key: value' lines.
+    """
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(name, value, "must be a mapping of settings",
+                          fix=f"write it as '{name}:' followed by indented 'key: value' lines")
+    return dict(value)
 
 
 CHAT_ENVIRONMENT = {"MIN_LEN": "min_len", "MAX_LEN": "max_len"}
@@ -134,18 +151,24 @@ def main(argv: list[str] | None = None) -> int:
     from engine.serve.app import create_app
     from engine.serve.service import ServedEngine
 
-    try:
-        engine = GenerationEngine(config)
-    except EngineError as err:
-        return fail(EXIT_START, "cannot start", err)
-    served = ServedEngine(engine, activation)
+    # The port is taken before the model loads (a port in use fails in a second, not after the load), but it
+    # listens only once uvicorn starts: until the ready line, connecting is refused.
     sock = socket.socket(socket.AF_INET6 if ":" in config.serve.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((config.serve.host, config.serve.port))
     except OSError as err:
-        engine.close()
-        return fail(EXIT_START, "cannot bind", f"{config.serve.host}:{config.serve.port}: {err.strerror}")
+        sock.close()
+        return fail(EXIT_CONFIG, "cannot bind", ConfigError(
+            "serve.port", f"{config.serve.host}:{config.serve.port}", f"cannot be bound ({err.strerror})",
+            fix="pick a free port (--port), or 0 for any free one"))
+    try:
+        engine = GenerationEngine(config)
+    except EngineError as err:
+        sock.close()
+        return fail(EXIT_START, "cannot start", err)
+    served = ServedEngine(engine, activation)
+    sock.listen(2048)  # from the ready line on, connections queue until uvicorn accepts them
     port = sock.getsockname()[1]
     url = f"http://{config.serve.host}:{port}"
     print(f"engine.serve: ready on {url} ({summary})", flush=True)
@@ -153,10 +176,17 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(f"{args.ready_file}.tmp")
         tmp.write_text(json.dumps({"url": url, "port": port, "pid": os.getpid()}))
         tmp.replace(args.ready_file)  # readers never see a half-written file
-    server = uvicorn.Server(uvicorn.Config(create_app(served), log_level=args.log_level,
-                                           timeout_graceful_shutdown=int(config.serve.drain_timeout_s) or None))
+    server = uvicorn.Server(uvicorn_config(create_app(served), config.serve, log_level=args.log_level))
     server.run(sockets=[sock])
     return 0
+
+
+def uvicorn_config(app: Any, serve: Any, *, log_level: str) -> Any:
+    """uvicorn's settings for ``app``: on SIGTERM, in-flight requests get ``serve.drain_timeout_s`` seconds as
+    given (0: none; a fraction of a second stays one, it never turns into "wait forever")."""
+    import uvicorn
+
+    return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=serve.drain_timeout_s)
 
 
 def cli() -> None:

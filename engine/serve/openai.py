@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from engine.errors import EngineError
 from engine.serve import openai_protocol as wire
 from engine.serve.answering import Answering, unknown_model
-from engine.serve.rollout import read_json
+from engine.serve.limits import check_call, read_json
 from engine.serve.service import ServedEngine
 
 
@@ -33,7 +33,9 @@ def router(served: ServedEngine) -> APIRouter:
     async def chat_completions(request: Request) -> Any:
         start = time.perf_counter()
         try:
-            call = wire.parse_completion(await read_json(request))
+            call = wire.parse_completion(await read_json(request, served.serve.max_body_bytes))
+            check_call(served.serve, prompts=1, options=call.options, stop=call.stop,
+                       max_model_len=engine.backend.capabilities.max_model_len)
         except EngineError as err:
             return calls.refused(err, start, wire.wire_error)
         if call.model != served.model_name:

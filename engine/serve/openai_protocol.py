@@ -178,7 +178,7 @@ def wire_error(err: EngineError) -> EngineError:
     name = WIRE_NAMES.get(err.field, err.field)
     if name.startswith("requests[0]."):
         name = name[len("requests[0]."):]
-    elif name.startswith("plugins["):
+    elif name == "plugins" or name.startswith("plugins["):
         name = "engine." + name
     elif name.startswith(("generation.", "stop.")):
         name = "engine." + name.replace("generation.", "options.", 1)

@@ -4,30 +4,27 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from engine.errors import EngineError, RequestError
+from engine.errors import EngineError, RequestTooLarge
 from engine.serve import protocol
+from engine.serve.limits import check_call, read_json
 from engine.serve.service import ServedEngine
 
 
-def bad_request(err: EngineError, status: int = 400) -> JSONResponse:
+def bad_request(err: EngineError) -> JSONResponse:
+    """The refusal of ``err``: 413 for a body over ``serve.max_body_bytes``, else 400, the field as sent."""
+    status = refusal_status(err)
     err = protocol.wire_error(err)
     return JSONResponse(protocol.error_body(str(err), param=getattr(err, "field", None), code=status), status)
 
 
-async def read_json(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise RequestError("body", raw[:60].decode("utf8", "replace"), f"is not valid JSON ({err})",
-                           fix="send a JSON object with Content-Type: application/json") from err
+def refusal_status(err: EngineError) -> int:
+    return 413 if isinstance(err, RequestTooLarge) and err.field == "body" else 400
 
 
 async def until_disconnected(request: Request, task: asyncio.Task[Any]) -> bool:
@@ -68,9 +65,11 @@ def router(served: ServedEngine) -> APIRouter:
     async def infer(request: Request) -> Any:
         start = time.perf_counter()
         try:
-            call = protocol.parse_infer(await read_json(request))
+            call = protocol.parse_infer(await read_json(request, served.serve.max_body_bytes))
+            check_call(served.serve, prompts=len(call.requests), options=call.options, stop=call.stop,
+                       max_model_len=engine.backend.capabilities.max_model_len)
         except EngineError as err:
-            served.metrics.observe(endpoint="infer", status=400, seconds=time.perf_counter() - start)
+            served.metrics.observe(endpoint="infer", status=refusal_status(err), seconds=time.perf_counter() - start)
             return bad_request(err)
         served.in_flight += 1
         # The engine validates messages, options, plugins and context length first and raises before generating.
