@@ -9,6 +9,8 @@ import asyncio
 import threading
 import time
 
+import pytest
+
 from engine.backends.base import BackendOutput, Prompt, SamplingPlan
 from engine.batcher import AsyncBatcher
 from engine.config import GenerationOptions, StopPolicy
@@ -151,12 +153,19 @@ def test_streaming_submissions_hear_only_their_own_tokens_in_a_merged_batch():
     assert [r.token_ids for r in results[2]] == [(6, 5)]
 
 
-def test_rows_of_a_cancelled_submission_are_ended_by_the_backend():
-    """The merged batch's ``on_token`` answers True for rows whose caller went away (the HF backend ends them)."""
+@pytest.mark.parametrize(("streams", "hearing"), [(True, False), (False, True)],
+                         ids=["a-streaming-batch-mate", "a-backend-that-hears-each-token"])
+def test_rows_of_a_cancelled_submission_are_ended_by_the_backend(streams, hearing):
+    """The merged batch's ``on_token`` answers True for rows whose caller went away, so the backend ends them: in a
+    batch with a streaming submission, and on a backend that hears each token (``streams_tokens``, as HF) even when
+    nobody streams (a non-streamed HTTP client that leaves must not keep its rows generating)."""
     answers: list[tuple[int, bool]] = []
 
     class Asking(Recorder):
+        streams_tokens = hearing
+
         def generate(self, prompts, plan, on_token=None):
+            assert on_token is not None, "the backend got no on_token"
             time.sleep(0.2)  # the second caller is cancelled meanwhile
             answers.extend((row, on_token(row, 0, 1)) for row in range(len(prompts)))
             return super().generate(prompts, plan)
@@ -164,34 +173,8 @@ def test_rows_of_a_cancelled_submission_are_ended_by_the_backend():
     batcher = AsyncBatcher(Asking(), max_batch_size=32, wait_s=0.05)
 
     async def main():
-        kept = asyncio.ensure_future(batcher.submit([prompt(1)], plan(), on_token=lambda *a: None))
-        gone = asyncio.ensure_future(batcher.submit([prompt(2)], plan()))
-        await asyncio.sleep(0.1)
-        gone.cancel()
-        return await kept
-
-    assert [r.token_ids for r in run(main())] == [(1,)]
-    assert answers == [(0, False), (1, True)]
-
-
-def test_rows_of_a_cancelled_unstreamed_submission_are_ended_too():
-    """No submission streams: a backend that hears each token (``streams_tokens``, as HF) still gets ``on_token``,
-    so a non-streamed caller that leaves (an HTTP client gone) stops its rows instead of generating to the end."""
-    answers: list[tuple[int, bool]] = []
-
-    class Hearing(Recorder):
-        streams_tokens = True
-
-        def generate(self, prompts, plan, on_token=None):
-            assert on_token is not None, "a token-hearing backend got no on_token"
-            time.sleep(0.2)  # the second caller is cancelled meanwhile
-            answers.extend((row, on_token(row, 0, 1)) for row in range(len(prompts)))
-            return super().generate(prompts, plan)
-
-    batcher = AsyncBatcher(Hearing(), max_batch_size=32, wait_s=0.05)
-
-    async def main():
-        kept = asyncio.ensure_future(batcher.submit([prompt(1)], plan()))
+        sink = (lambda *a: None) if streams else None
+        kept = asyncio.ensure_future(batcher.submit([prompt(1)], plan(), on_token=sink))
         gone = asyncio.ensure_future(batcher.submit([prompt(2)], plan()))
         await asyncio.sleep(0.1)
         gone.cancel()
