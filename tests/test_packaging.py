@@ -36,3 +36,19 @@ def test_the_cuda_session_refuses_a_cpu_torch(version, cuda, ok):
     else:
         with pytest.raises(AssertionError, match=r"needs a CUDA build of torch.*fix: pip install"):
             exec(cuda_torch_check(), {"torch": torch})
+
+
+def test_every_install_step_runs_under_install_only():
+    """``nox --install-only`` (what CI caches run) skips ``session.run``: every step of ``_install`` and ``_stack``
+    must be a ``session.run_install``, or ``--install-only`` writes the install stamp without it (the removal of
+    torchvision was skipped that way, and the next ``nox -s conformance`` skipped installs and failed on
+    ``torchvision::nms``). Read from the noxfile's syntax tree, without running nox."""
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    steps = {}
+    for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in ("_install", "_stack")):
+        steps[fn.name] = [c.func.attr for c in ast.walk(fn) if isinstance(c, ast.Call)
+                          and isinstance(c.func, ast.Attribute) and isinstance(c.func.value, ast.Name)
+                          and c.func.value.id == "session" and c.func.attr.startswith("run")]
+    assert set(steps) == {"_install", "_stack"}
+    for name, calls in steps.items():
+        assert calls and set(calls) == {"run_install"}, f"{name} runs {calls}: a step --install-only would skip"
