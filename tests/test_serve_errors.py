@@ -1,0 +1,64 @@
+"""The served app's last line of defence: an exception no typed refusal caught becomes a JSON 500 in the wire format
+(OpenAI's error object) that names the request, and the server log keeps the traceback under that name.
+
+The engine here is a stand-in whose ``agenerate`` raises: what is under test is the app's error path, which no
+real request should reach (``conformance/test_hostile.py`` checks that the named hostile requests do not)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+httpx = pytest.importorskip("httpx", reason="the serve extra (installed by `nox -s tests`)")
+pytest.importorskip("fastapi", reason="the serve extra (installed by `nox -s tests`)")
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.serve.activation import Activation  # noqa: E402
+from engine.serve.app import create_app  # noqa: E402
+from engine.serve.service import ServedEngine  # noqa: E402
+
+NORMAL = {"infer_requests": [{"messages": [{"role": "user", "content": "Hi"}]}], "request_config": {"max_tokens": 4}}
+
+
+class Broken:
+    """An engine whose generation fails in a way nothing anticipated."""
+
+    config = EngineConfig.from_dict({"backend": "hf", "model": {"path": "/models/broken"}})
+    backend = SimpleNamespace(name="hf", capabilities=SimpleNamespace(max_model_len=64))
+    tokenizer = None
+
+    async def agenerate(self, *args, **kwargs):
+        raise RuntimeError("an internal fault")
+
+
+def post(path, body, headers=None):
+    app = create_app(ServedEngine(Broken(), Activation(None, "test")), close_engine=False)
+
+    async def call():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://engine.test") as client:
+            return await client.post(path, json=body, headers=headers or {})
+
+    return asyncio.run(call())
+
+
+def test_an_unexpected_fault_is_a_json_500_naming_the_request(caplog):
+    with caplog.at_level(logging.ERROR, logger="engine.serve.app"):
+        reply = post("/infer/", NORMAL, {"x-request-id": "learner-step-7"})
+    assert reply.status_code == 500 and reply.headers["x-request-id"] == "learner-step-7"
+    error = reply.json()["error"]
+    assert error["type"] == "internal_error" and error["code"] == 500
+    assert "learner-step-7" in error["message"] and "POST /infer/" in error["message"]
+    assert "RuntimeError" in error["message"] and "an internal fault" not in error["message"]  # no internals leak
+    [record] = [r for r in caplog.records if "learner-step-7" in r.getMessage()]
+    assert record.exc_info and record.exc_info[0] is RuntimeError, "the log keeps the traceback under that id"
+
+
+def test_a_request_without_an_id_gets_one_it_can_quote():
+    reply = post("/v1/chat/completions", {"model": "broken", "messages": [{"role": "user", "content": "Hi"}]})
+    assert reply.status_code == 500
+    request_id = reply.headers["x-request-id"]
+    assert len(request_id) == 16 and request_id in reply.json()["error"]["message"]
