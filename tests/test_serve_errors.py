@@ -62,3 +62,17 @@ def test_a_request_without_an_id_gets_one_it_can_quote():
     assert reply.status_code == 500
     request_id = reply.headers["x-request-id"]
     assert len(request_id) == 16 and request_id in reply.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("method", "path", "status"), [("POST", "/nowhere", 404), ("GET", "/infer/", 405)])
+def test_an_unknown_route_or_method_is_the_same_error_object(method, path, status):
+    app = create_app(ServedEngine(Broken(), Activation(None, "test")), close_engine=False)
+
+    async def call():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine.test") as client:
+            return await client.request(method, path)
+
+    reply = asyncio.run(call())
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert error["code"] == status and path in error["message"]

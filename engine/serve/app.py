@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import EngineError
 from engine.serve import chat, openai, protocol, rollout
@@ -43,6 +44,14 @@ def create_app(served: ServedEngine, *, close_engine: bool = True) -> FastAPI:
     @app.exception_handler(EngineError)
     async def engine_error(request: Request, err: EngineError) -> JSONResponse:
         return rollout.bad_request(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        """An unknown route (404) or method (405) in the same error object as every other refusal."""
+        message = f"{request.method} {request.url.path}: {err.detail}"
+        return JSONResponse(protocol.error_body(message, kind="NotFoundError" if err.status_code == 404 else
+                                                "invalid_request_error", code=err.status_code), err.status_code,
+                            headers=getattr(err, "headers", None))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, err: Exception) -> JSONResponse:
