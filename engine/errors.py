@@ -29,7 +29,7 @@ def shown(value: Any) -> str:
     """
     try:
         text = repr(value)
-    except ValueError:  # an int beyond Python's digit limit for str()
+    except (ValueError, RecursionError):  # an int beyond Python's digit limit, or nesting too deep to print
         return f"<{type(value).__name__} too large to show>"
     return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
 

@@ -73,8 +73,8 @@ def check_call(serve: Any, *, prompts: int, options: Mapping[str, Any] | None, s
                                   fix=f"send at most {serve.max_stop_strings}, or raise serve.max_stop_strings")
         for i, text in enumerate(strings):
             if isinstance(text, str) and len(text) > serve.max_stop_string_chars:
-                raise RequestTooLarge("stop.strings", text, f"[{i}] is longer than serve.max_stop_string_chars "
-                                      f"({serve.max_stop_string_chars} characters)",
+                raise RequestTooLarge("stop.strings", text, f"holds a stop string (index {i}) longer than "
+                                      f"serve.max_stop_string_chars ({serve.max_stop_string_chars} characters)",
                                       fix="send a shorter stop string, or raise serve.max_stop_string_chars")
     max_new = (options or {}).get("max_new_tokens")
     if max_model_len is not None and isinstance(max_new, int) and max_new > max_model_len:
