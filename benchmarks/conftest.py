@@ -126,6 +126,10 @@ class BenchSession:
         self.total = 0
         self.started = 0
         self._objects: dict[tuple[Any, ...], Any] = {}
+        if not self.size.vllm_compiled:  # before any engine or server starts: they inherit it
+            from engine.backends.vllm import turn_torch_compile_off
+
+            turn_torch_compile_off()
 
     # -- engines (one per kind for the whole run; vLLM ones are never closed early, see EnginePool.keep) --
 
@@ -162,7 +166,8 @@ class BenchSession:
             model["path"] = str(ensure(GGUF_TWINS[self.model_arg]))
         # vLLM engines share one GPU beside the HF model: the engine (its guarded twin is derived from it), the
         # raw LLM and the served engine's, each with an equal share of the card (engine.backends.vllm_memory).
-        vllm = {"max_num_seqs": max(self.size.batches), "gpu_memory_utilization": engine_share(VLLM_ENGINES_AT_ONCE)}
+        vllm = {"max_num_seqs": max(self.size.batches), "gpu_memory_utilization": engine_share(VLLM_ENGINES_AT_ONCE),
+                "enforce_eager": not self.size.vllm_compiled}
         return {"backend": backend, "model": model, "vllm": vllm, **sections}
 
     def engine(self, backend: str, *, guarded: bool = False) -> Any:

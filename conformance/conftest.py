@@ -102,6 +102,10 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     pool = EnginePool(options)
     config.stash[POOL_KEY] = pool
+    if not _cuda_host():  # CPU hosts: eager engines (CPU_VLLM), and vLLM's compiled sampler helpers run as plain ops
+        from engine.backends.vllm import turn_torch_compile_off
+
+        pool.compile_off = turn_torch_compile_off()
     context = lambda: {"vllm_runner": ",".join(sorted(pool.runners)) or "none started",  # noqa: E731
                        "vllm_engine_core": pool.vllm_mode, "served_calls": pool.served_calls}
     stem = "conformance-summary" + ("" if options.dtype == "float32" else f"-{options.dtype}")
@@ -172,7 +176,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         runner = f"{plan.runner} (vLLM's own decision for --engine-model; row rules: {plan.problem or 'supported'})"
     except Exception as err:  # the header must not hide the run; the engines will report the real error
         runner = f"undecided ({type(err).__name__}: {err})"
-    return [f"vllm: model runner {runner}; engine core {pool.vllm_mode}"]
+    compile_state = "; torch.compile off (CPU host)" if pool.compile_off else ""
+    return [f"vllm: model runner {runner}; engine core {pool.vllm_mode}{compile_state}"]
 
 
 def check_required(option: str, backends: list[str]) -> None:

@@ -26,7 +26,9 @@ from conformance.served import IN_PROCESS
 
 # On CPU hosts the suite's vLLM engines start eager with a small KV cache: a fixture engine then starts in about
 # 10 s instead of 45 s (torch.compile buys about 10 % of decode speed on these models, which no check measures),
-# and takes about 0.8 GiB less memory. The benchmarks keep vLLM's defaults.
+# and takes about 0.8 GiB less memory. torch.compile is off there too (conftest, ``turn_torch_compile_off``): vLLM
+# would still compile two sampler helpers at the first logprobs or top-k request of each process (up to 33 s each).
+# The benchmarks keep vLLM's defaults at full size.
 CPU_VLLM = {"enforce_eager": True, "cpu_kv_cache_space_gib": 0.5}
 SERVED_CHAT = {"temperature": 0, "top_p": 1.0}
 """Pattern C ``/chat`` defaults of every server the pool starts: greedy (its other defaults kept), so HF, vLLM and
@@ -102,6 +104,8 @@ class EnginePool:
     """On a CUDA host, the in-process vLLM engines holding a share of the card (``EngineLeases``)."""
     released: int = 0
     """vLLM engines stopped to make room on the card (started again when a later check asks for them)."""
+    compile_off: bool = False
+    """``torch.compile`` turned off for the session and its servers (CPU hosts, ``turn_torch_compile_off``)."""
     served_calls: int = 0
     """Calls the served twins answered through a server (or refused there, as in-process): the ``reach`` fixture
     checks that a served twin really reached one."""

@@ -207,13 +207,14 @@ def test_cache_answers_a_second_run_and_misses_on_any_change(engines, tmp_path):
 
 @pytest.mark.slow
 def test_lm_eval_cli_runs_the_engine_model(pool, tmp_path):
-    """The real CLI (lm-eval's own, with ``engine`` registered): a constrained JSON run and a scoring task."""
+    """The real CLI (lm-eval's own, with ``engine`` registered): a constrained JSON run and a scoring task, on the
+    first 4 documents of each (``--limit``, a CLI option too): the in-process checks above cover every document."""
     args = {"backend": "hf", "pretrained": pool.options.model, "dtype": pool.options.dtype,
             "response_schema": str(SCHEMA), "constrained": True}
     out = tmp_path / "out"
     command = [sys.executable, "-m", "engine.lm_eval", "run", "--model", "engine", "--model_args", json.dumps(args),
                "--tasks", "engine_json", "engine_mc", "--include_path", str(TASKS), "--apply_chat_template",
-               "--output_path", str(out), "--log_samples"]
+               "--output_path", str(out), "--log_samples", "--limit", "4"]
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
