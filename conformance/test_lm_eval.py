@@ -38,6 +38,29 @@ def engines(engines: dict[str, Any]) -> dict[str, Any]:
             if e.backend.capabilities.scoring and e.backend.capabilities.structured_outputs}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def environment_reported_once() -> Any:
+    """lm-eval adds torch's ``collect_env`` report to every result, and that runs ``pip list``: 6 s per ``evaluate``
+    call in the suite's venv, about 20 calls here. The environment cannot change within the module, so the report is
+    collected once and every later result gets the same values (the CLI check runs lm-eval unchanged)."""
+    import copy
+
+    import lm_eval.evaluator as evaluator
+
+    collected: dict[str, Any] = {}
+    original = evaluator.add_env_info
+
+    def once(storage: dict[str, Any]) -> None:
+        if not collected:
+            original(collected)
+        storage.update(copy.deepcopy(collected))
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(evaluator, "add_env_info", once)
+    yield
+    patch.undo()
+
+
 def evaluate(model: Any, tasks: list[str], *, model_args: dict[str, Any] | None = None, chat: bool = False,
              limit: int | None = None, max_gen_toks: int | None = None) -> dict[str, Any]:
     from lm_eval import simple_evaluate
