@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,8 +61,6 @@ def turn_torch_compile_off() -> bool:
     in every vLLM process: the first logprobs request of a fixture server took 33 s instead of 2 s. The test
     suite's CPU runs (eager engines, which compile nothing else) turn it off; the results are the same ops.
     """
-    import sys
-
     if any(os.environ.get(name, "1") != "1" for name in TORCH_COMPILE_OFF):
         return False
     os.environ.update(dict.fromkeys(TORCH_COMPILE_OFF, "1"))
