@@ -19,7 +19,7 @@ import pytest
 
 from benchmarks.harness import Rounds, Variant
 from benchmarks.workload import SIZES, Size
-from engine.backends.vllm_memory import engine_share
+from engine.backends.vllm.memory import engine_share
 from engine.report.schema import RATIO_COLUMNS
 
 SESSION_KEY = pytest.StashKey["BenchSession"]()
@@ -42,7 +42,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _cuda() -> bool:
-    from engine.backends.vllm import has_cuda
+    from engine.backends.vllm.backend import has_cuda
 
     return has_cuda()
 
@@ -127,7 +127,7 @@ class BenchSession:
         self.started = 0
         self._objects: dict[tuple[Any, ...], Any] = {}
         if not self.size.vllm_compiled:  # before any engine or server starts: they inherit it
-            from engine.backends.vllm import turn_torch_compile_off
+            from engine.backends.vllm.backend import turn_torch_compile_off
 
             turn_torch_compile_off()
 
@@ -165,7 +165,7 @@ class BenchSession:
                             f"({', '.join(GGUF_TWINS)} do)")
             model["path"] = str(ensure(GGUF_TWINS[self.model_arg]))
         # vLLM engines share one GPU beside the HF model: the engine (its guarded twin is derived from it), the
-        # raw LLM and the served engine's, each with an equal share of the card (engine.backends.vllm_memory).
+        # raw LLM and the served engine's, each with an equal share of the card (engine.backends.vllm.memory).
         vllm = {"max_num_seqs": max(self.size.batches), "gpu_memory_utilization": engine_share(VLLM_ENGINES_AT_ONCE),
                 "enforce_eager": not self.size.vllm_compiled}
         return {"backend": backend, "model": model, "vllm": vllm, **sections}
@@ -196,7 +196,7 @@ class BenchSession:
         def build() -> Any:
             import vllm
 
-            from engine.backends.vllm import llm_kwargs
+            from engine.backends.vllm.backend import llm_kwargs
 
             plain = self.engine("vllm")  # prepares the environment the same way
             return vllm.LLM(**llm_kwargs(plain.config.model, plain.config.vllm))

@@ -10,7 +10,7 @@ new_tokens`` greedy tokens (EOS held back through the engine; the raw loop takes
 
 Recorded: ``llamacpp_over_hf`` and ``llamacpp_over_vllm`` (speed ratios, above 1: llama.cpp faster) and
 ``engine_over_raw`` (what the engine's llama.cpp adapter costs; gated like every ``engine_over_raw``). llama.cpp runs
-the rows of a batch one after another (see ``engine/backends/llamacpp.py``), HF and vLLM batch them.
+the rows of a batch one after another (see ``engine/backends/llamacpp/backend.py``), HF and vLLM batch them.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def stepper(name: str, role: str, specs: list[RuleSpec], ids: Any, prompt_len: i
             text: Any, vectorize: bool, last: dict[str, Any]) -> Variant:
     import torch
 
-    from engine.backends.hf_rules import HfRowRules
+    from engine.backends.hf.rules import HfRowRules
 
     batch, width = ids.shape
     scores = torch.zeros(batch, vocab, device=ids.device)

@@ -46,7 +46,7 @@ def _default_model(name: str) -> str:
 
 
 def _cuda_host() -> bool:
-    from engine.backends.vllm import has_cuda
+    from engine.backends.vllm.backend import has_cuda
 
     return has_cuda()
 
@@ -103,7 +103,7 @@ def pytest_configure(config: pytest.Config) -> None:
     pool = EnginePool(options)
     config.stash[POOL_KEY] = pool
     if not _cuda_host():  # CPU hosts: eager engines (CPU_VLLM), and vLLM's compiled sampler helpers run as plain ops
-        from engine.backends.vllm import turn_torch_compile_off
+        from engine.backends.vllm.backend import turn_torch_compile_off
 
         pool.compile_off = turn_torch_compile_off()
     context = lambda: {"vllm_runner": ",".join(sorted(pool.runners)) or "none started",  # noqa: E731
@@ -165,8 +165,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if "vllm" not in pool.options.backends or unavailable_reason("vllm"):
         return []
     try:
-        from engine.backends.vllm import import_vllm, llm_kwargs, prepare_environment
-        from engine.backends.vllm_runner import plan_runner
+        from engine.backends.vllm.backend import import_vllm, llm_kwargs, prepare_environment
+        from engine.backends.vllm.runner import plan_runner
         from engine.config import ModelConfig, VllmConfig
 
         settings = VllmConfig(multiprocessing=pool.options.vllm_multiprocessing)

@@ -127,14 +127,14 @@ class EnginePool:
         return twin
 
     def config(self, backend: str, model: str, /, **sections: Any) -> dict[str, Any]:
-        from engine.backends.vllm import has_cuda
+        from engine.backends.vllm.backend import has_cuda
 
         model_cfg: dict[str, Any] = {"path": self.model_for(backend, model), "dtype": self.options.dtype}
         if backend == "hf":
             model_cfg["device"] = self.options.device
         model_cfg.update(sections.pop("model", {}))  # more model settings (e.g. checkpoint_eos), not its path
         if has_cuda():
-            from engine.backends.vllm_memory import engine_share
+            from engine.backends.vllm.memory import engine_share
 
             host = {"gpu_memory_utilization": engine_share(self.options.gpu_vllm_engines)}
         else:
@@ -223,8 +223,8 @@ class EnginePool:
     def _make_room(self, key: tuple[str, ...]) -> None:
         """On a CUDA host, stop the least recently started vLLM engines beyond the card's budget (with every engine
         derived from them) before ``key`` starts; servers hold ``servers_per_backend`` of the budget."""
-        from engine.backends.vllm import has_cuda
-        from engine.backends.vllm_memory import EngineLeases
+        from engine.backends.vllm.backend import has_cuda
+        from engine.backends.vllm.memory import EngineLeases
 
         if not has_cuda():
             return  # CPU hosts: every engine has its own KV cache size, none is stopped early

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from engine.backends.vllm_rules import EventStore, request_args
+from engine.backends.vllm.rules import EventStore, request_args
 from engine.rules.base import RuleSpec
 
 EOS = 0
@@ -79,7 +79,7 @@ def run_hf(reqs: list[Req], seed: int, decode: Callable[[Sequence[int]], str]) -
     """All requests with the same specs in one HF batch (HfRowRules takes one spec list per batch)."""
     import torch
 
-    from engine.backends.hf_rules import HfRowRules
+    from engine.backends.hf.rules import HfRowRules
 
     width = max(len(r.prompt) for r in reqs)
     ids = torch.tensor([[EOS] * (width - len(r.prompt)) + r.prompt for r in reqs])  # (batch, width)
@@ -101,8 +101,8 @@ def run_v1(reqs: list[Req], seed: int, decode: Callable[[Sequence[int]], str], *
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-    from engine.backends import vllm_rules
-    from engine.backends.vllm_v1_rules import RowRulesV1
+    from engine.backends.vllm import rules as vllm_rules
+    from engine.backends.vllm.v1_rules import RowRulesV1
 
     store = EventStore()
     proc = RowRulesV1(SimpleNamespace(model_config=SimpleNamespace(tokenizer="unused")), "cpu", False)
@@ -161,8 +161,8 @@ def run_v2(reqs: list[Req], seed: int, decode: Callable[[Sequence[int]], str], *
     from vllm import SamplingParams
     from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext
 
-    from engine.backends import vllm_rules
-    from engine.backends.vllm_v2_rules import RowRulesV2
+    from engine.backends.vllm import rules as vllm_rules
+    from engine.backends.vllm.v2_rules import RowRulesV2
 
     state = run_v2_state(slots=slots, width=max(len(r.prompt) + len(r.stream) for r in reqs) + 1)
     store = EventStore()

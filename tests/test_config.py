@@ -60,7 +60,7 @@ def test_cpu_kv_cache_is_given_per_engine_in_bytes():
     pytest.importorskip("torch", reason="llm_kwargs asks torch whether CUDA is present")
     import torch
 
-    from engine.backends.vllm import llm_kwargs
+    from engine.backends.vllm.backend import llm_kwargs
 
     c = EngineConfig.from_dict({"backend": "vllm", "model": "/m", "vllm": {"cpu_kv_cache_space_gib": 0.5}})
     kwargs = llm_kwargs(c.model, c.vllm)

@@ -12,7 +12,7 @@ from typing import ClassVar
 import pytest
 
 from conformance.pool import EnginePool, PoolOptions
-from engine.backends.vllm_memory import RESERVE, EngineLeases, engine_share
+from engine.backends.vllm.memory import RESERVE, EngineLeases, engine_share
 
 
 @pytest.mark.parametrize("engines", range(1, 81))
@@ -64,7 +64,7 @@ class FakeEngine:
 @pytest.fixture
 def cuda_pool(monkeypatch):
     import engine
-    import engine.backends.vllm as vllm_backend
+    import engine.backends.vllm.backend as vllm_backend
 
     monkeypatch.setattr(vllm_backend, "has_cuda", lambda: True)
     monkeypatch.setattr(engine, "GenerationEngine", FakeEngine)

@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the HF adapter needs torch (installed by `nox -s tests`)")
 
-from engine.backends.hf import RowFinishRecorder  # noqa: E402
+from engine.backends.hf.backend import RowFinishRecorder  # noqa: E402
 from engine.rules.detok import IncrementalDetokenizer  # noqa: E402
 from engine.rules.stop import StopStringWatch  # noqa: E402
 

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from engine.backends.llamacpp import SEED_MODULUS, resolve_gguf
-from engine.backends.llamacpp_rules import LlamaCppRowStep
+from engine.backends.llamacpp.backend import SEED_MODULUS, resolve_gguf
+from engine.backends.llamacpp.rules import LlamaCppRowStep
 from engine.config import EngineConfig, LlamaCppConfig, ModelConfig
 from engine.errors import ConfigError
 from engine.rules.base import RuleSet
@@ -65,7 +65,7 @@ def test_the_gguf_is_the_path_itself_or_the_one_in_the_folder(tmp_path):
 def test_seeds_map_to_llama_cpp_s_32_bit_seeds_never_to_its_random_one(seed, want):
     """A row's own seed maps below llama.cpp's "random" value (2**32 - 1)."""
     from engine.backends import Prompt
-    from engine.backends.llamacpp import LlamaCppBackend
+    from engine.backends.llamacpp.backend import LlamaCppBackend
 
     got = LlamaCppBackend._seed(Prompt(token_ids=(1,), text="x", seed=seed))
     assert got == want and 0 <= got < SEED_MODULUS
@@ -77,7 +77,7 @@ def test_the_configured_seed_seeds_calls_without_one_row_by_row():
     from types import SimpleNamespace
 
     from engine.backends.base import SamplingPlan, prompts_of
-    from engine.backends.llamacpp import LlamaCppBackend
+    from engine.backends.llamacpp.backend import LlamaCppBackend
     from engine.config import EngineConfig
     from engine.engine import GenerationEngine
     from engine.templates import RenderedPrompt

@@ -11,7 +11,7 @@ from engine.rules.repeat import RepeatRule, RepeatThresholds
 
 np = pytest.importorskip("numpy", reason="the batched rule is numpy code")
 
-from engine.backends.repeat_bank import RepeatBank  # noqa: E402
+from engine.rules.repeat_bank import RepeatBank  # noqa: E402
 
 TERMINAL = {0}
 

@@ -32,7 +32,7 @@ def test_prompts_carry_their_row_seed_only_when_the_call_samples_with_a_seed():
 
 def test_hf_row_sampler_draws_each_row_from_its_own_generator():
     torch = pytest.importorskip("torch", reason="the HF sampler needs torch (installed by `nox -s tests`)")
-    from engine.backends.hf_sampling import RowSampler
+    from engine.backends.hf.sampling import RowSampler
 
     logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
     ids = torch.zeros(3, 1, dtype=torch.long)

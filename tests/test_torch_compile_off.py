@@ -1,4 +1,4 @@
-"""``engine.backends.vllm.turn_torch_compile_off``: what the suite's CPU runs set before any engine starts."""
+"""``engine.backends.vllm.backend.turn_torch_compile_off``: what the suite's CPU runs set before any engine starts."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from engine.backends.vllm import TORCH_COMPILE_OFF, turn_torch_compile_off
+from engine.backends.vllm.backend import TORCH_COMPILE_OFF, turn_torch_compile_off
 
 
 @pytest.fixture

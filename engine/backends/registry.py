@@ -1,7 +1,7 @@
 """Backend names to lazy ``module:Class`` entries: the single source of truth for which backends exist."""
 
 REGISTRY: dict[str, str] = {
-    "hf": "engine.backends.hf:HfBackend",
-    "vllm": "engine.backends.vllm:VllmBackend",
-    "llamacpp": "engine.backends.llamacpp:LlamaCppBackend",
+    "hf": "engine.backends.hf.backend:HfBackend",
+    "vllm": "engine.backends.vllm.backend:VllmBackend",
+    "llamacpp": "engine.backends.llamacpp.backend:LlamaCppBackend",
 }

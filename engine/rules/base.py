@@ -5,7 +5,7 @@ row may do next. Backends apply decisions through thin adapters; rules never imp
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,3 +156,11 @@ class RuleSet:
         for rule in self.rules:
             merged.update(rule.events())
         return merged
+
+
+def rule_sets(specs: Sequence[RuleSpec], batch: int, *, terminal_ids: Sequence[int],
+              decode: Callable[[Sequence[int]], str] | None, min_new_tokens: int = 0) -> list[RuleSet]:
+    """One fresh :class:`RuleSet` per row, built from ``specs``."""
+    terminal = frozenset(terminal_ids)
+    return [RuleSet([s.build() for s in specs], terminal_ids=terminal, decode=decode, min_new_tokens=min_new_tokens)
+            for _ in range(batch)]

@@ -4,7 +4,7 @@ Every prompt is its own vLLM request, so concurrent callers share the engine's c
 waiting behind one another. ``AsyncLLM`` lives on an event loop of its own (a daemon thread), so it can be
 reached from any thread or loop: ``agenerate`` from an asyncio server, ``generate`` from plain code. Its engine
 core always runs in a child process; rule events come back through ``collective_rpc`` as for ``vllm.LLM``.
-The engine arguments, sampling parameters and output conversion are the ones :mod:`engine.backends.vllm` uses.
+The engine arguments, sampling parameters and output conversion are the ones :mod:`engine.backends.vllm.backend` uses.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
 from engine.backends.base import BackendOutput, Prompt, SamplingPlan
-from engine.backends.vllm import (
+from engine.backends.vllm.backend import (
     HOOKS,
     backend_output,
     capabilities,
@@ -169,7 +169,7 @@ class AsyncVllmBackend:
 
     async def rule_events(self, keys: Sequence[str]) -> dict[str, dict[str, Any]]:
         """The rule events of finished requests, from the engine-core process where the processor ran."""
-        from engine.backends import vllm_rules
+        from engine.backends.vllm import rules as vllm_rules
 
         replies = await self.llm.collective_rpc(vllm_rules.EVENTS_METHOD, args=(list(keys),))
         return vllm_rules.merge_worker_events(replies)

@@ -5,7 +5,7 @@ tokenizer for a bare ``.gguf`` path); llama.cpp never applies a template or adds
 given. At load the GGUF's vocabulary is checked against that tokenizer, token by token, so the ids mean the same.
 
 Rows run one after another through ``Llama.generate`` (one sequence per llama.cpp context; consecutive rows reuse the
-KV cache of a shared prompt prefix). Per token, :class:`~engine.backends.llamacpp_rules.LlamaCppRowStep` (the
+KV cache of a shared prompt prefix). Per token, :class:`~engine.backends.llamacpp.rules.LlamaCppRowStep` (the
 ``logits_processor``) applies min_new_tokens, the repetition penalty, the row rules and the temperature; llama.cpp
 applies top-k, top-p and samples (greedy when the options are). The loop here ends a row on a terminal id, a stop
 string (found on the row's text with the engine's stop rule; the engine still truncates ``text``), a stopping rule,
@@ -165,8 +165,8 @@ class LlamaCppBackend:
 
     def _generate_row(self, index: int, prompt: Prompt, plan: SamplingPlan,
                       on_token: Callable[[int, int, int], bool | None] | None) -> BackendOutput:
-        from engine.backends.hf_rules import rule_sets
-        from engine.backends.llamacpp_rules import LlamaCppRowStep
+        from engine.backends.llamacpp.rules import LlamaCppRowStep
+        from engine.rules.base import rule_sets
         from engine.rules.detok import text_stream
         from engine.rules.stop import StopStringWatch
 

@@ -3,7 +3,7 @@
 The model's own ``generation_config`` is replaced by an empty one at load, and every call passes a
 complete ``GenerationConfig`` built from the plan, so no checkpoint default (temperature, top_k=50,
 repetition penalty, max_length) leaks in. Sampling is the backend's own last logits processor, one generator
-per row (:mod:`engine.backends.hf_sampling`), so ``generate`` itself always selects greedily. A finished row keeps
+per row (:mod:`engine.backends.hf.sampling`), so ``generate`` itself always selects greedily. A finished row keeps
 being padded by ``generate``; the :class:`RowFinishRecorder` notes the step at which each row ended, so its ids
 are cut exactly there.
 """
@@ -77,7 +77,7 @@ class RowFinishRecorder:
     def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
         import torch
 
-        from engine.backends.hf_rules import feed_new_tokens
+        from engine.backends.hf.rules import feed_new_tokens
 
         batch, total = input_ids.shape
         if not self.lengths:
@@ -176,7 +176,7 @@ class HfBackend:
             return_dict_in_generate=True,
             output_logits=opts.logprobs is not None,
             num_beams=1,
-            do_sample=False,  # sampled plans too: the backend's last logits processor draws (hf_sampling)
+            do_sample=False,  # sampled plans too: the backend's last logits processor draws (hf.sampling)
         )
 
     def _decode_skip_special(self, ids: Sequence[int]) -> str:
@@ -228,8 +228,9 @@ class HfBackend:
         import torch
         from transformers import LogitsProcessorList, StoppingCriteriaList
 
-        from engine.backends.hf_rules import HfRowRules, rule_sets
-        from engine.backends.hf_sampling import RowSampler
+        from engine.backends.hf.rules import HfRowRules
+        from engine.backends.hf.sampling import RowSampler
+        from engine.rules.base import rule_sets
         from engine.rules.detok import text_stream
         from engine.rules.stop import StopStringWatch
 
@@ -280,7 +281,7 @@ class HfBackend:
         """The grammar mask of a constrained plan (sampling warpers come after it); none otherwise."""
         if plan.json_schema is None:
             return []
-        from engine.backends.hf_structured import GrammarMask, SchemaCompiler
+        from engine.backends.hf.structured import GrammarMask, SchemaCompiler
 
         if self._schemas is None:
             self._schemas = SchemaCompiler(self.tokenizer, self.vocab_size)

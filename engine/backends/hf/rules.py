@@ -4,22 +4,14 @@ per-row rule sets the stopping-criteria hook checks (see ``RowFinishRecorder``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from engine.rules.base import RuleSet, RuleSpec
+from engine.rules.base import RuleSet, RuleSpec, rule_sets
 
 VECTOR_MIN_BATCH = 8
 """Below this many rows the id-only repeat rules run per row: a bank step has a fixed cost (about 30 µs of numpy
 calls on the project's CPU machine) that Python per row only exceeds from about 8 rows on (5-6 µs a row)."""
-
-
-def rule_sets(specs: Sequence[RuleSpec], batch: int, *, terminal_ids: Sequence[int],
-              decode: Callable[[Sequence[int]], str] | None, min_new_tokens: int = 0) -> list[RuleSet]:
-    """One fresh :class:`RuleSet` per row, built from ``specs``."""
-    terminal = frozenset(terminal_ids)
-    return [RuleSet([s.build() for s in specs], terminal_ids=terminal, decode=decode, min_new_tokens=min_new_tokens)
-            for _ in range(batch)]
 
 
 def feed_new_tokens(sets: list[RuleSet], input_ids: Any, prompt_len: int) -> None:
@@ -34,7 +26,7 @@ def feed_new_tokens(sets: list[RuleSet], input_ids: Any, prompt_len: int) -> Non
 class HfRowRules:
     """Applies each row's combined decision: force EOS, ban EOS (noting when EOS was the top choice), bias.
 
-    Id-only repeat rules run vectorized over the batch (:class:`engine.backends.repeat_bank.RepeatBank`: array
+    Id-only repeat rules run vectorized over the batch (:class:`engine.rules.repeat_bank.RepeatBank`: array
     operations on the step's new tokens, no per-row Python) from ``VECTOR_MIN_BATCH`` rows on; every other rule
     runs per row through :class:`RuleSet`.
 
@@ -52,7 +44,7 @@ class HfRowRules:
     def __init__(self, specs: Sequence[RuleSpec], *, prompt_len: int, eos_id: int, terminal_ids: Sequence[int],
                  decode: Any, vectorize: bool = True, vector_min_batch: int = VECTOR_MIN_BATCH,
                  min_new_tokens: int = 0) -> None:
-        from engine.backends.repeat_bank import split_vectorizable
+        from engine.rules.repeat_bank import split_vectorizable
 
         self.all_specs = list(specs)
         self.vector_min_batch = vector_min_batch
@@ -93,7 +85,7 @@ class HfRowRules:
     def _vectorized_fire(self, input_ids: Any, scores: Any) -> Any:
         import numpy as np
 
-        from engine.backends.repeat_bank import RepeatBank
+        from engine.rules.repeat_bank import RepeatBank
 
         batch = input_ids.shape[0]
         if not self.banks:

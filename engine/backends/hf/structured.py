@@ -2,7 +2,7 @@
 
 vLLM's structured outputs use the same xgrammar grammar (compact JSON: no whitespace between tokens), so on
 the same prompt ids both backends are allowed the same tokens at every step. The mask runs before any
-sampling warper (temperature, top-k, top-p), as in vLLM: ``hf_sampling.RowSampler``, the last processor,
+sampling warper (temperature, top-k, top-p), as in vLLM: ``hf.sampling.RowSampler``, the last processor,
 applies them.
 """
 

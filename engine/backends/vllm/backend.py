@@ -140,7 +140,8 @@ def start_arguments(model: ModelConfig, settings: VllmConfig, processor: Any,
                     repeat_terminate: Any) -> tuple[dict[str, Any], Any]:
     """The engine arguments (``LLM`` and ``AsyncEngineArgs`` take the same) with the row-rule processor of the
     runner vLLM will use, and that runner plan; refuses before the slow start when an enabled guard cannot run."""
-    from engine.backends import vllm_rules, vllm_runner
+    from engine.backends.vllm import rules as vllm_rules
+    from engine.backends.vllm import runner as vllm_runner
 
     kwargs = llm_kwargs(model, settings)
     kwargs["structured_outputs_config"] = structured_outputs_config()
@@ -186,7 +187,7 @@ def capabilities(model_config: Any, settings: VllmConfig, plan: Any) -> Capabili
 def checked_runner(backend: Any, vllm_config: Any, plan: Any) -> str:
     """The runner a started engine uses; if it is not the planned one (whose processor was registered), the
     backend is closed and the start refused."""
-    from engine.backends import vllm_runner
+    from engine.backends.vllm import runner as vllm_runner
 
     runner = vllm_runner.started_runner(vllm_config)
     if runner != plan.runner:
@@ -228,7 +229,7 @@ def sampling_params(plan: SamplingPlan, **extra: Any) -> Any:
 def request_params(base: Any, prompt: Prompt, plan: SamplingPlan, key: str) -> Any:
     """``base`` for one request: with the row's own seed (``Prompt.seed``) and the plan's row rules under ``key``
     (a copy), or ``base`` itself when it needs neither."""
-    from engine.backends import vllm_rules
+    from engine.backends.vllm import rules as vllm_rules
 
     if not plan.rules and prompt.seed is None:
         return base
@@ -328,7 +329,7 @@ class VllmBackend:
 
     def rule_events(self, keys: Sequence[str]) -> dict[str, dict[str, Any]]:
         """The rule events of finished requests, from the worker process(es) where the processor ran."""
-        from engine.backends import vllm_rules
+        from engine.backends.vllm import rules as vllm_rules
 
         replies = self.llm.collective_rpc(vllm_rules.EVENTS_METHOD, args=(list(keys),))
         return vllm_rules.merge_worker_events(replies)

@@ -2,9 +2,9 @@
 
 The V1 runner tells processors about batch changes (``update_state(BatchUpdate)``: rows added with their
 params and a live list of output ids, removed, moved or swapped) and calls ``apply(logits)`` with one logits
-row per batch index. Id-only repeat rules run in a :class:`~engine.backends.repeat_bank.RepeatBank` indexed by
+row per batch index. Id-only repeat rules run in a :class:`~engine.rules.repeat_bank.RepeatBank` indexed by
 batch index (moves and swaps move its rows too); everything else is shared with the V2 adapter
-(:mod:`engine.backends.vllm_rules`).
+(:mod:`engine.backends.vllm.rules`).
 Importing this module imports vLLM; the engine names it as ``module:Class`` so child processes can load it.
 """
 
@@ -14,17 +14,17 @@ from typing import Any
 
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from engine.backends.repeat_bank import RepeatBank
 from engine.backends.row_apply import FORCE, apply_decisions, decide
-from engine.backends.vllm_rules import Row, TokenizerText, build_row, parse_request_args
+from engine.backends.vllm.rules import Row, TokenizerText, build_row, parse_request_args
+from engine.rules.repeat_bank import RepeatBank
 
 
 class RowRulesV1(LogitsProcessor):
     """Applies the row rules of requests that carry them (``extra_args``); other rows are untouched.
 
-    Registered by ``VllmBackend`` as ``LLM(logits_processors=["engine.backends.vllm_v1_rules:RowRulesV1"])``
+    Registered by ``VllmBackend`` as ``LLM(logits_processors=["engine.backends.vllm.v1_rules:RowRulesV1"])``
     when vLLM will run its V1 runner; requests opt in through ``SamplingParams(extra_args=...)`` built by
-    ``engine.backends.vllm_rules.request_args(specs, key=..., eos_id=..., terminal_ids=...)``.
+    ``engine.backends.vllm.rules.request_args(specs, key=..., eos_id=..., terminal_ids=...)``.
     """
 
     def __init__(self, vllm_config: Any, device: Any, is_pin_memory: bool) -> None:

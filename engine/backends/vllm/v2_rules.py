@@ -12,10 +12,10 @@ How V2 differs from V1, and what this adapter does about it:
   another slot; its rule state (kept by request key) resumes, and a slot behind by more than one token reads
   and feeds its missing span, so the rules end in the same state as if never interrupted.
 * Logits rows follow ``ctx.idx_mapping_np`` (batch position -> slot). Speculative decoding (several rows per
-  request) is refused when the engine plans its runner (``vllm_runner.plan_for_config``); a batch with more
+  request) is refused when the engine plans its runner (``runner.plan_for_config``); a batch with more
   logits rows than requests raises here rather than misapplying a rule.
 
-* Id-only repeat rules run in a :class:`~engine.backends.repeat_bank.RepeatBank` indexed by slot: the rows
+* Id-only repeat rules run in a :class:`~engine.rules.repeat_bank.RepeatBank` indexed by slot: the rows
   one token behind push this step's token together (array operations, no per-row Python); other rules run
   per row.
 
@@ -29,17 +29,17 @@ from typing import Any
 
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor
 
-from engine.backends.repeat_bank import RepeatBank
 from engine.backends.row_apply import FORCE, apply_decisions, decide
-from engine.backends.vllm_rules import Row, TokenizerText, build_row, parse_request_args
+from engine.backends.vllm.rules import Row, TokenizerText, build_row, parse_request_args
+from engine.rules.repeat_bank import RepeatBank
 
 
 class RowRulesV2(LogitsProcessor):
     """Applies the row rules of requests that carry them (``extra_args``) under Model Runner V2.
 
-    Registered by ``VllmBackend`` as ``LLM(logits_processors=["engine.backends.vllm_v2_rules:RowRulesV2"])``
+    Registered by ``VllmBackend`` as ``LLM(logits_processors=["engine.backends.vllm.v2_rules:RowRulesV2"])``
     when vLLM will run Model Runner V2; per-request settings are the same ``extra_args`` as on V1
-    (``engine.backends.vllm_rules.request_args``), validated at admission by :meth:`validate_params`.
+    (``engine.backends.vllm.rules.request_args``), validated at admission by :meth:`validate_params`.
     """
 
     def __init__(self, vllm_config: Any, req_states: Any) -> None:

@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from engine.backends.vllm_rules import INTERFACES, PROCESSORS, V1, V2
+from engine.backends.vllm.rules import INTERFACES, PROCESSORS, V1, V2
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class RunnerPlan:
     """The runner vLLM will use and whether our row-rule processor can run on it.
 
     >>> RunnerPlan(runner="v2", problem=None).processor
-    'engine.backends.vllm_v2_rules:RowRulesV2'
+    'engine.backends.vllm.v2_rules:RowRulesV2'
     """
 
     runner: str

@@ -2,14 +2,14 @@
 
 Per-request rules travel in ``SamplingParams.extra_args[EXTRA_KEY]`` as :class:`RuleSpec` dicts plus the EOS
 id, the terminal ids and a request key (vLLM hands processors no request id). Each runner has a thin
-processor class (``vllm_v1_rules`` for the V1 model runner, ``vllm_v2_rules`` for Model Runner V2, the GPU
+processor class (``v1_rules`` for the V1 model runner, ``v2_rules`` for Model Runner V2, the GPU
 default) that rebuilds each row's :class:`RuleSet` with :func:`build_row`, feeds it the row's new tokens and
 applies the decisions with ``engine.backends.row_apply`` (shared with the HF adapter). So the two runners
 share everything but the way they see their batch.
 
 **Rule events** (repeat trigger, EOS suppressed, JSON boundary closed) stay where the processor runs, in the
 process-wide :data:`EVENTS` store of the worker process, keyed by request key. The engine collects them with
-``LLM.collective_rpc("engine_rule_events", keys)`` (method of :class:`engine.backends.vllm_events.RuleEventsWorker`,
+``LLM.collective_rpc("engine_rule_events", keys)`` (method of :class:`engine.backends.vllm.events.RuleEventsWorker`,
 vLLM's ``worker_extension_cls``): one path for in-process engines, engine cores in child processes and
 tensor-parallel workers.
 """
@@ -28,10 +28,10 @@ log = logging.getLogger(__name__)
 
 EXTRA_KEY = "engine_rules"
 V1, V2 = "v1", "v2"
-PROCESSORS = {V1: "engine.backends.vllm_v1_rules:RowRulesV1", V2: "engine.backends.vllm_v2_rules:RowRulesV2"}
+PROCESSORS = {V1: "engine.backends.vllm.v1_rules:RowRulesV1", V2: "engine.backends.vllm.v2_rules:RowRulesV2"}
 """The processor class for each model runner, as vLLM's ``module:Class`` names (picklable to child processes)."""
 INTERFACES = {V1: "vllm.v1.sample.logits_processor", V2: "vllm.v1.worker.gpu.sample.logits_processor"}
-WORKER_EXTENSION = "engine.backends.vllm_events.RuleEventsWorker"  # a dotted name, as vLLM wants it
+WORKER_EXTENSION = "engine.backends.vllm.events.RuleEventsWorker"  # a dotted name, as vLLM wants it
 EVENTS_METHOD = "engine_rule_events"
 
 
@@ -74,10 +74,10 @@ def parse_request_args(extra_args: Mapping[str, Any] | None) -> RowArgs | None:
     args = extra_args[EXTRA_KEY]
     where = f"extra_args.{EXTRA_KEY}"
     if not isinstance(args, Mapping):
-        raise ValueError(f"{where} must be a mapping (engine.backends.vllm_rules.request_args), got {args!r}")
+        raise ValueError(f"{where} must be a mapping (engine.backends.vllm.rules.request_args), got {args!r}")
     missing = sorted({"specs", "key", "eos", "terminal"} - set(args))
     if missing:
-        raise ValueError(f"{where} lacks {', '.join(missing)}; build it with engine.backends.vllm_rules.request_args")
+        raise ValueError(f"{where} lacks {', '.join(missing)}; build it with engine.backends.vllm.rules.request_args")
     if not isinstance(args["key"], str) or not args["key"]:
         raise ValueError(f"{where}.key must be a non-empty string, got {args['key']!r}")
     if not _is_id(args["eos"]):
@@ -115,7 +115,7 @@ def _is_id(value: Any) -> bool:
 class Row:
     """One request's rule state inside a processor.
 
-    Id-only repeat rules (``repeat``) run in the processor's :class:`~engine.backends.repeat_bank.RepeatBank`, at
+    Id-only repeat rules (``repeat``) run in the processor's :class:`~engine.rules.repeat_bank.RepeatBank`, at
     the row's bank index while the request is in the batch (``bank_at``); every other rule runs in ``rules``. When
     the request leaves its index, :meth:`leave` keeps its bank events.
     """
@@ -209,7 +209,7 @@ def build_row(args: RowArgs, decode: Any) -> Row:
     per-row rules go on from the first committed token they have not seen, and what they noted on the way (e.g.
     an EOS held back by min-length, which no replay of tokens could recover) is kept; its bank rows restart
     and are fed the committed tokens again."""
-    from engine.backends.repeat_bank import split_vectorizable
+    from engine.rules.repeat_bank import split_vectorizable
 
     row = EVENTS.get(args.key)
     if row is None:
