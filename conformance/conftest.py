@@ -26,6 +26,7 @@ import pytest
 from conformance.pool import EnginePool, PoolOptions
 from conformance.report import SummaryCollector
 from conformance.served import IN_PROCESS, SERVED
+from engine.backends.registry import SPECS
 from engine.config import BACKENDS, DTYPES
 
 POOL_KEY = pytest.StashKey[EnginePool]()
@@ -35,7 +36,7 @@ SERVED_ORDER = ("test_parity.py", "test_divergences.py", "test_plugins.py", "tes
 """Served twins run module by module in this order (then any other): the first four compare the text engine
 of each backend, so one server per backend serves them all; the engine-core check leaves the looper's guarded
 servers running for the repeat checks, which then need one server per guard setting."""
-VLM_BACKENDS = ("hf", "vllm")
+VLM_BACKENDS = tuple(name for name, s in SPECS.items() if s.serves_images)
 """Backends that serve vision-language models (llamacpp does not: its VLM checks skip with the reason)."""
 
 
@@ -198,8 +199,7 @@ def check_required(option: str, backends: list[str]) -> None:
 
 def unavailable_reason(backend: str) -> str | None:
     """Why ``backend`` cannot run on this machine, or None when it can."""
-    needs = {"hf": ("torch", "transformers"), "vllm": ("vllm",), "llamacpp": ("llama_cpp", "torch")}[backend]
-    missing = [m for m in needs if importlib.util.find_spec(m) is None]
+    missing = [m for m in SPECS[backend].modules if importlib.util.find_spec(m) is None]
     return f"{backend}: {', '.join(missing)} not installed" if missing else None
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from conformance.compare import LOW_PRECISION_TOPK
 from conformance.served import IN_PROCESS
+from engine.backends.registry import SPECS
 
 # On CPU hosts the suite's vLLM engines start eager with a small KV cache: a fixture engine then starts in about
 # 10 s instead of 45 s (torch.compile buys about 10 % of decode speed on these models, which no check measures),
@@ -116,7 +117,7 @@ class EnginePool:
     def model_for(self, backend: str, model: str) -> str:
         """The model ``backend`` loads for ``model``: the same folder, or on llamacpp its GGUF twin (no twin: the
         check is skipped with the reason)."""
-        if backend != "llamacpp":
+        if SPECS[backend].model_format != "gguf":
             return model
         twin = self.twins.get(model)
         if twin is None:
@@ -130,7 +131,7 @@ class EnginePool:
         from engine.backends.vllm.backend import has_cuda
 
         model_cfg: dict[str, Any] = {"path": self.model_for(backend, model), "dtype": self.options.dtype}
-        if backend == "hf":
+        if SPECS[backend].takes_device:
             model_cfg["device"] = self.options.device
         model_cfg.update(sections.pop("model", {}))  # more model settings (e.g. checkpoint_eos), not its path
         if has_cuda():
@@ -195,7 +196,7 @@ class EnginePool:
 
     def _local(self, key: tuple[str, ...], backend: str, model: str, shared: bool, sections: dict[str, Any]) -> Any:
         if key in self._engines:
-            if self.leases is not None and backend == "vllm":
+            if self.leases is not None and SPECS[backend].shares_card:
                 self.leases.admit(self._loaded.get(key, key))  # used now: the last to be stopped
             return self._engines[key]
         from engine import GenerationEngine
@@ -211,11 +212,11 @@ class EnginePool:
                                                  self._key(backend, model, True, loaded))
             self.derived += 1
             return self._engines[key]
-        if backend == "vllm":
+        if SPECS[backend].shares_card:
             self._make_room(key)
         with self.timed("engine", key):
             self._engines[key] = GenerationEngine(self.config(backend, model, **sections))
-        runner = getattr(self._engines[key].backend, "runner", None)
+        runner = self._engines[key].backend.runner
         if runner is not None:
             self.runners.add(runner)
         return self._engines[key]

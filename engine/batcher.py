@@ -126,7 +126,7 @@ class AsyncBatcher:
             self.batches.append(len(prompts))
             # A backend that hears each token (HF, llama.cpp) always gets the fan-out: besides streaming, it ends
             # the rows of a submission whose caller went away, streamed or not, at their next token.
-            hears = getattr(self.backend, "streams_tokens", False) or any(j.on_token for j in group)
+            hears = self.backend.streams_tokens or any(j.on_token for j in group)
             kwargs = {"on_token": _fan_out(group, loop)} if hears else {}
             outputs = await loop.run_in_executor(self._executor,
                                                  partial(self.backend.generate, prompts, group[0].plan, **kwargs))

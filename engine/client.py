@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.config._build import build
 from engine.config.repeat import RepeatTerminateConfig
+from engine.config.validation import build
 from engine.errors import EngineError
 from engine.serve.activation import ENV_JSON
 from engine.serve.protocol import result_from_item

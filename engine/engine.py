@@ -13,25 +13,23 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from engine.backends import Backend, BackendOutput, SamplingPlan, TokenScores, backend_class
+from engine.backends import AsyncGenerating, Backend, SamplingPlan, Scoring, TokenScores, backend_class, spec
 from engine.backends.base import Prompt, prompts_of
 from engine.completion import PromptLike, canonical_schema, check_scored, plain_prompts
 from engine.config import EngineConfig, GenerationOptions, PixelBudget, StopPolicy
 from engine.errors import ConfigError, PluginCompatibilityError, RequestError, UnsupportedCapabilityError
 from engine.loading import load_processor, load_tokenizer
 from engine.plugins import POST_DECODE, Plugin, PluginContext, create_plugins
+from engine.results import ResultBuilder
 from engine.rules.base import RuleSpec
-from engine.rules.events import events_within
 from engine.rules.min_length import is_sentence_end_token
-from engine.rules.stop import ended_by_rule, finish_reason, special_stop, truncate_at_stop
+from engine.rules.stop import special_stop
+from engine.streaming import ResultStream
 from engine.templates import RenderedPrompt, render_prompt
 from engine.types import ChatRequest, GenerationResult
 from engine.vision import VisionRequest, check_unresized
-
-if TYPE_CHECKING:
-    from engine.streaming import ResultStream
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +58,12 @@ class GenerationEngine:
 
     def __init__(self, config: EngineConfig | Mapping[str, Any] | str | Path) -> None:
         self.config = self._load_config(config)
+        self.plugins = self._plugins(None)  # unknown names and bad parameters fail before anything is loaded
         self.processor = load_processor(self.config.model)
         self.tokenizer, self.load_info = load_tokenizer(self.config.model, self.processor)
-        self.plugins = self._plugins(None)
+        self.results = ResultBuilder(self.tokenizer, self.load_info)
         # Engine-wide plugins are checked against the hooks the backend declares before it starts ...
-        declared = backend_class(self.config.backend).declared_hooks
+        declared = spec(self.config.backend).hooks
         self._check_plugins(self.plugins, self.config.backend, declared, kinds=None)
         self.backend: Backend = self._create_backend(self.config.backend)
         # ... and against what it really offers once started (e.g. vLLM's model runner).
@@ -105,6 +104,7 @@ class GenerationEngine:
         derived = object.__new__(type(self))
         derived.config = config
         derived.processor, derived.tokenizer, derived.load_info = self.processor, self.tokenizer, self.load_info
+        derived.results = self.results
         derived.plugins = derived._plugins(None)
         derived._check_plugins(derived.plugins, self.backend.name, self.backend.capabilities.hooks, kinds=None)
         derived.backend = self.backend
@@ -122,12 +122,8 @@ class GenerationEngine:
         return EngineConfig.from_dict(dict(config))
 
     def _create_backend(self, name: str) -> Backend:
-        cls = backend_class(name)
         settings = getattr(self.config, name)
-        if name == "vllm" and settings.async_engine:
-            from engine.backends.vllm.async_backend import AsyncVllmBackend
-
-            cls = AsyncVllmBackend
+        cls = backend_class(name, settings)  # e.g. vLLM's async_engine picks AsyncLLM's class
         return cls(self.config.model, settings, self.tokenizer, processor=self.processor,
                    repeat_terminate=self.config.repeat_terminate)
 
@@ -218,9 +214,8 @@ class GenerationEngine:
             raise UnsupportedCapabilityError(f"backend {backend.name!r} cannot constrain output to a JSON Schema "
                                              "here. Fix: drop json_schema, or use a text model on hf or vllm")
         opts = self.config.generation.merged(options)
-        default_seed = getattr(backend, "default_seed", None)  # a backend-level seed for calls without one
-        if opts.seed is None and default_seed is not None:
-            opts = dataclasses.replace(opts, seed=default_seed)
+        if opts.seed is None and backend.default_seed is not None:  # a backend-level seed for calls without one
+            opts = dataclasses.replace(opts, seed=backend.default_seed)
         policy = self.config.stop.merged(stop)
         if policy.token_ids:
             vocab = len(self.tokenizer)
@@ -309,11 +304,11 @@ class GenerationEngine:
         """The model's log-probability of every token of ``sequences[i][starts[i]:]`` given the tokens before
         it, and whether it was the argmax there (the parts of lm-eval's loglikelihood)."""
         caps = self.backend.capabilities
-        if not caps.scoring:
+        if not caps.scoring or not isinstance(self.backend, Scoring):
             raise UnsupportedCapabilityError(f"backend {self.backend.name!r} cannot score sequences here. Fix: use "
                                              "hf, or vllm with vllm.async_engine false, on a text model")
         check_scored(sequences, starts, caps.max_model_len)
-        return self.backend.score(sequences, starts) if sequences else []  # type: ignore[attr-defined]
+        return self.backend.score(sequences, starts) if sequences else []
 
     async def agenerate(self, requests: Sequence[RequestLike], *, options: OptionsLike = None, stop: StopLike = None,
                         plugins: PluginsLike = None) -> list[GenerationResult]:
@@ -324,22 +319,20 @@ class GenerationEngine:
         prompts = prompts_of(rendered, plan)
         if not prompts:
             return []
-        native = getattr(self.backend, "agenerate", None)
-        if native is not None:
-            outputs = await native(prompts, plan)
+        if isinstance(self.backend, AsyncGenerating):
+            outputs = await self.backend.agenerate(prompts, plan)
         else:
             outputs = await self.batcher().submit(prompts, plan)
-        return self._finish(self.backend, rendered, outputs, plan, fallback=None, plugins=self._plugins(plugins))
+        return self.results.finish(self.backend.name, rendered, outputs, plan, fallback=None,
+                                   plugins=self._plugins(plugins))
 
     def astream(self, request: RequestLike, *, options: OptionsLike = None, stop: StopLike = None,
                 plugins: PluginsLike = None) -> ResultStream:
         """One text request as a stream of text deltas, the last carrying the ``GenerationResult``
         (see :class:`~engine.streaming.ResultStream`). Validation happens here, before anything is generated;
         the deltas concatenate to the result's ``text`` (the same text ``generate`` gives)."""
-        from engine.streaming import ResultStream
-
         rendered, plan = self.prepare([request], options=options, stop=stop, plugins=plugins)
-        return ResultStream(self, rendered[0], plan, self._plugins(plugins))
+        return ResultStream(self.results, self.backend, self.batcher, rendered[0], plan, self._plugins(plugins))
 
     def batcher(self) -> Any:
         """The :class:`~engine.batcher.AsyncBatcher` that async callers of a synchronous backend share."""
@@ -388,59 +381,4 @@ class GenerationEngine:
              fallback: dict[str, Any] | None, plugins: list[Plugin]) -> list[GenerationResult]:
         if not prompts:
             return []
-        return self._finish(backend, rendered, backend.generate(prompts, plan), plan, fallback, plugins)
-
-    def _finish(self, backend: Backend, rendered: list[RenderedPrompt], outputs: list[BackendOutput],
-                plan: SamplingPlan, fallback: dict[str, Any] | None, plugins: list[Plugin]) -> list[GenerationResult]:
-        results = [self._result(r, o, plan, backend, plugins) for r, o in zip(rendered, outputs, strict=True)]
-        for r in results:
-            r.meta["fallback"] = fallback
-        return results
-
-    def visible_text(self, ids: Sequence[int], plan: SamplingPlan, *, partial: bool = False) -> tuple[str, int | None]:
-        """The decoded text of generated ``ids`` before stop truncation, and where stop strings may start
-        counting (the text length of the first ``min_new_tokens`` tokens). A terminal stop token id belongs to no
-        text (as in vLLM) unless the policy keeps stops. ``partial`` (ids still growing): the second value is
-        None while fewer than ``min_new_tokens`` ids exist."""
-        decode = self.tokenizer.decode
-        ids = list(ids)
-        ends_on_stop_id = bool(ids) and ids[-1] in plan.terminal_token_ids and not plan.stop.include_stop_str
-        text = decode(ids[:-1] if ends_on_stop_id else ids, skip_special_tokens=True)
-        min_new = plan.options.min_new_tokens
-        if not min_new:
-            return text, 0
-        if partial and len(ids) < min_new:
-            return text, None
-        return text, len(decode(ids[:min_new], skip_special_tokens=True))
-
-    def _result(self, prompt: RenderedPrompt, out: BackendOutput, plan: SamplingPlan, backend: Backend,
-                plugins: list[Plugin]) -> GenerationResult:
-        ids = list(out.token_ids)
-        events = events_within(out.events, generated=len(ids))  # async scheduling may run rules past the end
-        raw_text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        full_text, min_end = self.visible_text(ids, plan)
-        text, matched = truncate_at_stop(full_text, plan.stop.strings, include_stop=plan.stop.include_stop_str,
-                                         min_end=min_end)
-        reason, stop_reason = finish_reason(ids, stop_token_ids=plan.terminal_token_ids, matched_stop=matched,
-                                            ended_by=ended_by_rule(events),
-                                            max_new_tokens=plan.options.max_new_tokens)
-        for plugin in plugins:  # post-decode steps, in order, after stop truncation; raw_text is never touched
-            text = plugin.post_decode(text)
-        prompt_ids = out.prompt_token_ids or prompt.token_ids
-        repeat_event = events.get("repeat_terminate")
-        meta = {
-            "backend": backend.name,
-            "chat_template_fallback": prompt.fallback,
-            "pad_token_fallback": self.load_info.pad_token_fallback,
-            "num_prompt_tokens": len(prompt_ids),
-            "num_generated_tokens": len(ids),
-            # Reported by the guard itself, never inferred from the finish reason.
-            "repeat_terminate_triggered": int(repeat_event is not None),
-            "repeat_terminate_index": repeat_event[1] if repeat_event else None,
-            "repeat_terminate_reason": repeat_event[0] if repeat_event else None,
-            "plugins": [p.name for p in plugins],
-        }
-        for plugin in plugins:
-            meta.update(plugin.result_meta(generated_text=full_text, text=text, events=events))
-        return GenerationResult(text=text, raw_text=raw_text, token_ids=tuple(ids), prompt_token_ids=tuple(prompt_ids),
-                                finish_reason=reason, stop_reason=stop_reason, logprobs=out.logprobs, meta=meta)
+        return self.results.finish(backend.name, rendered, backend.generate(prompts, plan), plan, fallback, plugins)

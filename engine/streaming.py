@@ -11,16 +11,16 @@ text that stop truncation or a post-decode step would take back, so the deltas c
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from engine.backends.base import BackendOutput, Prompt, SamplingPlan, prompts_of
+from engine.backends.base import Backend, BackendOutput, Prompt, SamplingPlan, TokenStreaming, prompts_of
+from engine.results import ResultBuilder
 from engine.rules.stream import TextStream
 from engine.types import GenerationResult
 
 if TYPE_CHECKING:
-    from engine.engine import GenerationEngine
     from engine.plugins import Plugin
     from engine.templates import RenderedPrompt
 
@@ -56,9 +56,12 @@ class ResultStream:
     Iterate it once. Breaking out of the loop (or cancelling the task) stops the request's generation.
     """
 
-    def __init__(self, engine: GenerationEngine, rendered: RenderedPrompt, plan: SamplingPlan,
-                 plugins: list[Plugin]) -> None:
-        self.engine = engine
+    def __init__(self, results: ResultBuilder, backend: Backend, batcher: Callable[[], Any], rendered: RenderedPrompt,
+                 plan: SamplingPlan, plugins: list[Plugin]) -> None:
+        self.results = results
+        self.backend = backend
+        self.batcher = batcher
+        """The engine's shared :class:`~engine.batcher.AsyncBatcher`, made on first need."""
         self.rendered = rendered
         self.plan = plan
         self.plugins = plugins
@@ -73,34 +76,33 @@ class ResultStream:
         return self._iterator
 
     async def _chunks(self) -> AsyncIterator[StreamChunk]:
-        engine, plan = self.engine, self.plan
+        plan = self.plan
         prompt = prompts_of([self.rendered], plan)[0]
         final: BackendOutput | None = None
-        async for update in token_updates(engine, prompt, plan):
+        async for update in token_updates(self.backend, self.batcher, prompt, plan):
             if isinstance(update, BackendOutput):
                 final = update
                 break
-            text, min_end = engine.visible_text(update, plan, partial=True)
+            text, min_end = self.results.visible_text(update, plan, partial=True)
             delta = self.text.feed(text, min_end=min_end)
             if delta:
                 yield StreamChunk(delta, num_generated_tokens=len(update))
         if final is None:
             raise RuntimeError("the backend's stream ended without a final output")
-        result = engine._finish(engine.backend, [self.rendered], [final], plan, fallback=None,
-                                plugins=self.plugins)[0]
+        result = self.results.finish(self.backend.name, [self.rendered], [final], plan, fallback=None,
+                                     plugins=self.plugins)[0]
         yield StreamChunk(self.text.finish(result.text), result, num_generated_tokens=len(result.token_ids))
 
 
-async def token_updates(engine: GenerationEngine, prompt: Prompt, plan: SamplingPlan) -> AsyncIterator[Update]:
+async def token_updates(backend: Backend, batcher_of: Callable[[], Any], prompt: Prompt,
+                        plan: SamplingPlan) -> AsyncIterator[Update]:
     """The backend's growing token ids for ``prompt``, then its final output (see the module doc)."""
-    backend = engine.backend
-    native = getattr(backend, "astream", None)
-    if native is not None:
-        async for update in native(prompt, plan):
+    if isinstance(backend, TokenStreaming):
+        async for update in backend.astream(prompt, plan):
             yield update
         return
-    batcher = engine.batcher()
-    if not getattr(backend, "streams_tokens", False):
+    batcher = batcher_of()
+    if not backend.streams_tokens:
         yield (await batcher.submit([prompt], plan))[0]
         return
     queue: asyncio.Queue[tuple[int, ...] | None] = asyncio.Queue()

@@ -19,6 +19,8 @@ from engine.config import GenerationOptions, StopPolicy
 class Recorder:
     """Answers each prompt with its own ids reversed; raises for a prompt holding id 666."""
 
+    streams_tokens = False  # the Backend protocol's attribute: generate takes no on_token hook
+
     def __init__(self) -> None:
         self.calls: list[list[tuple[int, ...]]] = []
         self.prompts: list[list[Prompt]] = []

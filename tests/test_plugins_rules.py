@@ -99,10 +99,24 @@ def test_unknown_plugin_lists_what_exists():
         ({"min_chars": 3}, "plugins[0]"),
     ],
 )
-def test_bad_plugin_parameters_fail_at_config_load(spec, field):
+def test_bad_plugin_parameters_fail_before_anything_loads(spec, field, tmp_path):
+    """The config keeps plugins as data; the engine checks them first (the model folder here does not exist, so
+    any later step would fail on the path instead), and so does the server's launcher, before binding."""
+    import json
+
+    from engine.engine import GenerationEngine
+    from engine.serve.launch import parser, served_config
+
+    config = {"backend": "hf", "model": "/nonexistent/model", "plugins": [spec]}
+    EngineConfig.from_dict(config)  # data: accepted as written
     with pytest.raises(ConfigError) as info:
-        EngineConfig.from_dict({"backend": "hf", "model": "/m", "plugins": [spec]})
+        GenerationEngine(config)
     assert info.value.field == field
+    path = tmp_path / "engine.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    with pytest.raises(ConfigError) as served:
+        served_config(parser().parse_args(["--config", str(path)]), environ={})
+    assert served.value.field == field
 
 
 def test_third_party_plugin_through_the_entry_point_group(monkeypatch):

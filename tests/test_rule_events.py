@@ -12,8 +12,8 @@ import pytest
 
 from engine.backends.base import BackendOutput, SamplingPlan
 from engine.config import GenerationOptions, StopPolicy
-from engine.engine import GenerationEngine
 from engine.plugins import create_plugin
+from engine.results import ResultBuilder
 from engine.rules.events import events_within
 from engine.rules.json_boundary import JsonBoundaryRule
 from engine.rules.min_length import MinLengthRule
@@ -29,18 +29,15 @@ class Tokenizer:
         return "".join(WORDS[i] for i in ids if not (skip_special_tokens and i == EOS))
 
 
-def engine() -> GenerationEngine:
-    """Only what ``_result`` reads: the tokenizer and the load facts."""
-    eng = object.__new__(GenerationEngine)
-    eng.tokenizer = Tokenizer()
-    eng.load_info = SimpleNamespace(pad_token_fallback=None)
-    return eng
+def builder() -> ResultBuilder:
+    """What the engine builds results with: the tokenizer and the load facts."""
+    return ResultBuilder(Tokenizer(), SimpleNamespace(pad_token_fallback=None))
 
 
 def result(events, ids=(5, 6, 5, 6, EOS), plugins=()):
     plan = SamplingPlan(GenerationOptions(max_new_tokens=8), StopPolicy(), (EOS,))
     out = BackendOutput(token_ids=tuple(ids), events=events)
-    return engine()._result(RenderedPrompt("p", (1,), None), out, plan, SimpleNamespace(name="vllm"), list(plugins))
+    return builder().result(RenderedPrompt("p", (1,), None), out, plan, "vllm", list(plugins))
 
 
 def test_a_trigger_that_forced_the_last_token_counts():

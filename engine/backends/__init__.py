@@ -1,6 +1,8 @@
-"""Backends, by name. One module per backend; heavy imports (torch, vllm) happen only inside it.
+"""Backends, by name: one subpackage per backend (``hf/``, ``vllm/``, ``llamacpp/``); heavy imports (torch, vllm,
+llama_cpp) happen only inside them, when a backend is built.
 
-``REGISTRY`` is the single source of truth for backend names: the config validates against it.
+``registry.SPECS`` holds every backend's static facts (:class:`BackendSpec`); ``base`` the contract they implement
+(:class:`Backend`, and the optional :class:`AsyncGenerating`, :class:`TokenStreaming`, :class:`Scoring`).
 """
 
 from __future__ import annotations
@@ -8,20 +10,32 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from engine.backends.base import Backend, BackendOutput, Capabilities, Prompt, SamplingPlan, TokenScores
-from engine.backends.registry import REGISTRY
+from engine.backends.base import (
+    AsyncGenerating,
+    Backend,
+    BackendOutput,
+    Capabilities,
+    Prompt,
+    SamplingPlan,
+    Scoring,
+    TokenScores,
+    TokenStreaming,
+)
+from engine.backends.registry import REGISTRY, SPECS, BackendSpec, spec
 
 
-def backend_class(name: str) -> Any:
-    """The backend class registered under ``name`` (imported on first use)."""
-    from engine.config._build import did_you_mean
-    from engine.errors import ConfigError
-
-    if name not in REGISTRY:
-        raise ConfigError("backend", name, "is not a registered backend", fix=did_you_mean(name, REGISTRY))
-    module, _, attr = REGISTRY[name].partition(":")
+def load_target(target: str) -> Any:
+    """The object a ``module:attr`` target names (imported on first use)."""
+    module, _, attr = target.partition(":")
     return getattr(importlib.import_module(module), attr)
 
 
-__all__ = ["REGISTRY", "Backend", "BackendOutput", "Capabilities", "Prompt", "SamplingPlan", "TokenScores",
-           "backend_class"]
+def backend_class(name: str, settings: object = None) -> Any:
+    """The backend class registered under ``name``, for ``settings`` (its config section; e.g. vLLM's
+    ``async_engine`` picks ``AsyncLLM``'s class)."""
+    return load_target(spec(name).target_for(settings))
+
+
+__all__ = ["REGISTRY", "SPECS", "AsyncGenerating", "Backend", "BackendOutput", "BackendSpec", "Capabilities",
+           "Prompt", "SamplingPlan", "Scoring", "TokenScores", "TokenStreaming", "backend_class", "load_target",
+           "spec"]

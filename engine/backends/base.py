@@ -7,7 +7,7 @@ truncation or decoding: the engine renders prompts once, hands every backend the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -123,12 +123,20 @@ class TokenScores:
 
 @runtime_checkable
 class Backend(Protocol):
-    """A generation backend: batch in, one output per prompt out, in order."""
+    """A generation backend: batch in, one output per prompt out, in order.
+
+    Beyond these, a backend may implement :class:`AsyncGenerating`, :class:`TokenStreaming` and :class:`Scoring`;
+    the engine checks for them with ``isinstance``.
+    """
 
     name: str
     declared_hooks: frozenset[str]
-    """Hooks the backend offers when everything works (checked before it starts)."""
+    """Hooks the backend offers when everything works (checked before it starts; its spec's ``hooks``)."""
     capabilities: Capabilities
+    streams_tokens: bool
+    """Whether ``generate`` calls an ``on_token`` hook per sampled token (the engine's batcher streams through it)."""
+    default_seed: int | None
+    """The seed of calls that give none (a backend-level setting), or None."""
 
     def generate(self, prompts: Sequence[Prompt], plan: SamplingPlan) -> list[BackendOutput]:
         """Generate for every prompt under ``plan``; return outputs in prompt order."""
@@ -136,4 +144,29 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Release the model and any engine resources."""
+        ...
+
+
+@runtime_checkable
+class AsyncGenerating(Protocol):
+    """A backend with its own asyncio batching (vLLM's ``AsyncLLM``): concurrent calls share it directly, no
+    engine-side batcher."""
+
+    async def agenerate(self, prompts: Sequence[Prompt], plan: SamplingPlan) -> list[BackendOutput]:
+        ...
+
+
+@runtime_checkable
+class TokenStreaming(Protocol):
+    """A backend that streams one request's growing token ids itself, then yields its final ``BackendOutput``."""
+
+    def astream(self, prompt: Prompt, plan: SamplingPlan) -> AsyncIterator[tuple[int, ...] | BackendOutput]:
+        ...
+
+
+@runtime_checkable
+class Scoring(Protocol):
+    """A backend that scores given sequences (lm-eval's loglikelihood): log-probabilities and argmax flags."""
+
+    def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[TokenScores]:
         ...

@@ -1,7 +1,110 @@
-"""Backend names to lazy ``module:Class`` entries: the single source of truth for which backends exist."""
+"""Every backend's static facts, in one place: ``SPECS`` is the single source of truth for which backends exist and
+what the rest of the project may know about one without importing it.
 
-REGISTRY: dict[str, str] = {
-    "hf": "engine.backends.hf.backend:HfBackend",
-    "vllm": "engine.backends.vllm.backend:VllmBackend",
-    "llamacpp": "engine.backends.llamacpp.backend:LlamaCppBackend",
-}
+Pure data (no import beyond the standard library): the config validates names against it, the engine picks the
+class it builds from it, plugins read the logits hook, servers and lm-eval read the settings they change, and the
+conformance suite and the benchmarks read required modules and model formats from it. What a backend can do with a
+given model once started lives in its ``Capabilities`` instead.
+
+>>> SPECS["llamacpp"].logits_hook, SPECS["vllm"].modules
+('llamacpp_logits_processor', ('vllm',))
+>>> spec("vlm")
+Traceback (most recent call last):
+...
+engine.errors.ConfigError: backend is not a registered backend, got 'vlm'. Fix: did you mean 'vllm'? \
+available: hf, llamacpp, vllm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """What the project knows about one backend before it is imported.
+
+    >>> BackendSpec(name="x", target="pkg.mod:X", modules=("pkg",), logits_hook="x_logits_processor").hooks
+    frozenset({'x_logits_processor'})
+    """
+
+    name: str
+    """The ``backend:`` value of a config, and the name of its settings section (``hf:``, ``vllm:``, ...)."""
+    target: str
+    """``module:Class`` of the backend, imported on first use."""
+    modules: tuple[str, ...]
+    """Top-level modules that must be importable for it to run (a missing one: the suite skips it, with the reason)."""
+    logits_hook: str
+    """The plugin hook through which it applies a row rule to each step's logits."""
+    extra_hooks: tuple[str, ...] = ()
+    """Hooks it offers beyond ``logits_hook`` (HF's stopping criteria)."""
+    async_target: str | None = None
+    """``module:Class`` built instead of ``target`` when its settings say ``async_engine: true``."""
+    served_settings: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
+    """What ``python -m engine.serve`` sets in its settings section (vLLM: ``async_engine``, so concurrent requests
+    share continuous batching)."""
+    child_process_settings: tuple[str, ...] = ()
+    """Settings any of which, when true, put its engine core in a child process (reported by ``/health``)."""
+    model_format: str = "hf"
+    """What ``model.path`` holds for it: ``hf`` (a checkpoint folder) or ``gguf`` (a GGUF file or a folder holding
+    one, with the HF tokenizer files)."""
+    takes_attn_implementation: bool = False
+    """Whether ``model.attn_implementation`` applies to it."""
+    takes_device: bool = False
+    """Whether ``model.device`` applies to it (the others pick their own device)."""
+    serves_images: bool = False
+    """Whether it can serve vision-language requests at all (per model: ``Capabilities.supports_vlm``)."""
+    batch_size_setting: str | None = None
+    """The settings key lm-eval's ``batch_size`` sets (None: lm-eval's batch size does not reach it)."""
+    shares_card: bool = False
+    """Whether each engine takes a fixed share of a CUDA card (vLLM's ``gpu_memory_utilization``)."""
+    parallel_settings: tuple[str, ...] = ()
+    """Settings whose product is its world size (the ranks a ``/infer/`` learner sees)."""
+
+    @property
+    def hooks(self) -> frozenset[str]:
+        """Every hook it offers when everything works (checked before it starts)."""
+        return frozenset((self.logits_hook, *self.extra_hooks))
+
+    def target_for(self, settings: object) -> str:
+        """The class to build for these settings: ``async_target`` when they ask for the async engine."""
+        if self.async_target is not None and getattr(settings, "async_engine", False):
+            return self.async_target
+        return self.target
+
+    def engine_core_in_child(self, settings: object) -> bool:
+        """Whether these settings run its engine core in a child process."""
+        return any(getattr(settings, name, False) for name in self.child_process_settings)
+
+
+SPECS: Mapping[str, BackendSpec] = MappingProxyType({
+    "hf": BackendSpec(
+        name="hf", target="engine.backends.hf.backend:HfBackend", modules=("torch", "transformers"),
+        logits_hook="hf_logits_processor", extra_hooks=("hf_stopping_criteria",), takes_attn_implementation=True,
+        takes_device=True, serves_images=True, batch_size_setting="max_batch_size"),
+    "vllm": BackendSpec(
+        name="vllm", target="engine.backends.vllm.backend:VllmBackend", modules=("vllm",),
+        logits_hook="vllm_logits_processor", async_target="engine.backends.vllm.async_backend:AsyncVllmBackend",
+        served_settings=MappingProxyType({"async_engine": True}),
+        child_process_settings=("async_engine", "multiprocessing"), serves_images=True, shares_card=True,
+        parallel_settings=("tensor_parallel_size", "data_parallel_size")),
+    "llamacpp": BackendSpec(
+        name="llamacpp", target="engine.backends.llamacpp.backend:LlamaCppBackend", modules=("llama_cpp", "torch"),
+        logits_hook="llamacpp_logits_processor", model_format="gguf"),
+})
+"""Backends, by name."""
+
+REGISTRY: Mapping[str, str] = MappingProxyType({name: s.target for name, s in SPECS.items()})
+"""Backend name -> ``module:Class`` (a view of ``SPECS``)."""
+
+
+def spec(name: str) -> BackendSpec:
+    """The spec registered under ``name``; an unknown name is a ``ConfigError`` naming the close ones."""
+    if name not in SPECS:
+        from engine.config.validation import did_you_mean
+        from engine.errors import ConfigError
+
+        raise ConfigError("backend", name, "is not a registered backend", fix=did_you_mean(name, SPECS))
+    return SPECS[name]

@@ -6,15 +6,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.backends.registry import REGISTRY
-from engine.config._build import build, check_range, check_type, did_you_mean
+from engine.backends.registry import SPECS
 from engine.config.generation import GenerationOptions, StopPolicy
 from engine.config.repeat import RepeatTerminateConfig
 from engine.config.serve import ServeConfig
+from engine.config.validation import build, check_range, check_type, did_you_mean
 from engine.config.vision import PixelBudget
 from engine.errors import ConfigError
 
-BACKENDS = tuple(REGISTRY)
+BACKENDS = tuple(SPECS)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -212,7 +212,9 @@ vllm.
     repeat_terminate: RepeatTerminateConfig = field(default_factory=RepeatTerminateConfig)
     """Repeat-aware termination guard (per-sequence EOS on degenerate repetition)."""
     plugins: tuple[Any, ...] = ()
-    """Plugins enabled for every call, in order: mappings ``{name: ..., <params>}`` (see ``engine.plugins``)."""
+    """Plugins enabled for every call, in order: mappings ``{name: ..., <params>}`` (see ``engine.plugins``). Kept
+    as data here; ``engine.plugins.create_plugins`` checks them (the engine and the server's launcher do, before
+    loading anything)."""
     serve: ServeConfig = field(default_factory=ServeConfig)
     """How ``python -m engine.serve`` serves this engine (host, port, envelope key, HF batcher); unused in-process."""
     fallback_backend: str | None = None
@@ -230,20 +232,15 @@ vllm.
             if self.fallback_backend == self.backend:
                 raise ConfigError("fallback_backend", self.fallback_backend, "must differ from backend",
                                   fix="name another backend, or remove fallback_backend")
-        from engine.plugins import create_plugin
-
-        for i, spec in enumerate(self.plugins):
-            create_plugin(spec, index=i)  # unknown names and bad parameters fail at load time
-        if self.model.path.endswith(".gguf") and self.backend != "llamacpp":
+        spec = SPECS[self.backend]
+        if self.model.path.endswith(".gguf") and spec.model_format != "gguf":
+            gguf = ", ".join(n for n, s in SPECS.items() if s.model_format == "gguf")
             raise ConfigError("model.path", self.model.path, f"is a GGUF file, which backend {self.backend!r} does "
-                              "not load here", fix="use backend: llamacpp, or a Hugging Face checkpoint folder")
-        if self.backend == "llamacpp" and self.model.attn_implementation is not None:
+                              "not load here", fix=f"use backend: {gguf}, or a Hugging Face checkpoint folder")
+        if not spec.takes_attn_implementation and self.model.attn_implementation is not None:
             raise ConfigError("model.attn_implementation", self.model.attn_implementation,
-                              "does not apply to the llamacpp backend", fix="remove it")
-        if self.backend == "vllm" and self.model.attn_implementation is not None:
-            raise ConfigError("model.attn_implementation", self.model.attn_implementation,
-                              "does not apply to the vllm backend",
-                              fix="remove it (vLLM picks its attention backend; see VLLM_ATTENTION_BACKEND)")
+                              f"does not apply to the {self.backend} backend",
+                              fix=f"remove it ({self.backend} picks its own attention implementation)")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineConfig:

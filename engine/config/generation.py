@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config._build import check_range, check_type, merge
+from engine.config.validation import check_range, check_type, merge
 from engine.errors import ConfigError
 
 MAX_LOGPROBS = 20

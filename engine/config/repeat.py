@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
-from engine.config._build import check_range, check_type
+from engine.config.validation import check_range, check_type
 from engine.errors import ConfigError
 from engine.rules.repeat import RepeatThresholds
 
 
 @dataclass(frozen=True)
-class RepeatTerminateConfig:
+class RepeatTerminateConfig(RepeatThresholds):
     """Per-sequence EOS for degenerate repetition; semantics in :mod:`engine.rules.repeat`.
 
     This subtree is the single source of truth: it reaches every backend unchanged, and the engine
@@ -28,18 +28,8 @@ Fix: set max_consecutive_token_repeats, ngram_size + ngram_repeats, or max_objec
     """
 
     enabled: bool = False
-    """Activate the guard."""
-    min_new_tokens: int = 0
-    """No trigger before this many generated tokens exist, in [0, inf). (Generation's own
-    ``min_new_tokens`` is honoured too: the guard never ends a row before it.)"""
-    max_consecutive_token_repeats: int | None = None
-    """Fire when the last N generated tokens are one token id, N in [2, inf). None: off."""
-    ngram_size: int | None = None
-    """n of the repeated n-gram, in [2, inf) (a 1-gram is the consecutive threshold). None: off."""
-    ngram_repeats: int | None = None
-    """Back-to-back repetitions of the n-gram that fire, in [2, inf). Set together with ngram_size."""
-    max_object_keys: int | None = None
-    """Fire when one JSON-like object in the decoded output gets more than K keys, K in [1, inf). None: off."""
+    """Activate the guard. The thresholds are :class:`~engine.rules.repeat.RepeatThresholds`' fields (one
+    definition, documented there): this subtree is those plus ``enabled``, validated here."""
 
     def __post_init__(self) -> None:
         p = "repeat_terminate"
@@ -85,10 +75,5 @@ Fix: set max_consecutive_token_repeats, ngram_size + ngram_repeats, or max_objec
 
     def thresholds(self, generation_min_new_tokens: int = 0) -> RepeatThresholds:
         """The pure rule's thresholds; the gate is the larger of both min_new_tokens."""
-        return RepeatThresholds(
-            min_new_tokens=max(self.min_new_tokens, generation_min_new_tokens),
-            max_consecutive_token_repeats=self.max_consecutive_token_repeats,
-            ngram_size=self.ngram_size,
-            ngram_repeats=self.ngram_repeats,
-            max_object_keys=self.max_object_keys,
-        )
+        values = {f.name: getattr(self, f.name) for f in fields(RepeatThresholds)}
+        return RepeatThresholds(**{**values, "min_new_tokens": max(self.min_new_tokens, generation_min_new_tokens)})

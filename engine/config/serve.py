@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from engine.config._build import check_range, check_type
+from engine.config.validation import check_range, check_type
 from engine.errors import ConfigError
 
 NAMESPACE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")

@@ -394,6 +394,9 @@ def _build_engine(config: str | None, backend: str | None, model: str | None, dt
                           fix="give pretrained=PATH or config=ENGINE_YAML in --model_args")
     data["model"] = model_section
     data.setdefault("backend", "hf")
-    if str(batch_size).isdigit() and data["backend"] == "hf":
-        data["hf"] = {**(data.get("hf") or {}), "max_batch_size": int(str(batch_size))}
+    from engine.backends.registry import SPECS
+
+    setting = SPECS[data["backend"]].batch_size_setting if data["backend"] in SPECS else None
+    if str(batch_size).isdigit() and setting is not None:  # HF: max_batch_size; vLLM batches by itself
+        data[data["backend"]] = {**(data.get(data["backend"]) or {}), setting: int(str(batch_size))}
     return GenerationEngine(data)

@@ -22,8 +22,6 @@ VLLM_LOGITS_PROCESSOR = "vllm_logits_processor"
 LLAMACPP_LOGITS_PROCESSOR = "llamacpp_logits_processor"
 POST_DECODE = "post_decode"
 HOOKS = (HF_LOGITS_PROCESSOR, HF_STOPPING_CRITERIA, VLLM_LOGITS_PROCESSOR, LLAMACPP_LOGITS_PROCESSOR, POST_DECODE)
-LOGITS_PROCESSOR_HOOKS = {"hf": HF_LOGITS_PROCESSOR, "vllm": VLLM_LOGITS_PROCESSOR,
-                          "llamacpp": LLAMACPP_LOGITS_PROCESSOR}
 
 
 def logits_processor_hook(backend: str) -> str:
@@ -32,7 +30,9 @@ def logits_processor_hook(backend: str) -> str:
     >>> logits_processor_hook("llamacpp")
     'llamacpp_logits_processor'
     """
-    return LOGITS_PROCESSOR_HOOKS[backend]
+    from engine.backends.registry import spec
+
+    return spec(backend).logits_hook
 REQUEST_KINDS = ("text", "vlm")
 
 
@@ -64,7 +64,7 @@ class Plugin(ABC):
         self.where = f"plugins[{index}]"
         unknown = sorted(set(params) - set(self.params))
         if unknown:
-            from engine.config._build import did_you_mean
+            from engine.config.validation import did_you_mean
 
             raise ConfigError(f"{self.where}.{unknown[0]}", params[unknown[0]],
                               f"is not a parameter of plugin {self.name!r}", fix=did_you_mean(unknown[0], self.params))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from engine.config._build import check_range, check_type
+from engine.config.validation import check_range, check_type
 from engine.errors import ConfigError
 from engine.plugins.base import (
     HF_STOPPING_CRITERIA,

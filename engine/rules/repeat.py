@@ -35,13 +35,20 @@ OBJECT_KEYS = "object_keys"
 
 @dataclass(frozen=True)
 class RepeatThresholds:
-    """The thresholds of one row (validated by the config; see ``engine.config.RepeatTerminateConfig``)."""
+    """The thresholds of one row: the fields of the ``repeat_terminate`` config subtree, defined once here
+    (``engine.config.RepeatTerminateConfig`` adds ``enabled`` and validates them)."""
 
     min_new_tokens: int = 0
+    """No trigger before this many generated tokens exist, in [0, inf). (Generation's own
+    ``min_new_tokens`` is honoured too: the guard never ends a row before it.)"""
     max_consecutive_token_repeats: int | None = None
+    """Fire when the last N generated tokens are one token id, N in [2, inf). None: off."""
     ngram_size: int | None = None
+    """n of the repeated n-gram, in [2, inf) (a 1-gram is the consecutive threshold). None: off."""
     ngram_repeats: int | None = None
+    """Back-to-back repetitions of the n-gram that fire, in [2, inf). Set together with ngram_size."""
     max_object_keys: int | None = None
+    """Fire when one JSON-like object in the decoded output gets more than K keys, K in [1, inf). None: off."""
 
     @property
     def needs_text(self) -> bool:

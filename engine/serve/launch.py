@@ -50,8 +50,10 @@ def parser() -> argparse.ArgumentParser:
 
 def served_config(args: argparse.Namespace, environ: Any = None) -> tuple[Any, Activation]:
     """The validated ``EngineConfig`` and the guard's activation, from the arguments and the environment."""
+    from engine.backends.registry import SPECS
     from engine.config import EngineConfig
     from engine.config.yaml_file import load_yaml
+    from engine.plugins import create_plugins
 
     data: dict[str, Any] = {}
     if args.config:
@@ -77,10 +79,13 @@ def served_config(args: argparse.Namespace, environ: Any = None) -> tuple[Any, A
     chat = section(serve.get("chat"), "serve.chat")
     serve["chat"] = chat_environment(chat, os.environ if environ is None else environ)
     data["serve"] = serve
-    if data.get("backend") == "vllm":  # concurrent requests share vLLM's continuous batching
-        data["vllm"] = {**section(data.get("vllm"), "vllm"), "async_engine": True}
+    served = SPECS.get(data.get("backend"))  # type: ignore[arg-type]
+    if served is not None and served.served_settings:  # vLLM: concurrent requests share continuous batching
+        data[served.name] = {**section(data.get(served.name), served.name), **served.served_settings}
     data, activation = resolve(data, from_yaml=args.repeat_terminate_from, environ=environ)
-    return EngineConfig.from_dict(data), activation
+    config = EngineConfig.from_dict(data)
+    create_plugins(config.plugins)  # unknown names and bad parameters fail before binding (nothing is loaded)
+    return config, activation
 
 
 def section(value: Any, name: str) -> dict[str, Any]:

@@ -65,7 +65,7 @@ def parse_pattern_c(body: Any, defaults: Any) -> PatternCCall:
     """
     if not isinstance(body, Mapping):
         raise RequestError("body", type(body).__name__, "must be a JSON object", fix='send {"messages": [...]}')
-    from engine.config._build import did_you_mean
+    from engine.config.validation import did_you_mean
 
     for key, value in body.items():
         if key not in FIELDS:

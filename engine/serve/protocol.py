@@ -60,7 +60,7 @@ class InferCall:
 
 def unknown_fields(where: str, body: Mapping[str, Any], known: tuple[str, ...]) -> None:
     """Refuse the first key of ``body`` not in ``known``, naming it (``where`` prefixes the field path)."""
-    from engine.config._build import did_you_mean
+    from engine.config.validation import did_you_mean
 
     for key, value in body.items():
         if key not in known:

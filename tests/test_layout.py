@@ -1,0 +1,140 @@
+"""The house rules of ``engine/``: backend facts come from one registry of specs, modules import each other
+without cycles, and the config stays data (it imports no backend, plugin or serving code)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from engine.backends import AsyncGenerating, Scoring, TokenStreaming, load_target
+from engine.backends.registry import SPECS
+
+ENGINE = Path(__file__).resolve().parents[1] / "engine"
+
+
+def module_imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at any depth (function bodies too), except under ``if TYPE_CHECKING``."""
+    found: set[str] = set()
+
+    class Visitor(ast.NodeVisitor):
+        def visit_If(self, node: ast.If) -> None:
+            if "TYPE_CHECKING" not in ast.unparse(node.test):
+                self.generic_visit(node)
+            else:
+                for child in node.orelse:
+                    self.visit(child)
+
+        def visit_Import(self, node: ast.Import) -> None:
+            found.update(a.name for a in node.names)
+
+        def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+            if node.module:
+                found.add(node.module)
+                found.update(f"{node.module}.{a.name}" for a in node.names)
+
+    Visitor().visit(ast.parse(path.read_text()))
+    return found
+
+
+def engine_modules() -> dict[str, Path]:
+    modules = {}
+    for path in ENGINE.rglob("*.py"):
+        parts = path.relative_to(ENGINE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    return modules
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = engine_modules()
+    return {name: {m for m in module_imports(path) if m in modules and m != name} for name, path in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycles_in_the_library():
+    """Lazy imports count too: a cycle hidden in a function body is still two modules that need each other."""
+    graph = import_graph()
+    assert len(graph) > 80 and graph["engine.engine"]  # the scan really read the package
+    assert cycles(graph) == []
+
+
+def test_the_scan_finds_a_cycle_when_there_is_one():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_config_is_data():
+    """Config modules import validation, errors and rule data only: no backend, plugin, serving or engine code
+    (the registry of specs is pure data and may be read)."""
+    allowed = ("engine.config", "engine.errors", "engine.rules.repeat", "engine.backends.registry")
+    for name, imports in import_graph().items():
+        if name.startswith("engine.config"):
+            strays = sorted(m for m in imports if not m.startswith(allowed))
+            assert strays == [], f"{name} imports {strays}"
+
+
+def test_registry_imports_nothing_of_the_project_at_module_level():
+    tree = ast.parse((ENGINE / "backends" / "registry.py").read_text())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert all(isinstance(n, ast.ImportFrom) and not (n.module or "").startswith("engine") for n in top)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_each_spec_names_a_class_that_agrees_with_it(name):
+    spec = SPECS[name]
+    targets = [spec.target, *([spec.async_target] if spec.async_target else [])]
+    for target in targets:
+        cls = load_target(target)  # a backend module imports no heavy package at module level
+        assert cls.name == name and cls.declared_hooks == spec.hooks
+        assert spec.logits_hook in spec.hooks
+    assert spec.model_format in ("hf", "gguf")
+
+
+def test_optional_protocols_match_what_each_backend_implements():
+    hf, vllm, vllm_async, llamacpp = (load_target(t) for t in (
+        SPECS["hf"].target, SPECS["vllm"].target, SPECS["vllm"].async_target, SPECS["llamacpp"].target))
+    assert [issubclass(c, Scoring) for c in (hf, vllm, vllm_async, llamacpp)] == [True, True, False, False]
+    assert [issubclass(c, AsyncGenerating) for c in (hf, vllm, vllm_async, llamacpp)] == [False, False, True, False]
+    assert [issubclass(c, TokenStreaming) for c in (hf, vllm, vllm_async, llamacpp)] == [False, False, True, False]
+
+
+def test_async_target_is_chosen_by_the_settings():
+    from engine.config import VllmConfig
+
+    vllm = SPECS["vllm"]
+    assert vllm.target_for(VllmConfig(async_engine=True)) == vllm.async_target
+    assert vllm.target_for(VllmConfig()) == vllm.target
+    assert vllm.engine_core_in_child(VllmConfig(multiprocessing=True))
+    assert not vllm.engine_core_in_child(VllmConfig())
