@@ -32,6 +32,8 @@ def test_leases_release_the_least_recently_used_first():
 
 
 class FakeBackend:
+    runner = None  # the Backend protocol's attribute (the vLLM runner really started)
+
     def __init__(self, card, share):
         self.card, self.share, self.open = card, share, True
         card.append(self)
