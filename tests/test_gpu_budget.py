@@ -7,6 +7,7 @@ be asked for; the real engines start in the conformance suite."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import ClassVar
 
 import pytest
@@ -50,7 +51,7 @@ class FakeEngine:
 
     def __init__(self, config):
         share = config["vllm"]["gpu_memory_utilization"] if config["backend"] == "vllm" else 0.0
-        self.backend = FakeBackend(self.card, share) if config["backend"] == "vllm" else None
+        self.backend = FakeBackend(self.card, share) if config["backend"] == "vllm" else SimpleNamespace(runner=None)
         self.owner = True
 
     def derive(self, **sections):
@@ -59,7 +60,7 @@ class FakeEngine:
         return twin
 
     def close(self):
-        if self.owner and self.backend is not None:
+        if self.owner and isinstance(self.backend, FakeBackend):
             self.backend.close()
 
 
@@ -99,7 +100,7 @@ def test_the_pool_keeps_the_card_within_budget_for_a_whole_session(cuda_pool):
         held = sum(b.share for b in FakeEngine.card) + servers * share
         peak = max(peak, held)
         assert held <= budget + 1e-9, f"the card would hold {held:.2f} of itself"
-        alive = {id(e.backend) for e in cuda_pool._engines.values() if e.backend is not None}
+        alive = {id(e.backend) for e in cuda_pool._engines.values() if isinstance(e.backend, FakeBackend)}
         assert alive == {id(b) for b in FakeEngine.card}, "an engine of a stopped backend is still handed out"
     assert all(b.share == share for b in FakeEngine.card)
     assert cuda_pool.released > 0 and peak == pytest.approx(cuda_pool.options.gpu_vllm_engines * share)
