@@ -58,7 +58,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help=f"comma-separated backends to check (default: {','.join(BACKENDS)})")
     group.addoption("--engine-require", default="",
                     help="comma-separated backends that must run: one that cannot (not installed) fails the session "
-                         "instead of skipping its checks (default: none; nox -s conformance: hf,vllm)")
+                         "instead of skipping its checks (default: none; nox -s conformance: hf,vllm,llamacpp)")
     group.addoption("--engine-model", default=None,
                     help="text model folder (default: the smollm2-135m-instruct fixture)")
     group.addoption("--engine-gguf-model", default=None,

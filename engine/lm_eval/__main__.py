@@ -1,7 +1,7 @@
 """``python -m engine.lm_eval ...``: lm-evaluation-harness's own CLI, with ``--model engine`` registered.
 
     python -m engine.lm_eval run --model engine --model_args pretrained=PATH dtype=float32 \\
-        --tasks engine_mc --include_path fixtures/lm_eval
+        --tasks engine_mc --include_path fixtures/lm_eval_tasks
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ class EngineLM(TemplateLM):
 
         from lm_eval import simple_evaluate
         lm = EngineLM(backend="hf", pretrained=".fixtures/smollm2-135m-instruct", dtype="float32")
-        simple_evaluate(model=lm, tasks=["engine_mc"], task_manager=TaskManager(include_path="fixtures/lm_eval"))
+        simple_evaluate(model=lm, tasks=["engine_mc"], task_manager=TaskManager(include_path="fixtures/lm_eval_tasks"))
 
     Arguments: ``config`` (an engine YAML) with overrides ``backend``, ``pretrained`` (or ``model``), ``dtype``,
     ``device``, ``batch_size``; ``max_length`` (window for log-likelihoods, default the model's context - 1),

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from engine.backends.registry import SPECS
 from engine.config.serve import PatternCConfig
 from engine.errors import ConfigError, EngineError
 from engine.serve.activation import FLAG, Activation, resolve
@@ -34,7 +35,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m engine.serve", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="engine config YAML (backend, model, generation, serve, ...)")
-    p.add_argument("--backend", help="override: backend (hf or vllm)")
+    p.add_argument("--backend", help=f"override: backend ({', '.join(SPECS)})")
     p.add_argument("--model", help="override: model.path")
     p.add_argument("--dtype", help="override: model.dtype")
     p.add_argument("--host", help="override: serve.host (default 127.0.0.1)")

@@ -1,0 +1,197 @@
+"""The OpenAI chat-completions wire format (``POST /v1/chat/completions``), both ways, in one place (what every
+surface shares: :mod:`engine.serve.wire`).
+
+:func:`parse_completion` checks a request body and turns it into engine arguments, refusing unknown fields and
+values this server cannot honour with a :class:`RequestError` that names the field; :func:`completion_body`
+and :func:`chunk` build the non-streamed response and the streamed ``chat.completion.chunk`` objects. No web
+framework is imported here.
+
+Choices written down (OpenAI's reference leaves them open or this server cannot honour them):
+
+* ``n`` must be 1; sampling parameters OpenAI has but the engine does not (``frequency_penalty``,
+  ``presence_penalty``, ``logit_bias``, tools, ``response_format`` other than text) are accepted only at their
+  neutral value, anything else is a 400 naming the field. ``user`` is accepted and ignored.
+* ``model`` must name the served model (else 404, as vLLM's server answers).
+* ``max_tokens`` and ``max_completion_tokens`` are synonyms; giving both with different values is a 400.
+* The engine extension ``engine: {options, stop, plugins}`` (the ``/infer/`` one) reaches every other engine
+  option, the full stop policy and the plugins; it is validated like the in-process call.
+* Streamed logprobs: the chunk with the ``finish_reason`` carries every token's logprobs (the text deltas are
+  cut where stop truncation is safe, not at token boundaries), so all chunks' logprobs together equal the
+  non-streamed ``choices[0].logprobs``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import RequestError
+from engine.serve.wire import (
+    FieldTable,
+    chat_messages,
+    engine_extension,
+    logprobs_content,
+    stop_strings,
+    unknown_fields,
+    usage,
+)
+from engine.types import GenerationResult
+
+FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
+          "logprobs", "top_logprobs", "stream", "stream_options", "n", "user", "engine")
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "tools": ([],),
+    "tool_choice": ("none",), "parallel_tool_calls": (False, True), "response_format": ({"type": "text"},),
+}
+"""Fields accepted only at a value that changes nothing (null too)."""
+TABLE = FieldTable({
+    "max_tokens": "generation.max_new_tokens", "max_completion_tokens": "generation.max_new_tokens",
+    "temperature": "generation.temperature", "top_p": "generation.top_p", "seed": "generation.seed",
+    "top_logprobs": "generation.logprobs", "stop": "stop.strings",
+})
+"""The fields both ways: top-level fields read into generation options; the engine's errors name them, the one
+request's ``messages[i]`` and the ``engine`` extension's fields."""
+
+
+@dataclass(frozen=True)
+class CompletionCall:
+    """One checked ``/v1/chat/completions`` body: what the engine is asked for and how to answer."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    options: dict[str, Any] = field(default_factory=dict)
+    stop: dict[str, Any] | None = None
+    plugins: list[Any] | None = None
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+def _bool(body: Mapping[str, Any], key: str, where: str = "") -> bool:
+    value = body.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise RequestError(f"{where}{key}", value, "must be true or false", fix="send a boolean")
+    return value
+
+
+def parse_completion(body: Any) -> CompletionCall:
+    """Check a chat-completions body; raise ``RequestError`` naming the first bad field. Nothing is generated.
+
+    >>> call = parse_completion({"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+    ...                          "temperature": 0, "stop": "\\n"})
+    >>> call.options, call.stop
+    ({'max_new_tokens': 8, 'temperature': 0}, {'strings': ['\\n']})
+    >>> parse_completion({"model": "m", "messages": [], "n": 2})
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: n is not supported by this server, got 2. Fix: use 1 (send the request several \
+times for several samples).
+    >>> parse_completion({"model": "m", "messages": [], "sedd": 1})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: sedd is not a known field, got 1. Fix: did you mean 'seed'? available: ...
+    """
+    if not isinstance(body, Mapping):
+        raise RequestError("body", type(body).__name__, "must be a JSON object",
+                           fix='send {"model": ..., "messages": [...]}')
+    unknown_fields("", body, (*FIELDS, *NEUTRAL))
+    n = body.get("n", 1)
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise RequestError("n", n, "is not supported by this server",
+                           fix="use 1 (send the request several times for several samples)")
+    for key, allowed in NEUTRAL.items():
+        value = body.get(key)
+        if value is not None and (value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool)):
+            raise RequestError(key, value, "is not supported by this server",
+                               fix=f"leave it out or send {allowed[0]!r}")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestError("model", model, "is required and must be a string", fix="send the served model's name "
+                           "(GET /v1/models lists it)")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise RequestError("user", body["user"], "must be a string", fix="send a string or leave it out")
+    options: dict[str, Any] = {}
+    tokens = _max_tokens(body)
+    if tokens is not None:
+        options["max_new_tokens"] = tokens
+    options.update(TABLE.read_options(body, ("temperature", "top_p", "seed")))
+    logprobs, top = _bool(body, "logprobs"), body.get("top_logprobs")
+    if top is not None and not logprobs:
+        raise RequestError("top_logprobs", top, "needs logprobs: true", fix="set logprobs to true")
+    if logprobs:
+        options["logprobs"] = 0 if top is None else top
+    stream = _bool(body, "stream")
+    stream_options = body.get("stream_options")
+    include_usage = False
+    if stream_options is not None:
+        if not stream:
+            raise RequestError("stream_options", stream_options, "is only allowed with stream: true",
+                               fix="set stream to true or leave stream_options out")
+        if not isinstance(stream_options, Mapping):
+            raise RequestError("stream_options", stream_options, "must be an object",
+                               fix='e.g. {"include_usage": true}')
+        unknown_fields("stream_options.", stream_options, ("include_usage", "continuous_usage_stats"))
+        include_usage = _bool(stream_options, "include_usage", "stream_options.")
+        if _bool(stream_options, "continuous_usage_stats", "stream_options."):
+            raise RequestError("stream_options.continuous_usage_stats", True, "is not supported",
+                               fix="use include_usage for one usage chunk at the end")
+    options, stop, plugins = engine_extension(body, options, stop_strings(body.get("stop"), "stop"),
+                                              options_from="by a top-level field", stop_field="stop")
+    return CompletionCall(model=model, messages=chat_messages(body.get("messages")), options=options, stop=stop,
+                          plugins=plugins, stream=stream, include_usage=include_usage,
+                          logprobs=logprobs, top_logprobs=top)
+
+
+def _max_tokens(body: Mapping[str, Any]) -> Any:
+    a, b = body.get("max_tokens"), body.get("max_completion_tokens")
+    if a is not None and b is not None and a != b:
+        raise RequestError("max_completion_tokens", b, f"differs from max_tokens ({a!r})", fix="send one of them")
+    return a if a is not None else b
+
+
+# -- responses ------------------------------------------------------------------------------------------
+
+
+def completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def _logprobs(result: GenerationResult, call: CompletionCall, tokenizer: Any) -> dict[str, Any] | None:
+    if not call.logprobs:
+        return None
+    return logprobs_content(result, tokenizer, 0 if call.top_logprobs is None else call.top_logprobs)
+
+
+def completion_body(result: GenerationResult, call: CompletionCall, *, model: str, tokenizer: Any) -> dict[str, Any]:
+    """The ``chat.completion`` object for one result."""
+    return {
+        "id": completion_id(), "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
+                     "logprobs": _logprobs(result, call, tokenizer), "finish_reason": result.finish_reason}],
+        "usage": usage(result), "system_fingerprint": None,
+    }
+
+
+def chunk(cid: str, created: int, model: str, call: CompletionCall, *, delta: dict[str, Any] | None = None,
+          result: GenerationResult | None = None, tokenizer: Any = None, usage_only: bool = False) -> dict[str, Any]:
+    """One ``chat.completion.chunk``: a delta; with ``result`` the closing one (finish reason, logprobs); with
+    ``usage_only`` the trailing usage chunk (``stream_options.include_usage``), whose ``choices`` are empty."""
+    body: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                            "system_fingerprint": None}
+    if usage_only:
+        assert result is not None
+        return {**body, "choices": [], "usage": usage(result)}
+    choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": None}
+    if result is not None:
+        choice["finish_reason"] = result.finish_reason
+        choice["logprobs"] = _logprobs(result, call, tokenizer)
+    body["choices"] = [choice]
+    if call.include_usage:
+        body["usage"] = None
+    return body

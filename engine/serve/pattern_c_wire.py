@@ -1,0 +1,111 @@
+"""The Pattern C ``POST /chat`` wire format: ``{model?, messages, min_len?, max_len?, stream?}`` -> ``{text, meta}``
+(what every surface shares: :mod:`engine.serve.wire`). "Pattern C" is the seeds' name for min-length chat.
+
+Min-length control runs inside generation: the request becomes the engine's ``min_length`` plugin (EOS banned
+below ``min_len`` characters, ``punctuation_bias`` on sentence-ending tokens past it, ``max_len`` as a hard cap)
+followed by the ``cleanup`` plugin (safe sentence trim, closing of unbalanced quotes and brackets, whitespace
+trim). Sampling and the plugin settings other than the two lengths come from ``serve.chat``
+(:class:`~engine.config.serve.PatternCConfig`). No web framework is imported here.
+
+Streaming (``stream: true``) answers with server-sent events: ``{"delta": "..."}`` objects whose deltas
+concatenate to the final text, then one ``{"text": ..., "meta": {...}}`` object (the non-streamed body), then
+``[DONE]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import RequestError
+from engine.serve.wire import FieldTable, chat_messages, usage
+from engine.types import GenerationResult
+
+FIELDS = ("model", "messages", "min_len", "max_len", "stream")
+STRATEGY = "logits_processor"
+"""How min-length is enforced: inside generation, on the logits (not by re-prompting or post-hoc padding)."""
+TABLE = FieldTable({"min_len": "plugins[0].min_chars", "max_len": "plugins[0].max_chars"}, extension=False)
+"""The fields both ways: ``min_len``/``max_len`` become the ``min_length`` plugin's bounds, and its errors name them;
+the one request's ``messages[i]`` are named as sent."""
+
+
+@dataclass(frozen=True)
+class PatternCCall:
+    """One checked ``/chat`` body with the server's defaults filled in."""
+
+    messages: list[dict[str, Any]]
+    min_len: int
+    max_len: int
+    model: str | None = None
+    stream: bool = False
+    options: dict[str, Any] = field(default_factory=dict)
+    plugins: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _length(body: Mapping[str, Any], key: str, default: int, low: int) -> int:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(key, value, "must be an integer number of characters", fix=f"e.g. {default}")
+    if value < low:
+        raise RequestError(key, value, f"must be at least {low}", fix=f"e.g. {default}")
+    return value
+
+
+def parse_pattern_c(body: Any, defaults: Any) -> PatternCCall:
+    """Check a ``/chat`` body against ``defaults`` (a ``PatternCConfig``); raise ``RequestError`` naming the field.
+
+    >>> from engine.config.serve import PatternCConfig
+    >>> call = parse_pattern_c({"messages": [{"role": "user", "content": "Hi"}]}, PatternCConfig())
+    >>> call.min_len, call.max_len, call.plugins[0]
+    (120, 240, {'name': 'min_length', 'min_chars': 120, 'max_chars': 240, 'punctuation_bias': 0.3})
+    >>> parse_pattern_c({"messages": [{"role": "user", "content": "Hi"}], "min_len": 300}, PatternCConfig())
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: min_len must not exceed max_len (240), got 300. Fix: send min_len <= max_len.
+    """
+    if not isinstance(body, Mapping):
+        raise RequestError("body", type(body).__name__, "must be a JSON object", fix='send {"messages": [...]}')
+    from engine.config.validation import did_you_mean
+
+    for key, value in body.items():
+        if key not in FIELDS:
+            raise RequestError(key, value, "is not a known field", fix=did_you_mean(str(key), FIELDS))
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RequestError("model", model, "must be a string", fix="send the served model's name or leave it out")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise RequestError("stream", stream, "must be true or false", fix="send a boolean")
+    min_len = _length(body, "min_len", defaults.min_len, 0)
+    max_len = _length(body, "max_len", defaults.max_len, 1)
+    if min_len > max_len:
+        raise RequestError("min_len", min_len, f"must not exceed max_len ({max_len})", fix="send min_len <= max_len")
+    plugins = [
+        {"name": "min_length", "min_chars": min_len, "max_chars": max_len,
+         "punctuation_bias": defaults.punctuation_bias},
+        {"name": "cleanup", "trim_whitespace": True, "close_brackets": defaults.close_brackets,
+         "sentence_end": defaults.sentence_end},
+    ]
+    options = {"temperature": defaults.temperature, "top_p": defaults.top_p, "max_new_tokens": defaults.max_new_tokens}
+    return PatternCCall(messages=chat_messages(body.get("messages")), min_len=min_len, max_len=max_len, model=model,
+                        stream=stream, options=options, plugins=plugins)
+
+
+def pattern_c_body(result: GenerationResult, call: PatternCCall, *, model: str) -> dict[str, Any]:
+    """``{text, meta}``: the numbers in ``meta`` are the min-length rule's own (``eos_suppressed``: EOS was the
+    model's top choice while banned; ``min_length_capped``: ``max_len`` ended the row)."""
+    meta = result.meta
+    return {
+        "text": result.text,
+        "meta": {
+            "model": model, "strategy": STRATEGY, "min_len": call.min_len, "max_len": call.max_len,
+            "generated_chars": meta["generated_chars"], "returned_chars": meta["returned_chars"],
+            "eos_suppressed": meta["eos_suppressed"], "min_length_capped": meta["min_length_capped"],
+            "finish_reason": result.finish_reason, "usage": usage(result),
+        },
+    }
