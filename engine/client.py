@@ -26,7 +26,7 @@ from engine.config.repeat import RepeatTerminateConfig
 from engine.config.validation import build
 from engine.errors import EngineError
 from engine.serve.activation import ENV_JSON
-from engine.serve.protocol import result_from_item
+from engine.serve.rollout_wire import result_from_item
 from engine.types import GenerationResult
 
 

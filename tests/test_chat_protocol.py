@@ -12,13 +12,15 @@ from hypothesis import strategies as st
 
 from engine.config.serve import PatternCConfig
 from engine.errors import ConfigError, RequestError
-from engine.serve.openai_protocol import FIELDS as COMPLETION_FIELDS
-from engine.serve.openai_protocol import NEUTRAL, chunk, completion_body, parse_completion, wire_error
-from engine.serve.pattern_c import parse_pattern_c, pattern_c_body
-from engine.serve.pattern_c import wire_error as pattern_c_wire_error
+from engine.serve import openai_wire, pattern_c_wire
+from engine.serve.openai_wire import FIELDS as COMPLETION_FIELDS
+from engine.serve.openai_wire import NEUTRAL, chunk, completion_body, parse_completion
+from engine.serve.pattern_c_wire import parse_pattern_c, pattern_c_body
 from engine.types import GenerationResult
 
 MSGS = [{"role": "user", "content": "Hi"}]
+wire_error = openai_wire.TABLE.rename
+pattern_c_wire_error = pattern_c_wire.TABLE.rename
 
 
 def body(**fields):

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from engine.errors import ConfigError, RequestError
-from engine.serve import protocol
+from engine.serve import rollout_wire as protocol
 from engine.types import GenerationResult
 
 MSG = [{"role": "user", "content": "Hi"}]
@@ -67,11 +67,11 @@ def test_extension_conflicts_and_item_fields_are_refused():
 
 
 def test_engine_errors_name_the_wire_field():
-    err = protocol.wire_error(ConfigError("generation.top_p", 2.0, "must be in (0, 1]"))
+    err = protocol.FIELDS.rename(ConfigError("generation.top_p", 2.0, "must be in (0, 1]"))
     assert err.field == "request_config.top_p"
-    err = protocol.wire_error(ConfigError("generation.min_new_tokens", -1, "x"))
+    err = protocol.FIELDS.rename(ConfigError("generation.min_new_tokens", -1, "x"))
     assert err.field == "engine.options.min_new_tokens"
-    assert protocol.wire_error(RequestError("requests[2].messages", [], "x")).field == "infer_requests[2].messages"
+    assert protocol.FIELDS.rename(RequestError("requests[2].messages", [], "x")).field == "infer_requests[2].messages"
 
 
 def test_an_enveloped_item_reads_back_into_the_same_result():

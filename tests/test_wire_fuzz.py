@@ -15,9 +15,9 @@ from engine.config.serve import PatternCConfig
 from engine.errors import EngineError
 from engine.plugins import create_plugins
 from engine.serve.limits import check_call
-from engine.serve.openai_protocol import parse_completion
-from engine.serve.pattern_c import parse_pattern_c
-from engine.serve.protocol import parse_infer
+from engine.serve.openai_wire import parse_completion
+from engine.serve.pattern_c_wire import parse_pattern_c
+from engine.serve.rollout_wire import parse_infer
 from engine.types import ChatRequest
 
 CASES = 300

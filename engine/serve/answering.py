@@ -1,6 +1,6 @@
-"""What the chat surfaces share: one generation per request, answered whole or as server-sent events, counted in
-``/metrics``, cancelled when the client goes away; errors as OpenAI error objects. Used by
-:mod:`engine.serve.openai` and :mod:`engine.serve.chat`.
+"""How every surface answers: one path for ``/infer/``, ``/v1/chat/completions`` and Pattern C ``/chat``. A call is
+counted in ``/metrics``, answered whole or as server-sent events, cancelled when the client goes away, and refused
+as OpenAI's error object naming the field as the client sent it (the surface's :class:`~engine.serve.wire.FieldTable`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine.errors import EngineError
-from engine.serve import protocol
-from engine.serve.rollout import refusal_status, until_disconnected
+from engine.errors import EngineError, RequestTooLarge
 from engine.serve.service import ServedEngine
+from engine.serve.wire import FieldTable, error_body
 from engine.types import GenerationResult
 
 log = logging.getLogger(__name__)
@@ -30,72 +29,82 @@ def sse(data: Any) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def refuse(err: EngineError, rename: Callable[[EngineError], EngineError]) -> JSONResponse:
-    """A 400 (413 for a body over ``serve.max_body_bytes``) naming the field as the client sent it (``rename``
-    maps engine field names to wire names)."""
+def refusal_status(err: EngineError) -> int:
+    """413 for a body over ``serve.max_body_bytes``, else 400."""
+    return 413 if isinstance(err, RequestTooLarge) and err.field == "body" else 400
+
+
+def refuse(err: EngineError, fields: FieldTable) -> JSONResponse:
+    """The refusal of ``err`` (see :func:`refusal_status`), naming the field as the client sent it."""
     status = refusal_status(err)
-    err = rename(err)
-    return JSONResponse(protocol.error_body(str(err), param=getattr(err, "field", None), code=status), status)
+    err = fields.rename(err)
+    return JSONResponse(error_body(str(err), param=getattr(err, "field", None), code=status), status)
 
 
 def unknown_model(name: str, served: ServedEngine) -> JSONResponse:
     message = f"The model {name!r} does not exist: this server serves {served.model_name!r} (GET /v1/models)."
-    return JSONResponse(protocol.error_body(message, kind="NotFoundError", param="model", code=404), 404)
+    return JSONResponse(error_body(message, kind="NotFoundError", param="model", code=404), 404)
 
 
 def gone() -> JSONResponse:
-    return JSONResponse(protocol.error_body("client disconnected", code=499), 499)
+    return JSONResponse(error_body("client disconnected", code=499), 499)
+
+
+async def until_disconnected(request: Request, task: asyncio.Task[Any]) -> bool:
+    """Wait for ``task``; cancel it (aborting its generation) if the client goes away first. True if cancelled."""
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if not done and await request.is_disconnected():
+            task.cancel()
+            return True
+    return False
 
 
 class Answering:
-    """One endpoint's requests against ``served``: count them, answer whole or stream, cancel on disconnect.
+    """One endpoint's calls against ``served``: count them, answer whole or stream, cancel on disconnect.
 
     Example (inside a route)::
 
-        calls = Answering(served, "chat")
-        result = await calls.answer(request, start, messages, options=..., plugins=...)
+        calls = Answering(served, "chat", pattern_c_wire.TABLE)
+        return await calls.whole(request, start, [messages], kwargs, body=lambda results: ...)
     """
 
-    def __init__(self, served: ServedEngine, endpoint: str) -> None:
+    def __init__(self, served: ServedEngine, endpoint: str, fields: FieldTable) -> None:
         self.served = served
         self.endpoint = endpoint
+        self.fields = fields
 
-    def observe(self, status: int, start: float, result: GenerationResult | None = None,
+    def observe(self, status: int, start: float, results: Sequence[GenerationResult] = (),
                 cancelled: bool = False) -> None:
-        counts = {} if result is None else {"sequences": 1, "prompt_tokens": len(result.prompt_token_ids),
-                                            "generated_tokens": len(result.token_ids)}
-        self.served.metrics.observe(endpoint=self.endpoint, status=status, seconds=time.perf_counter() - start,
-                                    cancelled=cancelled, **counts)
+        self.served.metrics.observe(
+            endpoint=self.endpoint, status=status, seconds=time.perf_counter() - start, cancelled=cancelled,
+            sequences=len(results), prompt_tokens=sum(len(r.prompt_token_ids) for r in results),
+            generated_tokens=sum(len(r.token_ids) for r in results),
+            triggered=sum(int(r.meta.get("repeat_terminate_triggered", 0)) for r in results))
 
-    def refused(self, err: EngineError, start: float, rename: Callable[[EngineError], EngineError]) -> JSONResponse:
+    def refused(self, err: EngineError, start: float) -> JSONResponse:
         """Count a refusal and answer it (see :func:`refuse`)."""
         self.observe(refusal_status(err), start)
-        return refuse(err, rename)
+        return refuse(err, self.fields)
 
-    async def whole(self, request: Request, start: float, messages: Any, kwargs: dict[str, Any],
-                    rename: Callable[[EngineError], EngineError], *, body: Callable[[GenerationResult], Any]) -> Any:
-        """The non-streamed answer: ``body(result)`` as JSON, a 400 for what validation refuses, or the 499 of a
-        client that went away; counted."""
-        try:
-            result = await self.answer(request, start, messages, **kwargs)
-        except EngineError as err:
-            return self.refused(err, start, rename)
-        if result is None:
-            return gone()
-        self.observe(200, start, result)
-        return JSONResponse(body(result))
-
-    async def answer(self, request: Request, start: float, messages: Any, **kwargs: Any) -> GenerationResult | None:
-        """One non-streamed generation; None when the client went away (the generation is cancelled)."""
+    async def whole(self, request: Request, start: float, requests: list[Any], kwargs: dict[str, Any], *,
+                    body: Callable[[list[GenerationResult]], Any]) -> Any:
+        """The non-streamed answer to ``requests`` (one ``agenerate`` call): ``body(results)`` as JSON, a 400 for
+        what validation refuses, or the 499 of a client that went away (its generation cancelled); counted."""
         self.served.in_flight += 1
-        task = asyncio.ensure_future(self.served.engine.agenerate([messages], **kwargs))
+        # The engine validates messages, options, plugins and context length first and raises before generating.
+        task = asyncio.ensure_future(self.served.engine.agenerate(requests, **kwargs))
         try:
             if await until_disconnected(request, task):
                 self.observe(499, start, cancelled=True)
-                return None
-            return task.result()[0]
+                return gone()
+            results = task.result()
+        except EngineError as err:
+            return self.refused(err, start)
         finally:
             self.served.in_flight -= 1
+        self.observe(200, start, results)
+        return JSONResponse(body(results))
 
     def stream(self, stream: Any, start: float, events: Callable[[Any], list[Any]],
                first: Sequence[Any] = ()) -> StreamingResponse:
@@ -122,9 +131,9 @@ class Answering:
         except Exception as err:  # headers are sent: report in-band, as OpenAI's and vLLM's servers do
             log.exception("%s: streamed generation failed", self.endpoint)
             self.observe(500, start)
-            yield sse(protocol.error_body(f"generation failed: {err}", kind="server_error", code=500))
+            yield sse(error_body(f"generation failed: {err}", kind="server_error", code=500))
         else:
-            self.observe(200, start, result)
+            self.observe(200, start, [result] if result is not None else [])
         finally:
             self.served.in_flight -= 1
             await parts.aclose()  # stops the generation now if the client left between two chunks

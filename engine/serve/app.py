@@ -14,8 +14,10 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import EngineError
-from engine.serve import chat, openai, protocol, rollout
+from engine.serve import openai_routes, pattern_c_routes, rollout_routes, rollout_wire
+from engine.serve.answering import refuse
 from engine.serve.service import ServedEngine
+from engine.serve.wire import error_body
 
 log = logging.getLogger(__name__)
 
@@ -37,19 +39,19 @@ def create_app(served: ServedEngine, *, close_engine: bool = True) -> FastAPI:
             served.engine.close()
 
     app = FastAPI(title="engine.serve", lifespan=lifespan)
-    app.include_router(rollout.router(served))
-    app.include_router(openai.router(served))
-    app.include_router(chat.router(served))
+    app.include_router(rollout_routes.router(served))
+    app.include_router(openai_routes.router(served))
+    app.include_router(pattern_c_routes.router(served))
 
     @app.exception_handler(EngineError)
     async def engine_error(request: Request, err: EngineError) -> JSONResponse:
-        return rollout.bad_request(err)
+        return refuse(err, rollout_wire.FIELDS)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
         """An unknown route (404) or method (405) in the same error object as every other refusal."""
         message = f"{request.method} {request.url.path}: {err.detail}"
-        return JSONResponse(protocol.error_body(message, kind="NotFoundError" if err.status_code == 404 else
+        return JSONResponse(error_body(message, kind="NotFoundError" if err.status_code == 404 else
                                                 "invalid_request_error", code=err.status_code), err.status_code,
                             headers=getattr(err, "headers", None))
 
@@ -60,7 +62,7 @@ def create_app(served: ServedEngine, *, close_engine: bool = True) -> FastAPI:
         request_id = request.headers.get("x-request-id", "")[:64] or uuid.uuid4().hex[:16]
         log.error("engine.serve: request %s (%s %s) failed: %s", request_id, request.method, request.url.path,
                   type(err).__name__, exc_info=err)
-        body = protocol.error_body(f"internal error while answering request {request_id} ({request.method} "
+        body = error_body(f"internal error while answering request {request_id} ({request.method} "
                                    f"{request.url.path}): {type(err).__name__}; the server log has the traceback",
                                    kind="internal_error", code=500)
         return JSONResponse(body, 500, headers={"x-request-id": request_id})
@@ -69,6 +71,6 @@ def create_app(served: ServedEngine, *, close_engine: bool = True) -> FastAPI:
     async def validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
         first: dict[str, Any] = err.errors()[0] if err.errors() else {}
         field = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return JSONResponse(protocol.error_body(f"{field or 'body'}: {first.get('msg', 'invalid')}", param=field), 400)
+        return JSONResponse(error_body(f"{field or 'body'}: {first.get('msg', 'invalid')}", param=field), 400)
 
     return app

@@ -1,6 +1,6 @@
 """OpenAI's chat surface: ``GET /v1/models`` and ``POST /v1/chat/completions`` (streaming as server-sent events).
 
-Wire format: :mod:`engine.serve.openai_protocol`. Every answer is one ``GenerationEngine.agenerate`` or
+Wire format: :mod:`engine.serve.openai_wire`. Every answer is one ``GenerationEngine.agenerate`` or
 ``astream`` call, so the streamed text equals the non-streamed text equals the in-process ``generate`` text.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from engine.errors import EngineError
-from engine.serve import openai_protocol as wire
+from engine.serve import openai_wire as wire
 from engine.serve.answering import Answering, unknown_model
 from engine.serve.limits import check_call, read_json
 from engine.serve.service import ServedEngine
@@ -21,7 +21,7 @@ from engine.serve.service import ServedEngine
 def router(served: ServedEngine) -> APIRouter:
     api = APIRouter()
     engine = served.engine
-    calls = Answering(served, "chat_completions")
+    calls = Answering(served, "chat_completions", wire.TABLE)
 
     @api.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -37,7 +37,7 @@ def router(served: ServedEngine) -> APIRouter:
             check_call(served.serve, prompts=1, options=call.options, stop=call.stop,
                        max_model_len=engine.backend.capabilities.max_model_len)
         except EngineError as err:
-            return calls.refused(err, start, wire.wire_error)
+            return calls.refused(err, start)
         if call.model != served.model_name:
             calls.observe(404, start)
             return unknown_model(call.model, served)
@@ -47,7 +47,7 @@ def router(served: ServedEngine) -> APIRouter:
             try:  # validation (messages, options, plugins, context length) raises here, before any generation
                 stream = engine.astream(call.messages, **kwargs)
             except EngineError as err:
-                return calls.refused(err, start, wire.wire_error)
+                return calls.refused(err, start)
             cid, created = wire.completion_id(), int(time.time())
 
             def events(part: Any) -> list[Any]:
@@ -62,7 +62,7 @@ def router(served: ServedEngine) -> APIRouter:
 
             role = wire.chunk(cid, created, model, call, delta={"role": "assistant", "content": ""})
             return calls.stream(stream, start, events, first=[role])
-        return await calls.whole(request, start, call.messages, kwargs, wire.wire_error, body=lambda result:
-                                 wire.completion_body(result, call, model=model, tokenizer=engine.tokenizer))
+        return await calls.whole(request, start, [call.messages], kwargs, body=lambda results:
+                                 wire.completion_body(results[0], call, model=model, tokenizer=engine.tokenizer))
 
     return api

@@ -1,0 +1,85 @@
+"""One answering path for every surface (``engine.serve.answering``): ``/infer/``, ``/v1/chat/completions`` and
+Pattern C ``/chat`` count their answers alike in ``/metrics`` (sequences, tokens, and the sequences the repeat guard
+ended, by the guard's own flag), and refuse by the field the client sent.
+
+The engine is a stand-in that answers every request with one guard-ended result: what is under test is the HTTP
+layer's bookkeeping (``conformance/test_served.py`` and ``test_chat.py`` run the real backends)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+httpx = pytest.importorskip("httpx", reason="the serve extra (installed by `nox -s tests`)")
+pytest.importorskip("fastapi", reason="the serve extra (installed by `nox -s tests`)")
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.errors import ConfigError  # noqa: E402
+from engine.serve.activation import Activation  # noqa: E402
+from engine.serve.app import create_app  # noqa: E402
+from engine.serve.service import ServedEngine  # noqa: E402
+from engine.types import GenerationResult  # noqa: E402
+
+MESSAGES = [{"role": "user", "content": "Hi"}]
+TRIGGERED = GenerationResult(
+    text="a a a", raw_text="a a a</s>", token_ids=(5, 5, 5, 2), prompt_token_ids=(1, 2), finish_reason="stop",
+    stop_reason="repeat_terminate",
+    meta={"repeat_terminate_triggered": 1, "repeat_terminate_index": 3, "repeat_terminate_reason": "ngram",
+          "generated_chars": 5, "returned_chars": 5, "eos_suppressed": 0, "min_length_capped": False})
+
+
+class Looping:
+    """An engine whose every answer the repeat guard ended; ``min_new_tokens: -1`` is refused as the engine would."""
+
+    config = EngineConfig.from_dict({"backend": "hf", "model": {"path": "/models/stand-in"},
+                                     "repeat_terminate": {"enabled": True, "max_consecutive_token_repeats": 3}})
+    backend = SimpleNamespace(name="hf", runner=None, capabilities=SimpleNamespace(max_model_len=4096))
+    tokenizer = None
+
+    async def agenerate(self, requests, options=None, **kwargs):
+        if (options or {}).get("min_new_tokens") == -1:
+            raise ConfigError("generation.min_new_tokens", -1, "must be in [0, inf)")
+        return [TRIGGERED for _ in requests]
+
+
+def session(calls):
+    app = create_app(ServedEngine(Looping(), Activation(None, "test")), close_engine=False)
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine.test") as client:
+            replies = [await client.post(path, json=body) for path, body in calls]
+            return replies, (await client.get("/metrics")).text
+
+    return asyncio.run(run())
+
+
+def metric(text, name):
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_every_surface_counts_its_answers_and_the_guards_triggers_alike():
+    replies, text = session([
+        ("/infer/", {"infer_requests": [{"messages": MESSAGES}] * 2, "request_config": {"max_tokens": 4}}),
+        ("/v1/chat/completions", {"model": "stand-in", "messages": MESSAGES}),
+        ("/chat", {"messages": MESSAGES}),
+    ])
+    assert [r.status_code for r in replies] == [200, 200, 200]
+    assert metric(text, "engine_sequences_total") == 4
+    assert metric(text, "engine_generation_tokens_total") == 16
+    assert metric(text, "engine_repeat_terminate_triggered_total") == 4
+    for endpoint in ("infer", "chat_completions", "chat"):
+        assert f'engine_requests_total{{endpoint="{endpoint}",status="200"}} 1' in text
+
+
+@pytest.mark.parametrize(("path", "body", "field"), [
+    ("/infer/", {"infer_requests": [{"messages": MESSAGES}], "engine": {"options": {"min_new_tokens": -1}}},
+     "engine.options.min_new_tokens"),
+    ("/v1/chat/completions", {"model": "stand-in", "messages": MESSAGES, "engine": {"options": {"min_new_tokens": -1}}},
+     "engine.options.min_new_tokens"),
+])
+def test_an_engine_refusal_names_the_clients_field_and_is_counted(path, body, field):
+    replies, text = session([(path, body)])
+    assert replies[0].status_code == 400 and replies[0].json()["error"]["param"] == field
+    assert metric(text, "engine_sequences_total") == 0 and 'status="400"} 1' in text
