@@ -1,1 +1,1 @@
-"""Throughput and overhead benchmarks (``pytest benchmarks --benchmark``); see README "Benchmarks"."""
+"""Throughput and overhead benchmarks (``pytest benchmarks --benchmark``); see docs/benchmarks.md."""

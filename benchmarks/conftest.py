@@ -19,11 +19,13 @@ import pytest
 
 from benchmarks.harness import Rounds, Variant
 from benchmarks.workload import SIZES, Size
+from engine.backends.registry import SPECS
 from engine.backends.vllm.memory import engine_share
 from engine.report.schema import RATIO_COLUMNS
 
 SESSION_KEY = pytest.StashKey["BenchSession"]()
 BACKENDS = ("hf", "vllm")
+"""The backends benchmarked by default; the ``backends`` group adds llama.cpp itself (``SPECS`` lists every one)."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -157,7 +159,7 @@ class BenchSession:
     def config_for(self, backend: str, *, dtype: str | None = None, **sections: Any) -> dict[str, Any]:
         """The config of ``backend``'s engine (in the run's dtype unless ``dtype`` says another)."""
         model: dict[str, Any] = {"path": self.model_path, "dtype": dtype or self.dtype}
-        if backend == "llamacpp":  # the same weights as an F32 GGUF (the twin fixture)
+        if SPECS[backend].model_format == "gguf":  # llama.cpp: the same weights as an F32 GGUF (the twin fixture)
             from fixtures import GGUF_TWINS, ensure
 
             if self.model_arg not in GGUF_TWINS:

@@ -24,6 +24,7 @@ import pytest
 from benchmarks.conftest import SESSION_KEY
 from benchmarks.harness import Variant
 from benchmarks.workload import batch_messages
+from engine.backends.registry import SPECS
 
 SAMPLING = {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.3, "seed": 5, "logprobs": 0}
 BATCH = 8
@@ -35,7 +36,8 @@ def cases(backends: tuple[str, ...]) -> list[tuple[str, str]]:
     >>> cases(("hf", "vllm", "llamacpp"))
     [('hf', 'float32'), ('vllm', 'float32'), ('llamacpp', 'float32'), ('hf', 'bfloat16'), ('vllm', 'bfloat16')]
     """
-    return [(b, "float32") for b in backends] + [(b, "bfloat16") for b in backends if b != "llamacpp"]
+    # A GGUF twin holds F32 weights whatever model.dtype says, so bfloat16 would only rename the float32 case.
+    return [(b, "float32") for b in backends] + [(b, "bfloat16") for b in backends if SPECS[b].model_format != "gguf"]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -45,7 +47,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if bench is None:  # not opted in: one placeholder, skipped
         metafunc.parametrize("rollout_case", [("hf", "float32")], ids=["hf-float32"])
         return
-    backends = (*bench.backends, *(["llamacpp"] if importlib.util.find_spec("llama_cpp") else []))
+    installed = [name for name, spec in SPECS.items() if name not in bench.backends and spec.model_format == "gguf"
+                 and all(importlib.util.find_spec(m) for m in spec.modules)]
+    backends = (*bench.backends, *installed)
     metafunc.parametrize("rollout_case", cases(backends), ids=[f"{b}-{d}" for b, d in cases(backends)])
 
 

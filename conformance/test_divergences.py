@@ -1,5 +1,5 @@
-"""Divergences users reported upstream between the stacks, one check per class on every backend (the README's table
-"divergences reported upstream" maps each report to its check here or elsewhere in the suite).
+"""Divergences users reported upstream between the stacks, one check per class on every backend (the table in
+``docs/divergences.md`` maps each report to its check here or elsewhere in the suite).
 
 - A checkpoint's EOS list (vllm#4180 class): never applied by itself (``test_loading.py`` on a checkpoint that ships
   one); with ``model.checkpoint_eos`` every backend ends rows at every id in it, holds them all back under

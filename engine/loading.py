@@ -81,7 +81,8 @@ def load_tokenizer(model: ModelConfig, processor: Any = None) -> tuple[Any, Load
         from transformers import AutoTokenizer
     except ImportError as err:
         raise BackendUnavailableError("engine", f"transformers is not installed ({err})",
-                                      "pip install 'engine[hf]' (the tokenizer comes from transformers)") from err
+                                      "pip install 'xbackend-engine[hf]' (the tokenizer comes from "
+                                      "transformers)") from err
     if processor is not None:
         tokenizer = processor.tokenizer
     elif path.suffix == ".gguf":  # the tokenizer and chat template stored in the GGUF (read with the gguf package)

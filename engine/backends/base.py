@@ -147,6 +147,29 @@ class Backend(Protocol):
         ...
 
 
+class BackendBase:
+    """What every backend class shares: its name and declared hooks from its registry spec (``backend=`` in the
+    class statement), and the protocol's defaults (no per-token hook, no backend-level seed, no vLLM runner).
+
+    >>> class Echo(BackendBase, backend="llamacpp"):
+    ...     pass
+    >>> Echo.name, sorted(Echo.declared_hooks), Echo.streams_tokens
+    ('llamacpp', ['llamacpp_logits_processor'], False)
+    """
+
+    name: str
+    declared_hooks: frozenset[str]
+    streams_tokens: bool = False
+    default_seed: int | None = None
+    runner: str | None = None
+
+    def __init_subclass__(cls, *, backend: str, **kwargs: Any) -> None:
+        from engine.backends.registry import spec
+
+        super().__init_subclass__(**kwargs)
+        cls.name, cls.declared_hooks = spec(backend).name, spec(backend).hooks
+
+
 @runtime_checkable
 class AsyncGenerating(Protocol):
     """A backend with its own asyncio batching (vLLM's ``AsyncLLM``): concurrent calls share it directly, no

@@ -13,7 +13,8 @@ NAMESPACE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
 
 @dataclass(frozen=True)
 class PatternCConfig:
-    """Defaults of ``POST /chat`` (Pattern C): min-length control inside generation, then cleanup.
+    """Defaults of ``POST /chat`` (Pattern C, the seed documents' name for min-length chat): min-length control inside
+    generation, then cleanup.
 
     ``min_len``/``max_len`` are what a request gets when it sends none (``MIN_LEN``/``MAX_LEN`` in the server's
     environment override them at startup). The rest applies to every ``/chat`` request.
@@ -82,7 +83,8 @@ got 'response'. Fix: pick another key, e.g. 'coordexp'.
     """TCP port, in [0, 65535]; 0 picks a free one (printed on the ready line)."""
     namespace: str | None = "coordexp"
     """Key of the additive envelope beside ``response`` in each ``/infer/`` item (per-sequence trigger flag,
-    raw text, stop reason, meta). None: items are the bare ``ChatCompletionResponse`` dicts, no envelope."""
+    raw text, stop reason, meta). The default is the name the seed documents give it. None: items are the bare
+    ``ChatCompletionResponse`` dicts, no envelope."""
     model_name: str | None = None
     """The model name responses report. None: the model folder's name."""
     batch_wait_ms: float = 5.0

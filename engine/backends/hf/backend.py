@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from engine.backends.base import BackendOutput, Capabilities, Prompt, SamplingPlan, TokenScores
+from engine.backends.base import BackendBase, BackendOutput, Capabilities, Prompt, SamplingPlan, TokenScores
 from engine.backends.registry import SPECS
 from engine.config import HfConfig, ModelConfig
 from engine.errors import BackendUnavailableError, EngineError
@@ -29,7 +29,7 @@ def _import_torch_transformers() -> tuple[Any, Any]:
         import transformers
     except ImportError as err:
         raise BackendUnavailableError(SPEC.name, f"{err.name} is not installed",
-                                      "pip install 'engine[hf]'") from err
+                                      "pip install 'xbackend-engine[hf]'") from err
     return torch, transformers
 
 
@@ -109,7 +109,7 @@ class RowFinishRecorder:
         return done | already
 
 
-class HfBackend:
+class HfBackend(BackendBase, backend="hf"):
     """Generate with ``transformers``; the correctness-first default backend.
 
     Usually built by ``GenerationEngine``; directly (needs a built model)::
@@ -118,11 +118,7 @@ class HfBackend:
         backend = HfBackend(ModelConfig(path=".fixtures/smollm2-135m-instruct"), HfConfig(), tokenizer)
     """
 
-    name = SPEC.name
-    declared_hooks = HOOKS
     streams_tokens = True
-    default_seed = None
-    runner = None
     """``generate`` takes ``on_token`` (the engine streams through it)."""
 
     def __init__(self, model: ModelConfig, settings: HfConfig, tokenizer: Any, processor: Any = None,

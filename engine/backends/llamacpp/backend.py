@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.backends.base import BackendOutput, Capabilities, Prompt, SamplingPlan
+from engine.backends.base import BackendBase, BackendOutput, Capabilities, Prompt, SamplingPlan
 from engine.backends.registry import SPECS
 from engine.config import LlamaCppConfig, ModelConfig
 from engine.errors import BackendUnavailableError, ConfigError, EngineError
@@ -39,7 +39,8 @@ def _import_llama_cpp() -> Any:
         import llama_cpp
     except ImportError as err:
         raise BackendUnavailableError(SPEC.name, f"{err.name} is not installed",
-                                      "pip install 'engine[llamacpp]' (compiles llama.cpp; see the README)") from err
+                                      "pip install 'xbackend-engine[llamacpp]' (compiles llama.cpp; see "
+                                      "docs/backends.md)") from err
     return llama_cpp
 
 
@@ -87,8 +88,8 @@ def check_vocabulary(llm: Any, tokenizer: Any) -> None:
                               "converted with (the engine renders prompts with the tokenizer, llama.cpp reads ids)")
 
 
-class LlamaCppBackend:
-    """Generate with llama.cpp through llama-cpp-python (``pip install 'engine[llamacpp]'``).
+class LlamaCppBackend(BackendBase, backend="llamacpp"):
+    """Generate with llama.cpp through llama-cpp-python (``pip install 'xbackend-engine[llamacpp]'``).
 
     Usually built by ``GenerationEngine`` (needs ``python -m fixtures build``)::
 
@@ -97,10 +98,7 @@ class LlamaCppBackend:
         engine.generate([[{"role": "user", "content": "Hi"}]], options={"max_new_tokens": 8})
     """
 
-    name = SPEC.name
-    declared_hooks = HOOKS
     streams_tokens = True
-    runner = None
     """``generate`` takes ``on_token`` (the engine streams through it)."""
 
     def __init__(self, model: ModelConfig, settings: LlamaCppConfig, tokenizer: Any, processor: Any = None,

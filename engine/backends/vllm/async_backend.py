@@ -16,9 +16,8 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
-from engine.backends.base import BackendOutput, Prompt, SamplingPlan
+from engine.backends.base import BackendBase, BackendOutput, Prompt, SamplingPlan
 from engine.backends.vllm.backend import (
-    HOOKS,
     SPEC,
     backend_output,
     capabilities,
@@ -36,7 +35,7 @@ from engine.errors import BackendUnavailableError
 T = TypeVar("T")
 
 
-class AsyncVllmBackend:
+class AsyncVllmBackend(BackendBase, backend="vllm"):
     """Generate with ``vllm.v1.engine.async_llm.AsyncLLM``, one vLLM request per prompt.
 
     Usually built by ``GenerationEngine`` with ``vllm: {async_engine: true}``::
@@ -45,11 +44,6 @@ class AsyncVllmBackend:
                                    "vllm": {"async_engine": True}})
         results = await engine.agenerate([[{"role": "user", "content": "Hi"}]])   # or engine.generate(...)
     """
-
-    name = SPEC.name
-    declared_hooks = HOOKS
-    streams_tokens = False  # it streams itself (astream)
-    default_seed = None
 
     def __init__(self, model: ModelConfig, settings: VllmConfig, tokenizer: Any, processor: Any = None,
                  repeat_terminate: Any = None) -> None:

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from engine.backends.base import BackendOutput, Capabilities, Prompt, SamplingPlan, TokenScores
+from engine.backends.base import BackendBase, BackendOutput, Capabilities, Prompt, SamplingPlan, TokenScores
 from engine.backends.registry import SPECS
 from engine.config import ModelConfig, VllmConfig
 from engine.errors import BackendUnavailableError, UnsupportedCapabilityError
@@ -173,7 +173,8 @@ def import_vllm() -> Any:
     except ImportError as err:
         raise BackendUnavailableError(
             SPEC.name, f"vllm is not importable ({err})",
-            "pip install 'engine[vllm-cuda]' on CUDA hosts or 'engine[vllm-cpu]' on CPU hosts") from err
+            "pip install 'xbackend-engine[vllm-cuda]' on CUDA hosts or 'xbackend-engine[vllm-cpu]' on CPU "
+            "hosts") from err
     _reread_vllm_environment()
     return vllm
 
@@ -264,7 +265,7 @@ def backend_output(out: Any, plan: SamplingPlan, events: dict[str, Any]) -> Back
                          prompt_token_ids=tuple(out.prompt_token_ids or ()), events=events)
 
 
-class VllmBackend:
+class VllmBackend(BackendBase, backend="vllm"):
     """Generate with an in-process ``vllm.LLM``.
 
     Usually built by ``GenerationEngine``; directly (needs a built model and vLLM)::
@@ -272,11 +273,6 @@ class VllmBackend:
         tokenizer, info = load_tokenizer(ModelConfig(path=".fixtures/smollm2-135m-instruct"))
         backend = VllmBackend(ModelConfig(path=".fixtures/smollm2-135m-instruct"), VllmConfig(), tokenizer)
     """
-
-    name = SPEC.name
-    declared_hooks = HOOKS
-    streams_tokens = False
-    default_seed = None
 
     def __init__(self, model: ModelConfig, settings: VllmConfig, tokenizer: Any, processor: Any = None,
                  repeat_terminate: Any = None) -> None:
