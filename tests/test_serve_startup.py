@@ -12,7 +12,7 @@ import time
 import pytest
 
 from engine.errors import ConfigError
-from engine.serve.activation import ENV_FILE, ENV_JSON, resolve
+from engine.serve.activation import ENV_FILE, ENV_JSON, SEED_ENABLE, SEED_FILE, SEED_JSON, resolve
 
 BASE = {"backend": "hf", "model": {"path": "/models/none", "dtype": "float32"}}
 GUARD = {"enabled": True, "ngram_size": 3, "ngram_repeats": 3}
@@ -27,7 +27,7 @@ def serve(tmp_path, config: dict, *args: str, env: dict | None = None) -> tuple[
     path = tmp_path / "served.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
     start = time.perf_counter()
-    clean = {k: v for k, v in os.environ.items() if k not in (ENV_JSON, ENV_FILE)}
+    clean = {k: v for k, v in os.environ.items() if k not in (ENV_JSON, ENV_FILE, SEED_ENABLE, SEED_JSON, SEED_FILE)}
     proc = subprocess.run([sys.executable, "-c", PROBE, "--config", str(path), *args], capture_output=True,
                           text=True, env={**clean, **(env or {})}, timeout=60)
     return proc, time.perf_counter() - start
@@ -100,6 +100,40 @@ def test_precedence_flag_then_env_json_then_env_file_then_config(tmp_path):
 def test_ambiguous_or_unreadable_sources_are_errors(environ, flag, message):
     with pytest.raises(ConfigError, match=message):
         resolve(BASE, from_yaml=flag, environ=environ)
+
+
+def test_the_seeds_variables_are_aliases_of_ours(tmp_path):
+    """The seed documents' server-side variables give the same subtree ours do, named as the source."""
+    (tmp_path / "rt.json").write_text(json.dumps(GUARD))
+    ours = resolve(BASE, environ={ENV_JSON: json.dumps(GUARD)})[0]
+    by_json, act = resolve(BASE, environ={SEED_ENABLE: "1", SEED_JSON: json.dumps(GUARD)})
+    assert by_json == ours and act.source == f"env:{SEED_JSON}"
+    by_file, act = resolve(BASE, environ={SEED_ENABLE: "1", SEED_FILE: str(tmp_path / "rt.json")})
+    assert by_file == ours and act.source == f"env:{SEED_FILE}={tmp_path / 'rt.json'}"
+    off, act = resolve({**BASE, "repeat_terminate": GUARD}, environ={SEED_ENABLE: "0"})
+    assert off["repeat_terminate"] == {"enabled": False} and act.source == f"env:{SEED_ENABLE}=0"
+
+
+@pytest.mark.parametrize(("environ", "flag", "message"), [
+    ({SEED_ENABLE: "1", SEED_JSON: "{}", ENV_FILE: "/x.json"}, None, "two ways to give one subtree"),
+    ({SEED_ENABLE: "1"}, None, "neither COORDEXP_VLLM_REPEAT_TERMINATE_CONFIG_JSON nor"),
+    ({SEED_ENABLE: "0", SEED_JSON: "{}"}, None, "turns the guard off, but"),
+    ({SEED_ENABLE: "yes", SEED_JSON: "{}"}, None, "must be 1 .use the subtree. or 0"),
+    ({SEED_JSON: "{}"}, None, "must be 1 .use the subtree. or 0"),
+    ({SEED_ENABLE: "1", SEED_JSON: "{}", SEED_FILE: "/x.json"}, None, "are alternatives"),
+    ({SEED_ENABLE: "1", SEED_JSON: "{}"}, "t.yaml:a", "conflicts with COORDEXP_VLLM_REPEAT_TERMINATE_CONFIG_JSON"),
+])
+def test_the_seeds_variables_refuse_what_is_ambiguous(environ, flag, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve(BASE, from_yaml=flag, environ=environ)
+
+
+def test_the_launcher_takes_the_seeds_variables(tmp_path):
+    proc, _ = serve(tmp_path, BASE, "--check", env={SEED_ENABLE: "1", SEED_JSON: json.dumps(GUARD)})
+    assert proc.returncode == 0, proc.stderr
+    assert f"source=env:{SEED_JSON}" in proc.stdout and "enabled=True" in proc.stdout
+    proc, _ = serve(tmp_path, BASE, "--check", env={SEED_ENABLE: "1", SEED_JSON: "{}", ENV_JSON: "{}"})
+    assert proc.returncode == 2 and "two ways to give one subtree" in proc.stderr
 
 
 def test_namespace_must_not_shadow_the_response(tmp_path):

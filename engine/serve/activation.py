@@ -8,6 +8,10 @@ Sources, in precedence order (the first one given wins; the served config's own 
 3. ``ENGINE_REPEAT_TERMINATE_FILE`` -- a path to a JSON file holding the subtree;
 4. the served config's ``repeat_terminate`` key.
 
+The seed documents' variables are accepted as aliases of 2-3: ``COORDEXP_ENABLE_VLLM_REPEAT_TERMINATE_INJECTION=1``
+with ``COORDEXP_VLLM_REPEAT_TERMINATE_CONFIG_JSON=<json>`` or ``COORDEXP_VLLM_REPEAT_TERMINATE_CONFIG_JSON_PATH=<file>``
+(``...INJECTION=0`` alone: the guard off). Setting variables of both kinds is one error naming them.
+
 Giving more than one of 1-3 is an error (which one was meant is ambiguous), as is a source that names nothing.
 The subtree is taken whole and unchanged, then validated with the rest of the config before vLLM or torch is
 imported. There is no request-time path: a request cannot turn the guard on or off.
@@ -27,6 +31,9 @@ from engine.errors import ConfigError
 
 ENV_JSON = "ENGINE_REPEAT_TERMINATE_JSON"
 ENV_FILE = "ENGINE_REPEAT_TERMINATE_FILE"
+SEED_ENABLE = "COORDEXP_ENABLE_VLLM_REPEAT_TERMINATE_INJECTION"
+SEED_JSON = "COORDEXP_VLLM_REPEAT_TERMINATE_CONFIG_JSON"
+SEED_FILE = "COORDEXP_VLLM_REPEAT_TERMINATE_CONFIG_JSON_PATH"
 FLAG = "--repeat-terminate-from"
 
 
@@ -68,21 +75,60 @@ def subtree_from_yaml(spec: str) -> Any:
 
 
 def subtree_from_env(environ: Mapping[str, str]) -> tuple[Any, str] | None:
-    """The subtree from ``ENGINE_REPEAT_TERMINATE_JSON`` or ``..._FILE`` (never both), with its source name."""
-    text, path = environ.get(ENV_JSON), environ.get(ENV_FILE)
+    """The subtree from ``ENGINE_REPEAT_TERMINATE_JSON`` or ``..._FILE`` (never both), or from the seeds' variables
+    (never beside ours), with its source name.
+
+    >>> subtree_from_env({SEED_ENABLE: "1", SEED_JSON: '{"enabled": true, "ngram_size": 4, "ngram_repeats": 3}'})[1]
+    'env:COORDEXP_VLLM_REPEAT_TERMINATE_CONFIG_JSON'
+    >>> subtree_from_env({SEED_ENABLE: "1", SEED_JSON: "{}", ENV_JSON: "{}"})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    engine.errors.ConfigError: ENGINE_REPEAT_TERMINATE_JSON and COORDEXP_... are two ways to give one subtree, ...
+    """
+    ours = [name for name in (ENV_JSON, ENV_FILE) if environ.get(name) is not None]
+    seeds = [name for name in (SEED_ENABLE, SEED_JSON, SEED_FILE) if environ.get(name) is not None]
+    if ours and seeds:
+        raise ConfigError(f"{' and '.join(ours)} and {', '.join(seeds)}", "both kinds set",
+                          "are two ways to give one subtree, the engine's and the seeds' (its aliases)",
+                          fix="set the variables of one kind only")
+    if seeds:
+        return _seed_subtree(environ)
+    return _subtree(environ, ENV_JSON, ENV_FILE)
+
+
+def _subtree(environ: Mapping[str, str], json_var: str, file_var: str) -> tuple[Any, str] | None:
+    text, path = environ.get(json_var), environ.get(file_var)
     if text is not None and path is not None:
-        raise ConfigError(f"{ENV_JSON} and {ENV_FILE}", "both set", "are alternatives",
-                          fix="set one of them")
+        raise ConfigError(f"{json_var} and {file_var}", "both set", "are alternatives", fix="set one of them")
     if text is not None:
-        return _json(text, ENV_JSON), f"env:{ENV_JSON}"
+        return _json(text, json_var), f"env:{json_var}"
     if path is not None:
         try:
             content = Path(path).read_text(encoding="utf-8")
         except OSError as err:
-            raise ConfigError(ENV_FILE, path, f"cannot be read ({err.strerror})",
+            raise ConfigError(file_var, path, f"cannot be read ({err.strerror})",
                               fix="point it at a JSON file") from err
-        return _json(content, ENV_FILE), f"env:{ENV_FILE}={path}"
+        return _json(content, file_var), f"env:{file_var}={path}"
     return None
+
+
+def _seed_subtree(environ: Mapping[str, str]) -> tuple[Any, str]:
+    """The seeds' variables: injection 1 takes the subtree from their JSON or file; 0 (with neither) turns the
+    guard off; anything else, or a subtree beside injection 0 or none, is refused."""
+    enable = environ.get(SEED_ENABLE)
+    chosen = _subtree(environ, SEED_JSON, SEED_FILE)
+    if enable not in ("0", "1"):
+        raise ConfigError(SEED_ENABLE, enable, "must be 1 (use the subtree) or 0 (guard off)",
+                          fix=f"set {SEED_ENABLE}=1 beside {SEED_JSON} or {SEED_FILE}")
+    if enable == "0":
+        if chosen is not None:
+            raise ConfigError(SEED_ENABLE, enable, f"turns the guard off, but {chosen[1].removeprefix('env:')} "
+                              "gives a subtree", fix=f"set {SEED_ENABLE}=1 to use it, or unset it")
+        return {"enabled": False}, f"env:{SEED_ENABLE}=0"
+    if chosen is None:
+        raise ConfigError(SEED_ENABLE, enable, f"asks for the guard, but neither {SEED_JSON} nor {SEED_FILE} is set",
+                          fix="give the repeat_terminate subtree in one of them")
+    return chosen
 
 
 def _json(text: str, where: str) -> Any:
