@@ -154,6 +154,49 @@ def test_curl_sees_the_raw_wire_format(server):
     assert code == "400" and json.loads(text)["error"]["param"] == "body"
 
 
+def test_an_api_key_guards_every_route_but_health(pool, served_config, looper_path):
+    """A server started with a key (``launch_server(api_key=...)`` sets ``ENGINE_API_KEY``): our client and the
+    official openai client get answers with it and a 401 without or with another; curl sees the probe open but no
+    path in it. The key is the HTTP layer's, so one backend (HF, the quickest to start) carries the check."""
+    import httpx
+    import openai
+
+    from engine.client import RolloutClient, RolloutServerError, launch_server
+
+    key = "conformance-key-7"
+    handle = launch_server(served_config("hf"), repeat_terminate=LOOP_GUARD, api_key=key)
+    try:
+        with RolloutClient(handle.url, repeat_terminate=LOOP_GUARD, api_key=key, health_timeout=30) as client:
+            [got] = client.infer([MIXED[0]], GREEDY)
+        reference = pool.reference("hf", looper_path, repeat_terminate=LOOP_GUARD)
+        expected = reference.generate([MIXED[0]], options={"max_new_tokens": GREEDY["max_tokens"], "temperature": 0})
+        assert got.token_ids == expected[0].token_ids
+        with RolloutClient(handle.url, repeat_terminate=LOOP_GUARD, api_key="wrong", health_timeout=30) as client, \
+                pytest.raises(RolloutServerError, match="401"):
+            client.infer([MIXED[0]], GREEDY)
+        model = httpx.get(f"{handle.url}/health", timeout=10).json()["model"]
+        chat = {"model": model, "messages": MIXED[0], "max_tokens": 8, "temperature": 0}
+        answer = openai.OpenAI(base_url=f"{handle.url}/v1", api_key=key).chat.completions.create(**chat)
+        assert answer.choices[0].message.content
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{handle.url}/v1", api_key="wrong", max_retries=0).chat.completions.create(**chat)
+        curl = shutil.which("curl")
+        if curl is None:
+            pytest.fail("curl is not installed; the check needs it (apt-get install curl)")
+        probe = subprocess.run([curl, "-sS", "--max-time", "10", f"{handle.url}/health"], capture_output=True,
+                               text=True, check=True)
+        assert json.loads(probe.stdout)["status"] == "ok" and "model_path" not in probe.stdout
+        assert str(fixture_path("tiny-looper")) not in probe.stdout
+        metrics = subprocess.run([curl, "-sS", "--max-time", "10", "-o", "/dev/null", "-w", "%{http_code}",
+                                  f"{handle.url}/metrics"], capture_output=True, text=True, check=True)
+        assert metrics.stdout == "401"
+        keyed = subprocess.run([curl, "-sS", "--max-time", "10", "-H", f"Authorization: Bearer {key}",
+                                f"{handle.url}/health"], capture_output=True, text=True, check=True)
+        assert json.loads(keyed.stdout)["model_path"] == str(fixture_path("tiny-looper"))
+    finally:
+        handle.stop()
+
+
 def test_envelope_is_additive(pool, looper_path):
     """The wrapped item's ``response`` equals what the same app returns with no envelope (namespace null)."""
     import asyncio

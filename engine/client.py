@@ -26,6 +26,7 @@ from engine.config.repeat import RepeatTerminateConfig
 from engine.config.validation import build
 from engine.errors import EngineError
 from engine.serve.activation import ENV_JSON
+from engine.serve.auth import ENV_API_KEY
 from engine.serve.rollout_wire import result_from_item
 from engine.types import GenerationResult
 
@@ -78,8 +79,10 @@ def _chunks(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
 class _Base:
     def __init__(self, base_url: str, *, repeat_terminate: Mapping[str, Any] | RepeatTerminateConfig | None = None,
                  namespace: str = "coordexp", batch_size: int = 16, max_concurrency: int = 8,
-                 timeout: float = 600.0, health_timeout: float = 240.0) -> None:
+                 timeout: float = 600.0, health_timeout: float = 240.0, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else {}
+        """Sent with every request: the server's API key (``engine.serve.auth``), when it has one."""
         self.repeat_terminate = repeat_terminate
         self.namespace = namespace
         self.batch_size = batch_size
@@ -132,7 +135,7 @@ class RolloutClient(_Base):
         import httpx
 
         super().__init__(base_url, **kwargs)
-        self._http = httpx.Client(timeout=httpx.Timeout(self.timeout, connect=5.0))
+        self._http = httpx.Client(timeout=httpx.Timeout(self.timeout, connect=5.0), headers=self.headers)
 
     def __enter__(self) -> RolloutClient:
         return self
@@ -191,7 +194,7 @@ class AsyncRolloutClient(_Base):
         import httpx
 
         super().__init__(base_url, **kwargs)
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout, connect=5.0))
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout, connect=5.0), headers=self.headers)
 
     async def __aenter__(self) -> AsyncRolloutClient:
         return self
@@ -265,9 +268,10 @@ class ServerProcess:
 def launch_server(config: str | Path | Mapping[str, Any], *,
                   repeat_terminate: Mapping[str, Any] | RepeatTerminateConfig | None = None,
                   args: Sequence[str] = (), env: Mapping[str, str] | None = None,
-                  timeout: float = 600.0) -> ServerProcess:
+                  timeout: float = 600.0, api_key: str | None = None) -> ServerProcess:
     """Start the server on 127.0.0.1 (a free port unless the config sets one) with the learner's subtree in its
-    environment (``ENGINE_REPEAT_TERMINATE_JSON``), wait until ``/health`` answers, and return it.
+    environment (``ENGINE_REPEAT_TERMINATE_JSON``) and ``api_key`` too (``ENGINE_API_KEY``: not on its command
+    line, which other users can list), wait until ``/health`` answers, and return it.
 
     Raises ``RolloutServerError`` with the server's own message if it exits first (e.g. a guard that cannot run).
     """
@@ -283,6 +287,8 @@ def launch_server(config: str | Path | Mapping[str, Any], *,
         subtree = repeat_terminate.as_dict() if isinstance(repeat_terminate, RepeatTerminateConfig) else \
             dict(repeat_terminate)
         child_env[ENV_JSON] = json.dumps(subtree)
+    if api_key is not None:
+        child_env[ENV_API_KEY] = api_key
     ready, log_path = work / "ready.json", work / "server.log"
     cmd = [sys.executable, "-m", "engine.serve", "--config", str(config), "--ready-file", str(ready), *args]
     if "--port" not in args:

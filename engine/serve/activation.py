@@ -44,6 +44,20 @@ class Activation:
     subtree: Any
     source: str
 
+    @property
+    def public_source(self) -> str:
+        """``source`` without filesystem paths: what ``/health`` shows a caller that did not send the API key.
+
+        >>> Activation(None, "env:ENGINE_REPEAT_TERMINATE_FILE=/home/me/rt.json").public_source
+        'env:ENGINE_REPEAT_TERMINATE_FILE'
+        >>> Activation(None, "--repeat-terminate-from /home/me/train.yaml:a.b").public_source
+        '--repeat-terminate-from'
+        """
+        if self.source.startswith(FLAG):
+            return FLAG
+        name = self.source.partition("=")[0]
+        return name if name.removeprefix("env:") in (ENV_FILE, SEED_FILE) else self.source
+
 
 def subtree_from_yaml(spec: str) -> Any:
     """The value at ``dotted.path`` inside ``FILE.yaml`` for a ``FILE.yaml:dotted.path`` spec.

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.errors import EngineError
 from engine.serve import openai_routes, pattern_c_routes, rollout_routes, rollout_wire
 from engine.serve.answering import refuse
+from engine.serve.auth import ApiKeyGate
 from engine.serve.service import ServedEngine
 from engine.serve.wire import error_body
 
@@ -39,6 +40,8 @@ def create_app(served: ServedEngine, *, close_engine: bool = True) -> FastAPI:
             served.engine.close()
 
     app = FastAPI(title="engine.serve", lifespan=lifespan)
+    if served.api_key is not None:
+        app.add_middleware(ApiKeyGate, key=served.api_key)
     app.include_router(rollout_routes.router(served))
     app.include_router(openai_routes.router(served))
     app.include_router(pattern_c_routes.router(served))

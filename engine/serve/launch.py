@@ -26,6 +26,7 @@ from engine.backends.registry import SPECS
 from engine.config.serve import PatternCConfig
 from engine.errors import ConfigError, EngineError
 from engine.serve.activation import FLAG, Activation, resolve
+from engine.serve.auth import ENV_API_KEY, LOOPBACK, api_key_from
 
 EXIT_CONFIG = 2
 EXIT_START = 3
@@ -43,6 +44,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", help="override: serve.namespace ('none' for bare responses)")
     p.add_argument(FLAG, dest="repeat_terminate_from", metavar="FILE.yaml:dotted.path",
                    help="take the repeat_terminate subtree from the learner's YAML (see engine.serve.activation)")
+    p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on every route but /health (or set "
+                   f"{ENV_API_KEY}; prefer the variable: a flag shows in the process list)")
     p.add_argument("--ready-file", help="write {url, pid, port} here once the port is bound")
     p.add_argument("--check", action="store_true", help="validate the config and exit (nothing loaded)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default: warning)")
@@ -143,11 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         config, activation = served_config(args)
+        api_key = api_key_from(args.api_key, os.environ)
     except ConfigError as err:
         return fail(EXIT_CONFIG, "config error", err)
+    if api_key is None and config.serve.host not in LOOPBACK:
+        print(f"engine.serve: warning: listening on {config.serve.host} without an API key: anyone who reaches the "
+              f"port can run generation. Set {ENV_API_KEY} (or --api-key), or serve.host: 127.0.0.1",
+              file=sys.stderr, flush=True)
     guard = config.repeat_terminate
     summary = (f"backend={config.backend} model={config.model.path} repeat_terminate: enabled={guard.enabled} "
-               f"source={activation.source} hash={guard.fingerprint()[:12]}")
+               f"source={activation.source} hash={guard.fingerprint()[:12]} api_key={'set' if api_key else 'none'}")
     if args.check:
         print(f"engine.serve: config ok: {summary}", flush=True)
         return 0
@@ -173,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     except EngineError as err:
         sock.close()
         return fail(EXIT_START, "cannot start", err)
-    served = ServedEngine(engine, activation)
+    served = ServedEngine(engine, activation, api_key=api_key)
     sock.listen(2048)  # from the ready line on, connections queue until uvicorn accepts them
     port = sock.getsockname()[1]
     url = f"http://{config.serve.host}:{port}"

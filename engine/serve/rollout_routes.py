@@ -23,8 +23,8 @@ def router(served: ServedEngine) -> APIRouter:
 
     @api.get("/health")
     @api.get("/health/")
-    async def health() -> dict[str, Any]:
-        return served.health()
+    async def health(request: Request) -> dict[str, Any]:
+        return served.health(detailed=served.sent_the_key(request.scope["headers"]))
 
     @api.get("/get_world_size/")
     async def world_size() -> dict[str, int]:

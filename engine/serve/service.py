@@ -22,9 +22,11 @@ class ServedEngine:
         app = create_app(served)          # engine.serve.app
     """
 
-    def __init__(self, engine: Any, activation: Activation, serve: Any = None) -> None:
+    def __init__(self, engine: Any, activation: Activation, serve: Any = None, api_key: str | None = None) -> None:
         self.engine = engine
         self.activation = activation
+        self.api_key = api_key
+        """The bearer key every route but ``/health`` requires (``engine.serve.auth``); None: no key."""
         self.serve = serve or engine.config.serve
         """The ``ServeConfig`` in effect (the engine's own unless given)."""
         self.metrics = ServeMetrics()
@@ -53,25 +55,35 @@ class ServedEngine:
         whose guard cannot run refuses to start, so this equals ``enabled``)."""
         return int(self.engine.config.repeat_terminate.enabled)
 
-    def health(self) -> dict[str, Any]:
+    def health(self, *, detailed: bool = False) -> dict[str, Any]:
+        """What ``/health`` reports; ``detailed`` (a caller that sent the API key) adds filesystem paths: the model
+        folder and the subtree's file."""
         cfg = self.engine.config
         backend = self.engine.backend
-        return {
+        report = {
             "status": "ok",
             "backend": backend.name,
             "model": self.model_name,
-            "model_path": cfg.model.path,
             "dtype": cfg.model.dtype,
             "runner": backend.runner,
             "engine_core": "child process" if self.spec.engine_core_in_child(self.settings) else "in-process",
             "repeat_terminate_active": self.guard_active,
             "repeat_terminate": cfg.repeat_terminate.as_dict(),
             "repeat_terminate_hash": cfg.repeat_terminate.fingerprint(),
-            "repeat_terminate_source": self.activation.source,
+            "repeat_terminate_source": self.activation.source if detailed else self.activation.public_source,
             "namespace": self.serve.namespace,
             "max_model_len": backend.capabilities.max_model_len,
             "uptime_s": round(time.time() - self.started, 3),
         }
+        if detailed:
+            report["model_path"] = cfg.model.path
+        return report
+
+    def sent_the_key(self, headers: Any) -> bool:
+        """Whether a request's raw ASGI ``headers`` carry this server's API key (never, when it has none)."""
+        from engine.serve.auth import bearer_matches
+
+        return self.api_key is not None and bearer_matches(headers, self.api_key)
 
     def world_size(self) -> int:
         size = 1
