@@ -86,6 +86,11 @@ class AsyncBatcher:
         await self._queue.put(job)
         return await job.future
 
+    async def run_exclusive(self, fn: Any) -> Any:
+        """``fn()`` on the worker thread, between two ``generate`` calls (the model is never used by two threads at
+        once): e.g. loading a learner's weights into it."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
     def close(self) -> None:
         if self._worker is not None:
             self._worker.cancel()

@@ -171,6 +171,35 @@ class BackendBase:
 
 
 @runtime_checkable
+class WeightLoading(Protocol):
+    """A backend that takes a learner's weights while it serves (``engine.weight_sync``); the served engine calls
+    these off its event loop, one at a time, never during a ``generate`` of a backend that batches through it."""
+
+    def open_weights(self, host: str, port: int, world_size: int, transport: str) -> None:
+        """Join the learner's group (blocks until the learner joins too)."""
+        ...
+
+    def load_weights(self, announced: dict[str, Any]) -> int:
+        """Receive what ``announced`` describes and load it into the model; the number of tensors loaded."""
+        ...
+
+    def finish_weights(self) -> None:
+        """End a push session: every loaded weight is in effect (called before the next generation)."""
+        ...
+
+    def close_weights(self) -> None:
+        ...
+
+    def state_keys(self) -> list[str]:
+        """The model's parameter names, as it takes them."""
+        ...
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached prompt prefix (computed with the old weights)."""
+        ...
+
+
+@runtime_checkable
 class AsyncGenerating(Protocol):
     """A backend with its own asyncio batching (vLLM's ``AsyncLLM``): concurrent calls share it directly, no
     engine-side batcher."""

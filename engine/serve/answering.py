@@ -91,6 +91,7 @@ class Answering:
                     body: Callable[[list[GenerationResult]], Any]) -> Any:
         """The non-streamed answer to ``requests`` (one ``agenerate`` call): ``body(results)`` as JSON, a 400 for
         what validation refuses, or the 499 of a client that went away (its generation cancelled); counted."""
+        await self.served.ready()
         self.served.in_flight += 1
         # The engine validates messages, options, plugins and context length first and raises before generating.
         task = asyncio.ensure_future(self.served.engine.agenerate(requests, **kwargs))
@@ -115,6 +116,7 @@ class Answering:
 
     async def _events(self, stream: Any, start: float, events: Callable[[Any], list[Any]],
                       first: list[Any]) -> AsyncIterator[str]:
+        await self.served.ready()
         for event in first:
             yield sse(event)
         self.served.in_flight += 1

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import EngineError
-from engine.serve import openai_routes, pattern_c_routes, rollout_routes, rollout_wire
+from engine.serve import openai_routes, pattern_c_routes, rollout_routes, rollout_wire, weights_routes
 from engine.serve.answering import refuse
 from engine.serve.auth import ApiKeyGate
 from engine.serve.service import ServedEngine
@@ -45,6 +45,7 @@ def create_app(served: ServedEngine, *, close_engine: bool = True) -> FastAPI:
     app.include_router(rollout_routes.router(served))
     app.include_router(openai_routes.router(served))
     app.include_router(pattern_c_routes.router(served))
+    app.include_router(weights_routes.router(served))
 
     @app.exception_handler(EngineError)
     async def engine_error(request: Request, err: EngineError) -> JSONResponse:

@@ -6,6 +6,7 @@ The HTTP layer only translates; every generation goes through ``GenerationEngine
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,15 @@ class ServedEngine:
         self.serve = serve or engine.config.serve
         """The ``ServeConfig`` in effect (the engine's own unless given)."""
         self.metrics = ServeMetrics()
+        self.gates: list[Callable[[], Awaitable[None]]] = []
+        """What must finish before the next generation starts (a learner's weight push: ``weights_routes``)."""
         self.in_flight = 0
         self.started = time.time()
+
+    async def ready(self) -> None:
+        """Wait for every gate (see ``gates``); a gate's failure is the waiting request's."""
+        for gate in self.gates:
+            await gate()
 
     @property
     def spec(self) -> Any:

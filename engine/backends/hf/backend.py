@@ -16,7 +16,7 @@ from typing import Any
 from engine.backends.base import BackendBase, BackendOutput, Capabilities, Prompt, SamplingPlan, TokenScores
 from engine.backends.registry import SPECS
 from engine.config import HfConfig, ModelConfig
-from engine.errors import BackendUnavailableError, EngineError
+from engine.errors import BackendUnavailableError, EngineError, RequestError
 from engine.rules.events import stopped_on_seen_token
 
 SPEC = SPECS["hf"]
@@ -142,6 +142,47 @@ class HfBackend(BackendBase, backend="hf"):
                                          max_model_len=min(lengths) if lengths else None, scoring=processor is None,
                                          structured_outputs=processor is None)
         self._schemas: Any = None
+
+    # -- weight sync (engine.weight_sync): this process is the group's rank 0 ------------------------------------
+
+    def open_weights(self, host: str, port: int, world_size: int, transport: str) -> None:
+        from engine.weight_sync import open_communicator
+
+        self.weights = open_communicator(host, port, 0, world_size, transport, device=self.device)
+
+    def load_weights(self, announced: dict[str, Any]) -> int:
+        """Receive the announced tensors and copy them into the model's state (tied weights follow)."""
+        import torch
+
+        from engine.weight_sync import receive_flattened, receive_named
+
+        if getattr(self, "weights", None) is None:
+            raise RequestError("communicator", None, "is not open", fix="POST /init_communicator/ first")
+        if "metadatas" in announced:
+            received = receive_flattened(self.weights, announced["metadatas"])
+        else:
+            received = receive_named(self.weights, announced["name"], announced["dtype"], announced["shape"])
+        state = self.model.state_dict()
+        unknown = [name for name, _ in received if name not in state]
+        if unknown:
+            raise RequestError("name", unknown[0], "is not a parameter of the served model",
+                               fix="send the names GET /get_model_state_keys/ lists")
+        with torch.no_grad():
+            for name, tensor in received:
+                state[name].copy_(tensor.to(device=state[name].device, dtype=state[name].dtype))
+        return len(received)
+
+    def finish_weights(self) -> None:
+        """Nothing to finish: each push was copied into the model's own tensors."""
+
+    def close_weights(self) -> None:
+        self.weights = None
+
+    def state_keys(self) -> list[str]:
+        return list(self.model.state_dict())
+
+    def reset_prefix_cache(self) -> None:
+        """Nothing to drop: ``generate`` keeps no KV cache between calls."""
 
     def close(self) -> None:
         self.model = None

@@ -164,6 +164,26 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
         finally:
             future.cancel()  # vLLM aborts the request when its generator is cancelled
 
+    # -- weight sync (engine.weight_sync): every worker of the engine core receives and loads ----------------------
+
+    def open_weights(self, host: str, port: int, world_size: int, transport: str) -> None:
+        self._call(self.llm.collective_rpc("engine_open_weights", args=(host, port, world_size, transport)))
+
+    def load_weights(self, announced: dict[str, Any]) -> int:
+        return int(self._call(self.llm.collective_rpc("engine_load_weights", args=(announced,)))[0])
+
+    def finish_weights(self) -> None:
+        self._call(self.llm.collective_rpc("engine_finish_weights"))
+
+    def close_weights(self) -> None:
+        self._call(self.llm.collective_rpc("engine_close_weights"))
+
+    def state_keys(self) -> list[str]:
+        return list(self._call(self.llm.collective_rpc("engine_state_keys"))[0])
+
+    def reset_prefix_cache(self) -> None:
+        self._call(self.llm.reset_prefix_cache())
+
     async def rule_events(self, keys: Sequence[str]) -> dict[str, dict[str, Any]]:
         """The rule events of finished requests, from the engine-core process where the processor ran."""
         from engine.backends.vllm import rules as vllm_rules

@@ -1,5 +1,5 @@
-"""The worker side of rule events: a vLLM ``worker_extension_cls`` whose one method hands the engine the events
-that the row-rule processor recorded in this worker's process.
+"""The worker side of the engine: a vLLM ``worker_extension_cls`` that hands the engine the events the row-rule
+processor recorded in this worker's process, and receives the learner's weights (``engine.weight_sync``).
 
 ``VllmBackend`` starts vLLM with ``worker_extension_cls="engine.backends.vllm.events.RuleEventsWorker"`` and,
 after a batch, calls ``llm.collective_rpc("engine_rule_events", args=(keys,))``. The call reaches the worker
@@ -13,10 +13,59 @@ from typing import Any
 
 
 class RuleEventsWorker:
-    """Mixed into vLLM's worker class; no state of its own (the store is process-wide)."""
+    """Mixed into vLLM's worker class. Rule events have no state here (the store is process-wide); weight sync keeps
+    this worker's communicator while a learner's group is open."""
 
     def engine_rule_events(self, keys: list[str]) -> dict[str, dict[str, Any]]:
         """The events of each finished request key known in this process, removed from the store."""
         from engine.backends.vllm.rules import EVENTS
 
         return EVENTS.collect(keys)
+
+    def engine_open_weights(self, host: str, port: int, world_size: int, transport: str) -> None:
+        """Join the learner's group at this worker's rank (``engine.weight_sync.open_communicator``)."""
+        from engine.weight_sync import open_communicator
+
+        self.engine_weights = open_communicator(host, port, self.rank, world_size, transport,  # type: ignore[attr-defined]
+                                                device=getattr(self, "device", None))
+
+    def engine_load_weights(self, announced: dict[str, Any]) -> int:
+        """Receive what the learner announced (one named tensor, or a flattened bucket) and load it into the model
+        through vLLM's in-place reload (``model_executor.model_loader.reload``): the first push of a session puts the
+        layers back in checkpoint form, each push loads by checkpoint name (fused projections included), and a layer
+        is processed again (CPU weight packing, quantization) once all its weights arrived; ``engine_finish_weights``
+        ends the session. Returns the tensor count."""
+        from engine.weight_sync import receive_flattened, receive_named
+
+        communicator = getattr(self, "engine_weights", None)
+        if communicator is None:
+            raise RuntimeError("no learner group is open: call /init_communicator/ first")
+        if "metadatas" in announced:
+            weights = receive_flattened(communicator, announced["metadatas"])
+        else:
+            weights = receive_named(communicator, announced["name"], announced["dtype"], announced["shape"])
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        if not getattr(self, "engine_reloading", False):
+            from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+            initialize_layerwise_reload(model)
+            self.engine_reloading = True
+        model.load_weights(weights=weights)
+        return len(weights)
+
+    def engine_finish_weights(self) -> bool:
+        """End the push session: layers that got no weights keep theirs, the rest are processed. False: none open."""
+        if not getattr(self, "engine_reloading", False):
+            return False
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model_runner.model, self.vllm_config.model_config)  # type: ignore[attr-defined]
+        self.engine_reloading = False
+        return True
+
+    def engine_close_weights(self) -> None:
+        self.engine_weights = None
+
+    def engine_state_keys(self) -> list[str]:
+        """The model's parameter names as vLLM holds them (fused projections included)."""
+        return [name for name, _ in self.model_runner.model.named_parameters()]  # type: ignore[attr-defined]

@@ -1,0 +1,201 @@
+"""Weight sync routes, as ms-swift's ``VLLMClient`` calls them in GRPO server mode: ``/init_communicator/``,
+``/update_named_param/``, ``/update_flattened_params/``, ``/process_weights_after_loading/``,
+``/reset_prefix_cache/``, ``/get_model_state_keys/``, ``/close_communicator/``. What moves and how:
+:mod:`engine.weight_sync`.
+
+Pushes form a session that ends (the loaded weights take effect, ``WeightLoading.finish_weights``) at the next
+``/process_weights_after_loading/``, ``/reset_prefix_cache/``, key listing or closing, and in any case before the
+next generation starts. On vLLM a session must carry every tensor of each fused layer it touches (q, k and v
+together; gate and up together), as a training step's full push does: vLLM rebuilds such a layer from what the
+session brought.
+
+An opening or a push answers at once (the learner joins or broadcasts only after the answer, as swift's server
+does) and runs in the background; the next weight call waits for it and reports its failure. The backend does the
+work off the event loop: vLLM in its engine core (which serializes it with generation steps), HF on the batcher's
+thread (never during a ``generate``). A backend without weight loading (llama.cpp) is refused by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from engine.backends.base import AsyncGenerating, WeightLoading
+from engine.errors import EngineError, RequestError, UnsupportedCapabilityError
+from engine.serve.answering import refuse
+from engine.serve.limits import read_json
+from engine.serve.service import ServedEngine
+from engine.serve.wire import FieldTable, error_body, unknown_fields
+from engine.weight_sync import check_metadatas, check_transport, torch_dtype
+
+log = logging.getLogger(__name__)
+FIELDS = FieldTable(extension=False)
+
+
+class WeightCalls:
+    """The served engine's weight-sync state: the background call under way, run one at a time."""
+
+    def __init__(self, served: ServedEngine) -> None:
+        self.served = served
+        self.pending: asyncio.Future[Any] | None = None
+        self.pushed = False
+        """A push arrived since the session last finished."""
+
+    @property
+    def backend(self) -> WeightLoading:
+        backend = self.served.engine.backend
+        if not isinstance(backend, WeightLoading):
+            raise UnsupportedCapabilityError(f"backend {backend.name!r} cannot load a learner's weights while "
+                                             "serving. Fix: serve the model with hf or vllm")
+        return backend
+
+    def run(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        """``fn()`` off the event loop: on the batcher's thread for a backend that batches through it (HF), else a
+        worker thread (vLLM's engine core serializes the call itself)."""
+        if isinstance(self.served.engine.backend, AsyncGenerating):
+            return asyncio.ensure_future(asyncio.to_thread(fn))
+        return asyncio.ensure_future(self.served.engine.batcher().run_exclusive(fn))
+
+    async def settle(self) -> None:
+        """Wait for the background call; its failure is this call's (then forgotten)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            await pending
+
+    async def finish(self) -> None:
+        """Wait for the background call and end the push session, if one is open (before generating, resetting
+        the prefix cache, listing keys or closing)."""
+        await self.settle()
+        if self.pushed:
+            self.pushed = False
+            await self.run(self.backend.finish_weights)
+
+    async def start(self, fn: Callable[[], Any]) -> None:
+        """Wait for the previous call, then start ``fn`` in the background."""
+        await self.settle()
+        self.pending = self.run(fn)
+        self.pending.add_done_callback(_log_failure)
+
+
+def _log_failure(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("engine.serve: a weight-sync call failed: %s", future.exception())
+
+
+def _int(body: dict[str, Any], key: str, low: int, high: int | None = None) -> int:
+    value = body.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        span = f"[{low}, {high}]" if high is not None else f"[{low}, inf)"
+        raise RequestError(key, value, f"must be an integer in {span}", fix=f"send an integer in {span}")
+    return value
+
+
+def router(served: ServedEngine) -> APIRouter:
+    api = APIRouter()
+    calls = WeightCalls(served)
+    served.gates.append(calls.finish)
+
+    async def body_of(request: Request, known: tuple[str, ...]) -> dict[str, Any]:
+        body = await read_json(request, served.serve.max_body_bytes)
+        if not isinstance(body, dict):
+            raise RequestError("body", type(body).__name__, "must be a JSON object", fix="send a JSON object")
+        unknown_fields("", body, known)
+        return body
+
+    async def answer(work: Callable[[], Any]) -> Any:
+        try:
+            return await work()
+        except EngineError as err:
+            return refuse(err, FIELDS)
+        except Exception as err:  # a background call that failed after its 200: reported to the next call
+            log.exception("engine.serve: weight sync failed")
+            return JSONResponse(error_body(f"weight sync failed: {type(err).__name__}: {err}", kind="server_error",
+                                           code=500), 500)
+
+    @api.post("/init_communicator/")
+    async def init_communicator(request: Request) -> Any:
+        async def work() -> Any:
+            body = await body_of(request, ("host", "port", "world_size", "transport", "client_device_uuid"))
+            backend = calls.backend
+            host = body.get("host")
+            if not isinstance(host, str) or not host:
+                raise RequestError("host", host, "must be a host name or address", fix="e.g. 127.0.0.1")
+            port = _int(body, "port", 1, 65535)
+            expected = served.world_size() + 1
+            world_size = _int(body, "world_size", 2)
+            if world_size != expected:
+                raise RequestError("world_size", world_size, f"must be {expected}: this server's {expected - 1} "
+                                   "workers and the learner", fix="take it from GET /get_world_size/, plus one")
+            transport = check_transport(body.get("transport"))
+            await calls.start(lambda: backend.open_weights(host, port, world_size, transport))
+            return {"message": f"joining the learner's group on {host}:{port} ({transport})"}
+        return await answer(work)
+
+    @api.post("/update_named_param/")
+    async def update_named_param(request: Request) -> Any:
+        async def work() -> Any:
+            body = await body_of(request, ("name", "dtype", "shape"))
+            backend = calls.backend
+            if not isinstance(body.get("name"), str) or not body["name"]:
+                raise RequestError("name", body.get("name"), "must be a parameter name", fix="e.g. lm_head.weight")
+            torch_dtype(body.get("dtype"))
+            shape = body.get("shape")
+            if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise RequestError("shape", shape, "must be a list of sizes", fix="e.g. [576, 49152]")
+            announced = {"name": body["name"], "dtype": body["dtype"], "shape": shape}
+            await calls.start(lambda: backend.load_weights(announced))
+            calls.pushed = True
+            return {"message": f"receiving {body['name']}"}
+        return await answer(work)
+
+    @api.post("/update_flattened_params/")
+    async def update_flattened_params(request: Request) -> Any:
+        async def work() -> Any:
+            body = await body_of(request, ("metadatas",))
+            backend = calls.backend
+            announced = {"metadatas": check_metadatas(body.get("metadatas"))}
+            await calls.start(lambda: backend.load_weights(announced))
+            calls.pushed = True
+            return {"message": f"receiving {len(announced['metadatas'])} tensors"}
+        return await answer(work)
+
+    @api.post("/process_weights_after_loading/")
+    async def process_weights_after_loading() -> Any:
+        async def work() -> Any:
+            calls.backend  # noqa: B018 (refuses a backend without weight loading)
+            await calls.finish()
+            return {"message": "weights in effect"}
+        return await answer(work)
+
+    @api.post("/reset_prefix_cache/")
+    async def reset_prefix_cache() -> Any:
+        async def work() -> Any:
+            backend = calls.backend
+            await calls.finish()
+            await calls.run(backend.reset_prefix_cache)
+            return {"message": "prefix cache reset"}
+        return await answer(work)
+
+    @api.get("/get_model_state_keys/")
+    async def get_model_state_keys() -> Any:
+        async def work() -> Any:
+            backend = calls.backend
+            await calls.finish()
+            return {"keys": await calls.run(backend.state_keys)}
+        return await answer(work)
+
+    @api.post("/close_communicator/")
+    async def close_communicator() -> Any:
+        async def work() -> Any:
+            backend = calls.backend
+            await calls.finish()
+            await calls.run(backend.close_weights)
+            return {"message": "closed"}
+        return await answer(work)
+
+    return api
