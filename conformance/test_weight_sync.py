@@ -4,7 +4,7 @@ answers then equal, token for token, an in-process engine loaded from the pertur
 The learner is this test process with :class:`engine.weight_sync.WeightSyncClient` over the ``tcp`` transport (a CPU
 host has no NCCL, which swift's own ``VLLMClient`` needs for its broadcasts); ms-swift's real code still builds the
 flattened bucket (``FlattenedTensorBucket``) and calls the routes it can call on a CPU host (``VLLMClient``'s
-``get_model_state_keys`` and ``reset_prefix_cache``). The prompts are answered once before the push, so on vLLM
+``get_model_state_keys`` and the three cache resets its trainer calls). The prompts are answered once before the push, so on vLLM
 their prefixes sit in the prefix cache, computed with the old weights: equal answers after the push need the reset.
 GPU-only, not run here: the ``nccl`` transport with swift's ``VLLMClient.init_communicator`` and its broadcasts.
 """
@@ -79,6 +79,8 @@ def test_pushed_weights_answer_like_the_perturbed_checkpoint(pool, backend, pert
                 swift = VLLMClient(base_urls=[handle.url], connection_timeout=30)
                 keys = swift.get_model_state_keys()
                 swift.reset_prefix_cache()
+                swift.reset_encoder_cache()  # what swift's trainer calls after every update, with the mm reset
+                swift.reset_mm_cache()
             after = client.infer(PROMPTS, GREEDY)
     finally:
         handle.stop()

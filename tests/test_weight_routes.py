@@ -61,8 +61,8 @@ class Recording:
         self._note("keys")
         return ["a", "b"]
 
-    def reset_prefix_cache(self):
-        self._note("reset")
+    def reset_cache(self, kind):
+        self._note(f"reset {kind}")
 
 
 class Engine:
@@ -98,12 +98,13 @@ def test_a_push_session_ends_before_the_next_generation_and_runs_on_the_batchers
     replies = session(backend, [
         OPEN, ("POST", "/update_named_param/", {"name": "a", "dtype": "torch.float32", "shape": [2]}),
         ("POST", "/update_flattened_params/", {"metadatas": META}), INFER,
-        ("POST", "/reset_prefix_cache/", None), ("GET", "/get_model_state_keys/", None),
+        ("POST", "/reset_prefix_cache/", None), ("POST", "/reset_encoder_cache/", None),
+        ("POST", "/reset_mm_cache/", None), ("GET", "/get_model_state_keys/", None),
         ("POST", "/close_communicator/", None)])
-    assert [r.status_code for r in replies] == [200] * 7
-    assert replies[5].json() == {"keys": ["a", "b"]}
+    assert [r.status_code for r in replies] == [200] * 9
+    assert replies[7].json() == {"keys": ["a", "b"]}
     assert backend.calls == ["open 127.0.0.1:29500 2 tcp", "load a", "load 2 tensors", "finish", "generate",
-                             "reset", "keys", "close"]
+                             "reset prefix", "reset encoder", "reset mm", "keys", "close"]
     assert backend.threads == {"engine-batcher_0"}, "the model is touched only between two generate calls"
 
 
@@ -128,7 +129,7 @@ def test_a_malformed_call_is_refused_by_field_and_reaches_no_backend(route, body
 
 def test_a_backend_without_weight_loading_is_refused_by_name():
     class Plain(Recording):
-        open_weights = load_weights = finish_weights = close_weights = state_keys = reset_prefix_cache = None
+        open_weights = load_weights = finish_weights = close_weights = state_keys = reset_cache = None
 
     [reply] = session(Plain(), [OPEN])
     assert reply.status_code == 400 and "cannot load a learner's weights" in reply.json()["error"]["message"]

@@ -194,8 +194,9 @@ class WeightLoading(Protocol):
         """The model's parameter names, as it takes them."""
         ...
 
-    def reset_prefix_cache(self) -> None:
-        """Drop every cached prompt prefix (computed with the old weights)."""
+    def reset_cache(self, kind: str) -> None:
+        """Drop a cache computed with the old weights: ``prefix`` (KV blocks of prompt prefixes), ``encoder``
+        (vision encoder outputs) or ``mm`` (processed multimodal inputs)."""
         ...
 
 

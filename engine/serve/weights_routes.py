@@ -1,7 +1,7 @@
 """Weight sync routes, as ms-swift's ``VLLMClient`` calls them in GRPO server mode: ``/init_communicator/``,
 ``/update_named_param/``, ``/update_flattened_params/``, ``/process_weights_after_loading/``,
-``/reset_prefix_cache/``, ``/get_model_state_keys/``, ``/close_communicator/``. What moves and how:
-:mod:`engine.weight_sync`.
+``/reset_prefix_cache/`` (and ``_encoder_``, ``_mm_``), ``/get_model_state_keys/``, ``/close_communicator/``.
+What moves and how: :mod:`engine.weight_sync`.
 
 Pushes form a session that ends (the loaded weights take effect, ``WeightLoading.finish_weights``) at the next
 ``/process_weights_after_loading/``, ``/reset_prefix_cache/``, key listing or closing, and in any case before the
@@ -35,6 +35,8 @@ from engine.weight_sync import check_metadatas, check_transport, torch_dtype
 
 log = logging.getLogger(__name__)
 FIELDS = FieldTable(extension=False)
+CACHES = ("prefix", "encoder", "mm")
+"""The caches swift's trainer resets (``/reset_<kind>_cache/``): after each weight update, and at its start."""
 
 
 class WeightCalls:
@@ -172,14 +174,18 @@ def router(served: ServedEngine) -> APIRouter:
             return {"message": "weights in effect"}
         return await answer(work)
 
-    @api.post("/reset_prefix_cache/")
-    async def reset_prefix_cache() -> Any:
-        async def work() -> Any:
-            backend = calls.backend
-            await calls.finish()
-            await calls.run(backend.reset_prefix_cache)
-            return {"message": "prefix cache reset"}
-        return await answer(work)
+    def reset_route(kind: str) -> None:
+        @api.post(f"/reset_{kind}_cache/")
+        async def reset() -> Any:
+            async def work() -> Any:
+                backend = calls.backend
+                await calls.finish()
+                await calls.run(lambda: backend.reset_cache(kind))
+                return {"message": f"{kind} cache reset"}
+            return await answer(work)
+
+    for kind in CACHES:
+        reset_route(kind)
 
     @api.get("/get_model_state_keys/")
     async def get_model_state_keys() -> Any:

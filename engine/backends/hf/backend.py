@@ -181,8 +181,8 @@ class HfBackend(BackendBase, backend="hf"):
     def state_keys(self) -> list[str]:
         return list(self.model.state_dict())
 
-    def reset_prefix_cache(self) -> None:
-        """Nothing to drop: ``generate`` keeps no KV cache between calls."""
+    def reset_cache(self, kind: str) -> None:
+        """Nothing to drop: ``generate`` keeps no KV cache, encoder output or processed image between calls."""
 
     def close(self) -> None:
         self.model = None

@@ -181,8 +181,8 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
     def state_keys(self) -> list[str]:
         return list(self._call(self.llm.collective_rpc("engine_state_keys"))[0])
 
-    def reset_prefix_cache(self) -> None:
-        self._call(self.llm.reset_prefix_cache())
+    def reset_cache(self, kind: str) -> None:
+        self._call(getattr(self.llm, f"reset_{kind}_cache")())
 
     async def rule_events(self, keys: Sequence[str]) -> dict[str, dict[str, Any]]:
         """The rule events of finished requests, from the engine-core process where the processor ran."""
