@@ -4,8 +4,9 @@ answers then equal, token for token, an in-process engine loaded from the pertur
 The learner is this test process with :class:`engine.weight_sync.WeightSyncClient` over the ``tcp`` transport (a CPU
 host has no NCCL, which swift's own ``VLLMClient`` needs for its broadcasts); ms-swift's real code still builds the
 flattened bucket (``FlattenedTensorBucket``) and calls the routes it can call on a CPU host (``VLLMClient``'s
-``get_model_state_keys`` and the three cache resets its trainer calls). The prompts are answered once before the push, so on vLLM
-their prefixes sit in the prefix cache, computed with the old weights: equal answers after the push need the reset.
+``get_model_state_keys`` and the three cache resets its trainer calls). The prompts are answered once before the
+push, so on vLLM their prefixes sit in the prefix cache, computed with the old weights: equal answers after the
+push need the reset.
 GPU-only, not run here: the ``nccl`` transport with swift's ``VLLMClient.init_communicator`` and its broadcasts.
 """
 
