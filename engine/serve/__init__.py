@@ -12,8 +12,9 @@ format both ways, no web framework):
 
 Shared: :mod:`engine.serve.wire` (field tables used both ways, the ``engine`` extension field, logprobs, errors),
 :mod:`engine.serve.answering` (one answering path: count, answer whole or stream, cancel on disconnect, refuse by
-field), :mod:`engine.serve.auth` (the API key), :mod:`engine.serve.limits` (what one request may ask), :mod:`engine.serve.service` (the loaded engine and
-what ``/health`` reports), :mod:`engine.serve.metrics` (Prometheus text), :mod:`engine.serve.app` (the app factory).
+field), :mod:`engine.serve.auth` (the API key), :mod:`engine.serve.limits` (what one request may ask),
+:mod:`engine.serve.service` (the loaded engine and what ``/health`` reports), :mod:`engine.serve.metrics`
+(Prometheus text), :mod:`engine.serve.app` (the app factory).
 Start-up: :mod:`engine.serve.launch` (``python -m engine.serve``: validate, activate the guard, load, bind, fail
 fast) and :mod:`engine.serve.activation` (where the ``repeat_terminate`` subtree comes from). The learner side is
 :mod:`engine.client`, beside this package.
