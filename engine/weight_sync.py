@@ -214,10 +214,16 @@ class WeightSyncClient:
                 self.port = probe.getsockname()[1]
         self._call("POST", "/init_communicator/", json={"host": self.host, "port": self.port,
                                                         "world_size": workers + 1, "transport": self.transport})
+        device = None
+        if self.transport == "nccl":  # the learner's current card, as swift's client uses its own
+            import torch
+
+            device = torch.device("cuda", torch.cuda.current_device())
         self.communicator = open_communicator(self.host, self.port, workers, workers + 1, self.transport,
-                                              device=None)
+                                              device=device)
 
     def _send(self, tensor: Any) -> None:
+        tensor = tensor.detach().to(self.communicator.device).contiguous()  # NCCL sends from its own card
         self.communicator.broadcast(tensor, src=self.communicator.rank)
         self.communicator.group.barrier()
 
