@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine.backends import AsyncGenerating, Scoring, TokenStreaming, load_target
+from engine.backends.base import WeightLoading
 from engine.backends.registry import SPECS
 
 ENGINE = Path(__file__).resolve().parents[1] / "engine"
@@ -128,6 +129,7 @@ def test_optional_protocols_match_what_each_backend_implements():
     assert [issubclass(c, Scoring) for c in (hf, vllm, vllm_async, llamacpp)] == [True, True, False, False]
     assert [issubclass(c, AsyncGenerating) for c in (hf, vllm, vllm_async, llamacpp)] == [False, False, True, False]
     assert [issubclass(c, TokenStreaming) for c in (hf, vllm, vllm_async, llamacpp)] == [False, False, True, False]
+    assert [issubclass(c, WeightLoading) for c in (hf, vllm, vllm_async, llamacpp)] == [True, False, True, False]
 
 
 def test_async_target_is_chosen_by_the_settings():
