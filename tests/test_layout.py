@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.backends import AsyncGenerating, Scoring, TokenStreaming, load_target
-from engine.backends.base import WeightLoading
+from engine.backends import AsyncGenerating, Scoring, TokenStreaming, WeightLoading, load_target
 from engine.backends.registry import SPECS
 
 ENGINE = Path(__file__).resolve().parents[1] / "engine"

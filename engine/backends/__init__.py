@@ -2,7 +2,8 @@
 llama_cpp) happen only inside them, when a backend is built.
 
 ``registry.SPECS`` holds every backend's static facts (:class:`BackendSpec`); ``base`` the contract they implement
-(:class:`Backend`, and the optional :class:`AsyncGenerating`, :class:`TokenStreaming`, :class:`Scoring`).
+(:class:`Backend`, and the optional :class:`AsyncGenerating`, :class:`TokenStreaming`, :class:`Scoring`,
+:class:`WeightLoading`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from engine.backends.base import (
     Scoring,
     TokenScores,
     TokenStreaming,
+    WeightLoading,
 )
 from engine.backends.registry import REGISTRY, SPECS, BackendSpec, spec
 
@@ -37,5 +39,5 @@ def backend_class(name: str, settings: object = None) -> Any:
 
 
 __all__ = ["REGISTRY", "SPECS", "AsyncGenerating", "Backend", "BackendOutput", "BackendSpec", "Capabilities",
-           "Prompt", "SamplingPlan", "Scoring", "TokenScores", "TokenStreaming", "backend_class", "load_target",
-           "spec"]
+           "Prompt", "SamplingPlan", "Scoring", "TokenScores", "TokenStreaming", "WeightLoading", "backend_class",
+           "load_target", "spec"]

@@ -25,7 +25,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from engine.backends.base import AsyncGenerating, WeightLoading
+from engine.backends import AsyncGenerating, WeightLoading
 from engine.errors import EngineError, RequestError, UnsupportedCapabilityError
 from engine.serve.answering import refuse
 from engine.serve.limits import read_json
