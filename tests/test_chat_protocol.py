@@ -169,3 +169,14 @@ def test_fuzzed_pattern_c_bodies_parse_or_are_refused_by_field(fields):
         assert str(err).startswith(err.field) and "Fix:" in str(err)
     else:
         assert 0 <= call.min_len <= call.max_len
+
+
+def test_pattern_c_names_the_field_the_client_sent_when_the_default_min_len_exceeds_max_len():
+    """Found by the fuzzer: ``max_len: 1`` alone met the server's default ``min_len`` (120), and the refusal named
+    ``min_len``, a field the client never sent."""
+    with pytest.raises(RequestError) as err:
+        parse_pattern_c({"messages": MSGS, "max_len": 1}, PatternCConfig())
+    assert err.value.field == "max_len" and "the server's default" in str(err.value)
+    with pytest.raises(RequestError) as sent:
+        parse_pattern_c({"messages": MSGS, "min_len": 50, "max_len": 10}, PatternCConfig())
+    assert sent.value.field == "min_len"

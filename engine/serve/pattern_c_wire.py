@@ -84,6 +84,9 @@ def parse_pattern_c(body: Any, defaults: Any) -> PatternCCall:
     min_len = _length(body, "min_len", defaults.min_len, 0)
     max_len = _length(body, "max_len", defaults.max_len, 1)
     if min_len > max_len:
+        if body.get("min_len") is None:  # the server's default against the client's max_len: name what was sent
+            raise RequestError("max_len", max_len, f"must be at least min_len ({min_len}, the server's default)",
+                               fix=f"send max_len >= {min_len}, or a smaller min_len")
         raise RequestError("min_len", min_len, f"must not exceed max_len ({max_len})", fix="send min_len <= max_len")
     plugins = [
         {"name": "min_length", "min_chars": min_len, "max_chars": max_len,
