@@ -66,13 +66,13 @@ def test_pushed_weights_answer_like_the_perturbed_checkpoint(pool, backend, pert
     looper = str(fixture_path("tiny-looper"))
     handle = launch_server({**pool.config(backend, looper), "serve": {"port": 0}})
     try:
+        if backend == "llamacpp":  # no weight loading there: refused by name, nothing joins a group
+            reply = httpx.post(f"{handle.url}/init_communicator/", json={"host": "127.0.0.1", "port": 29999,
+                                                                         "world_size": 2}, timeout=30)
+            assert reply.status_code == 400 and "cannot load a learner's weights" in reply.text
+            return
         with RolloutClient(handle.url, health_timeout=30) as client:
             before = client.infer(PROMPTS, GREEDY)
-            if backend == "llamacpp":  # no weight loading there: refused by name, nothing joins a group
-                reply = httpx.post(f"{handle.url}/init_communicator/", json={"host": "127.0.0.1", "port": 29999,
-                                                                             "world_size": 2}, timeout=30)
-                assert reply.status_code == 400 and "cannot load a learner's weights" in reply.text
-                return
             with WeightSyncClient(handle.url, transport="tcp") as sync:
                 sync.update_named_param(NAMED, changed[NAMED])
                 bucket = FlattenedTensorBucket(named_tensors=[(name, changed[name]) for name in BUCKET])

@@ -144,26 +144,6 @@ def check_metadatas(metadatas: Any) -> list[dict[str, Any]]:
     return [dict(m) for m in metadatas]
 
 
-def flatten(named_tensors: Sequence[tuple[str, Any]]) -> tuple[list[dict[str, Any]], Any]:
-    """swift's ``FlattenedTensorBucket`` format: metadata dicts and one uint8 buffer holding every tensor's bytes.
-
-    >>> import torch
-    >>> metas, buffer = flatten([("a", torch.zeros(3)), ("b", torch.ones(2, dtype=torch.float16))])
-    >>> [(m["name"], m["start_idx"], m["end_idx"]) for m in metas], buffer.dtype, len(buffer)
-    ([('a', 0, 12), ('b', 12, 16)], torch.uint8, 16)
-    """
-    import torch
-
-    metadatas, chunks, at = [], [], 0
-    for name, tensor in named_tensors:
-        data = tensor.detach().contiguous().flatten().view(torch.uint8)
-        metadatas.append({"name": name, "shape": list(tensor.shape), "dtype": str(tensor.dtype), "start_idx": at,
-                          "end_idx": at + data.numel(), "numel": data.numel()})
-        chunks.append(data)
-        at += data.numel()
-    return metadatas, torch.cat(chunks)
-
-
 class WeightSyncClient:
     """The learner's half, over the routes swift's ``VLLMClient`` calls and with the same method names, so a
     training loop written for it runs unchanged; also on a CPU host (``transport="tcp"``), where swift's client
