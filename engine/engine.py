@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from engine.plugins import POST_DECODE, Plugin, PluginContext, create_plugins
 from engine.results import ResultBuilder
 from engine.rules.base import RuleSpec
 from engine.rules.min_length import is_sentence_end_token
+from engine.rules.repeat import RepeatRule
 from engine.rules.stop import special_stop
 from engine.streaming import ResultStream
 from engine.templates import RenderedPrompt, render_prompt
@@ -236,8 +236,7 @@ class GenerationEngine:
         guard = self.config.repeat_terminate
         rules: list[RuleSpec] = []
         if guard.enabled:
-            rules.append(RuleSpec("engine.rules.repeat:RepeatRule",
-                                  {"thresholds": asdict(guard.thresholds(opts.min_new_tokens))}))
+            rules.append(RepeatRule.spec(guard.thresholds(opts.min_new_tokens)))
         if plugins:
             ctx = self._plugin_context(plugins)
             rules += [spec for p in plugins if (spec := p.rule_spec(backend.name, ctx)) is not None]

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from engine.backends.base import BackendOutput, SamplingPlan
-from engine.rules.events import events_within
+from engine.rules.events import events_within, repeat_meta
 from engine.rules.stop import ended_by_rule, finish_reason, truncate_at_stop
 from engine.types import GenerationResult
 
@@ -79,17 +79,13 @@ class ResultBuilder:
         for plugin in plugins:  # post-decode steps, in order, after stop truncation; raw_text is never touched
             text = plugin.post_decode(text)
         prompt_ids = out.prompt_token_ids or prompt.token_ids
-        repeat_event = events.get("repeat_terminate")
         meta = {
             "backend": backend,
             "chat_template_fallback": prompt.fallback,
             "pad_token_fallback": self.load_info.pad_token_fallback,
             "num_prompt_tokens": len(prompt_ids),
             "num_generated_tokens": len(ids),
-            # Reported by the guard itself, never inferred from the finish reason.
-            "repeat_terminate_triggered": int(repeat_event is not None),
-            "repeat_terminate_index": repeat_event[1] if repeat_event else None,
-            "repeat_terminate_reason": repeat_event[0] if repeat_event else None,
+            **repeat_meta(events),  # reported by the guard itself, never inferred from the finish reason
             "plugins": [p.name for p in plugins],
         }
         for plugin in plugins:

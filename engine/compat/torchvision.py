@@ -124,7 +124,10 @@ def _patch_auto_video_processor() -> None:
 
 
 def _export_to_subprocesses() -> None:
-    parts = [str(SITE_DIR), str(Path(__file__).resolve().parents[2])]
-    current = os.environ.get("PYTHONPATH", "")
-    if str(SITE_DIR) not in current.split(os.pathsep):
-        os.environ["PYTHONPATH"] = os.pathsep.join([*parts, *(p for p in current.split(os.pathsep) if p)])
+    """Append this layer's start-up folder to ``PYTHONPATH`` (after what is there: Python loads the first
+    ``sitecustomize`` it finds, and a folder the user put first, e.g. ``engine/swift_rollout/site``, which applies
+    this layer too, must keep winning)."""
+    current = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    missing = [p for p in (str(SITE_DIR), str(Path(__file__).resolve().parents[2])) if p not in current]
+    if missing:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*current, *missing])

@@ -59,3 +59,18 @@ def stopped_on_seen_token(events: Mapping[str, Any]) -> dict[str, Any]:
         if shifted.get(at) is not None:
             shifted[at] = int(shifted[at]) - 1
     return shifted
+
+
+def repeat_meta(events: Mapping[str, Any]) -> dict[str, Any]:
+    """The repeat guard's per-row report, read from its own event (never from a finish reason): what every result's
+    meta and every rollout envelope carries, the engine's and the ms-swift plugin's alike.
+
+    >>> repeat_meta({"repeat_terminate": ("ngram_repeats", 7)})
+    {'repeat_terminate_triggered': 1, 'repeat_terminate_index': 7, 'repeat_terminate_reason': 'ngram_repeats'}
+    >>> repeat_meta({})["repeat_terminate_triggered"]
+    0
+    """
+    event = events.get("repeat_terminate")
+    return {"repeat_terminate_triggered": int(event is not None),
+            "repeat_terminate_index": int(event[1]) if event else None,
+            "repeat_terminate_reason": event[0] if event else None}

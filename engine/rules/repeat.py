@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
-from engine.rules.base import CONTINUE, Decision, RowRule
+from engine.rules.base import CONTINUE, Decision, RowRule, RuleSpec
 from engine.rules.json_text import STRING, JsonStringState
 
 CONSECUTIVE = "consecutive_token_repeats"
@@ -120,6 +120,15 @@ class RepeatRule(RowRule):
         self.reason: str | None = None
         self.fired_at: int | None = None
         """Tokens seen when the rule fired: the index the forced EOS takes in the generated ids."""
+
+    @staticmethod
+    def spec(thresholds: RepeatThresholds) -> RuleSpec:
+        """The spec every backend rebuilds this rule from (vLLM in its worker), for one row's thresholds.
+
+        >>> RepeatRule.spec(RepeatThresholds(ngram_size=3, ngram_repeats=2)).params["thresholds"]["ngram_size"]
+        3
+        """
+        return RuleSpec("engine.rules.repeat:RepeatRule", {"thresholds": asdict(thresholds)})
 
     def push(self, token: int, text: str = "") -> str | None:
         """Feed the next generated token (and its decoded text); return the reason the first time it fires."""

@@ -154,7 +154,7 @@ def start_arguments(model: ModelConfig, settings: VllmConfig, processor: Any,
     # other one: vLLM refuses to start with it).
     plan = vllm_runner.plan_runner(kwargs)
     if plan.problem is not None and repeat_terminate is not None and repeat_terminate.enabled:
-        raise UnsupportedCapabilityError(_refusal(plan.problem))
+        raise UnsupportedCapabilityError(guard_refusal(plan.problem))
     if plan.problem is None:
         kwargs["logits_processors"] = [plan.processor]
         kwargs["worker_extension_cls"] = vllm_rules.WORKER_EXTENSION
@@ -335,7 +335,8 @@ class VllmBackend(BackendBase, backend="vllm"):
         return vllm_rules.merge_worker_events(replies)
 
 
-def _refusal(problem: str) -> str:
+def guard_refusal(problem: str) -> str:
+    """Why an enabled guard cannot run on this vLLM, and the fix (the engine and the ms-swift plugin refuse alike)."""
     return (f"repeat_terminate.enabled is true, but the guard cannot be activated: {problem}. "
             "Fix: use a vLLM with the logits-processor interface of its model runner (V1 or V2), without "
             "speculative decoding, or set repeat_terminate.enabled: false")
