@@ -276,3 +276,26 @@ def count_backend_calls(monkeypatch: pytest.MonkeyPatch) -> Any:
         return calls
 
     return install
+
+
+@pytest.fixture(scope="session")
+def chat_server(pool: EnginePool) -> Any:
+    """``chat_server(backend)``: the running server of ``backend``'s text engine (the pool's, started on first use,
+    shared with the served twins; its Pattern C defaults are ``SERVED_CHAT``)."""
+
+    def get(backend: str) -> Any:
+        if unavailable_reason(backend):
+            pytest.skip(unavailable_reason(backend))
+        return pool.text_server(backend)
+
+    return get
+
+
+@pytest.fixture
+def client(chat_server: Any, backend: str) -> Iterator[Any]:
+    """The official ``openai`` client on ``backend``'s server."""
+    import openai
+
+    server = chat_server(backend)
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c

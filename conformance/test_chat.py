@@ -28,29 +28,6 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="session")
-def chat_server(pool):
-    """``chat_server(backend)``: the running server of ``backend``'s text engine (the pool's, started on first use,
-    shared with the served twins; its Pattern C defaults are ``SERVED_CHAT``)."""
-    from conformance.conftest import unavailable_reason
-
-    def get(backend: str):
-        if unavailable_reason(backend):
-            pytest.skip(unavailable_reason(backend))
-        return pool.text_server(backend)
-
-    return get
-
-
-@pytest.fixture
-def client(chat_server, backend):
-    import openai
-
-    server = chat_server(backend)
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-
-
 def model_id(client) -> str:
     [model] = client.models.list().data
     return model.id
@@ -241,6 +218,12 @@ BAD_COMPLETIONS = [
     ({"messages": FRANCE, "stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": FRANCE, "stream": True, "engine": {"plugins": [{"name": "nope"}]}}, "engine.plugins[0].name"),
     ({"messages": FRANCE, "frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"messages": FRANCE, "top_k": -5}, "top_k"),  # vLLM's extras, checked by the engine, named as sent
+    ({"messages": FRANCE, "min_tokens": -1}, "min_tokens"),
+    ({"messages": FRANCE, "stop_token_ids": [1, 10**9]}, "stop_token_ids[1]"),
+    ({"messages": FRANCE, "min_p": 0.2}, "min_p"),
+    ({"messages": FRANCE, "response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}},
+     "response_format.json_schema.schema"),
 ]
 BAD_PATTERN_C = [
     ({"messages": FRANCE, "min_len": 300, "max_len": 200}, "min_len"),
@@ -304,9 +287,9 @@ def test_a_client_leaving_mid_stream_stops_its_generation(chat_server, backend):
     server = chat_server(backend)
 
     def cancelled() -> int:
-        text = httpx.get(f"{server.url}/metrics", timeout=10).text
-        return int(next(line.split()[1] for line in text.splitlines()
-                        if line.startswith("engine_requests_cancelled_total ")))
+        from conformance.served import scrape
+
+        return int(scrape(server.url, "engine_requests_cancelled_total"))
 
     before = cancelled()
     body = {"model": server_model(server), "messages": FRANCE, "max_tokens": 2000, "temperature": 0, "stream": True,

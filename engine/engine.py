@@ -310,11 +310,11 @@ class GenerationEngine:
         return self.backend.score(sequences, starts) if sequences else []
 
     async def agenerate(self, requests: Sequence[RequestLike], *, options: OptionsLike = None, stop: StopLike = None,
-                        plugins: PluginsLike = None) -> list[GenerationResult]:
+                        plugins: PluginsLike = None, json_schema: SchemaLike = None) -> list[GenerationResult]:
         """``generate`` for asyncio callers: concurrent calls share the backend (vLLM's ``AsyncLLM`` with
         ``vllm.async_engine``; otherwise an :class:`~engine.batcher.AsyncBatcher` over the backend's batches).
         Validation happens first, in the caller, and raises before anything is generated."""
-        rendered, plan = self.prepare(requests, options=options, stop=stop, plugins=plugins)
+        rendered, plan = self.prepare(requests, options=options, stop=stop, plugins=plugins, json_schema=json_schema)
         prompts = prompts_of(rendered, plan)
         if not prompts:
             return []
@@ -326,11 +326,11 @@ class GenerationEngine:
                                    plugins=self._plugins(plugins))
 
     def astream(self, request: RequestLike, *, options: OptionsLike = None, stop: StopLike = None,
-                plugins: PluginsLike = None) -> ResultStream:
+                plugins: PluginsLike = None, json_schema: SchemaLike = None) -> ResultStream:
         """One text request as a stream of text deltas, the last carrying the ``GenerationResult``
         (see :class:`~engine.streaming.ResultStream`). Validation happens here, before anything is generated;
         the deltas concatenate to the result's ``text`` (the same text ``generate`` gives)."""
-        rendered, plan = self.prepare([request], options=options, stop=stop, plugins=plugins)
+        rendered, plan = self.prepare([request], options=options, stop=stop, plugins=plugins, json_schema=json_schema)
         return ResultStream(self.results, self.backend, self.batcher, rendered[0], plan, self._plugins(plugins))
 
     def batcher(self) -> Any:

@@ -45,7 +45,12 @@ def test_fields_map_to_engine_options_and_stop():
 @pytest.mark.parametrize(("fields", "field"), [
     ({"n": 2}, "n"), ({"n": True}, "n"), ({"best_of": 1}, "best_of"), ({"presence_penalty": 0.1}, "presence_penalty"),
     ({"logit_bias": {"1": 5}}, "logit_bias"), ({"tools": [{"type": "function"}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"), ({"model": None}, "model"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"), ({"response_format": "json"}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "x": 1}}},
+     "response_format.json_schema.x"),
+    ({"response_format": {"type": "json_object", "schema": {}}}, "response_format.schema"), ({"min_p": 0.1}, "min_p"),
+    ({"engine": {"stop": {"token_ids": [3]}}, "stop_token_ids": [4]}, "engine.stop"), ({"model": None}, "model"),
     ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": "yes"}, "logprobs"), ({"stream": 1}, "stream"), ({"stream_options": {}}, "stream_options"),
     ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
@@ -63,12 +68,28 @@ def test_bad_fields_are_named(fields, field):
     assert "Fix:" in str(err.value)
 
 
+def test_vllm_sampling_extras_and_response_format_reach_the_engine():
+    call = parse_completion(body(top_k=-1, repetition_penalty=1.2, min_tokens=3, stop_token_ids=[7, 9], stop="x",
+                                 seed=5, min_p=0.0))
+    assert call.options == {"top_k": 0, "repetition_penalty": 1.2, "min_new_tokens": 3, "seed": 5}
+    assert call.stop == {"strings": ["x"], "token_ids": [7, 9]} and call.json_schema is None
+    assert parse_completion(body(top_k=40)).options == {"top_k": 40}
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    assert parse_completion(body(response_format=rf)).json_schema == schema
+    assert parse_completion(body(response_format={"type": "json_object"})).json_schema == {"type": "object"}
+    assert parse_completion(body(response_format={"type": "text"})).json_schema is None
+
+
 def test_engine_errors_are_renamed_to_the_wire_field():
+    assert wire_error(ConfigError("generation.top_k", -3, "bad")).field == "top_k"
+    assert wire_error(ConfigError("generation.min_new_tokens", -1, "bad")).field == "min_tokens"
+    assert wire_error(ConfigError("stop.token_ids[1]", 10**9, "bad")).field == "stop_token_ids[1]"
+    assert wire_error(RequestError("json_schema", "[1]", "bad")).field == "response_format.json_schema.schema"
     renamed = wire_error(ConfigError("generation.max_new_tokens", 0, "must be in [1, inf)"))
     assert renamed.field == "max_tokens" and isinstance(renamed, ConfigError)
     assert wire_error(RequestError("requests[0].messages[2].role", "x", "bad")).field == "messages[2].role"
     assert wire_error(ConfigError("plugins[1].name", "x", "bad")).field == "engine.plugins[1].name"
-    assert wire_error(ConfigError("generation.min_new_tokens", -1, "bad")).field == "engine.options.min_new_tokens"
     assert pattern_c_wire_error(RequestError("requests[0].messages", [], "bad")).field == "messages"
 
 

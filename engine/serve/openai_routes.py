@@ -33,21 +33,28 @@ def router(served: ServedEngine) -> APIRouter:
     async def chat_completions(request: Request) -> Any:
         start = time.perf_counter()
         try:
-            call = wire.parse_completion(await read_json(request, served.serve.max_body_bytes))
+            body = await read_json(request, served.serve.max_body_bytes)
+        except EngineError as err:
+            return calls.refused(err, start)
+        # Errors name the field the client sent where two name one engine field (min_tokens / engine.options).
+        answer = Answering(served, "chat_completions", wire.TABLE.sent(body))
+        try:
+            call = wire.parse_completion(body)
             check_call(served.serve, prompts=1, options=call.options, stop=call.stop,
                        max_model_len=engine.backend.capabilities.max_model_len)
         except EngineError as err:
-            return calls.refused(err, start)
+            return answer.refused(err, start)
         if call.model != served.model_name:
-            calls.observe(404, start)
+            answer.observe(404, start)
             return unknown_model(call.model, served)
-        kwargs = {"options": call.options or None, "stop": call.stop, "plugins": call.plugins}
+        kwargs = {"options": call.options or None, "stop": call.stop, "plugins": call.plugins,
+                  "json_schema": call.json_schema}
         model = served.model_name
         if call.stream:
             try:  # validation (messages, options, plugins, context length) raises here, before any generation
                 stream = engine.astream(call.messages, **kwargs)
             except EngineError as err:
-                return calls.refused(err, start)
+                return answer.refused(err, start)
             cid, created = wire.completion_id(), int(time.time())
 
             def events(part: Any) -> list[Any]:
@@ -61,8 +68,8 @@ def router(served: ServedEngine) -> APIRouter:
                 return out
 
             role = wire.chunk(cid, created, model, call, delta={"role": "assistant", "content": ""})
-            return calls.stream(stream, start, events, first=[role])
-        return await calls.whole(request, start, [call.messages], kwargs, body=lambda results:
+            return answer.stream(stream, start, events, first=[role])
+        return await answer.whole(request, start, [call.messages], kwargs, body=lambda results:
                                  wire.completion_body(results[0], call, model=model, tokenizer=engine.tokenizer))
 
     return api

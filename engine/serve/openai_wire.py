@@ -8,9 +8,15 @@ framework is imported here.
 
 Choices written down (OpenAI's reference leaves them open or this server cannot honour them):
 
-* ``n`` must be 1; sampling parameters OpenAI has but the engine does not (``frequency_penalty``,
-  ``presence_penalty``, ``logit_bias``, tools, ``response_format`` other than text) are accepted only at their
-  neutral value, anything else is a 400 naming the field. ``user`` is accepted and ignored.
+* ``n`` must be 1; sampling parameters OpenAI or vLLM have but the engine does not (``frequency_penalty``,
+  ``presence_penalty``, ``logit_bias``, tools, vLLM's ``min_p``) are accepted only at their neutral value, anything
+  else is a 400 naming the field. ``user`` is accepted and ignored.
+* vLLM's top-level sampling extras are taken as ``vllm serve`` takes them: ``top_k`` (-1 or 0: off),
+  ``repetition_penalty``, ``min_tokens`` (the engine's ``min_new_tokens``: EOS and stops held back until then),
+  ``stop_token_ids`` (the engine's ``stop.token_ids``), ``seed``.
+* ``response_format``: ``text``; ``json_object`` (any JSON object); ``json_schema`` with ``json_schema.schema``
+  (``name``, ``description`` and ``strict`` accepted; decoding is always constrained, so always strict). The schema is
+  the engine's ``json_schema``: every answer is built to it (HF and vLLM; llama.cpp refuses it).
 * ``model`` must name the served model (else 404, as vLLM's server answers).
 * ``max_tokens`` and ``max_completion_tokens`` are synonyms; giving both with different values is a 400.
 * The engine extension ``engine: {options, stop, plugins}`` (the ``/infer/`` one) reaches every other engine
@@ -41,16 +47,19 @@ from engine.serve.wire import (
 from engine.types import GenerationResult
 
 FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
-          "logprobs", "top_logprobs", "stream", "stream_options", "n", "user", "engine")
+          "logprobs", "top_logprobs", "stream", "stream_options", "n", "user", "engine", "top_k",
+          "repetition_penalty", "min_tokens", "stop_token_ids", "response_format")
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "tools": ([],),
-    "tool_choice": ("none",), "parallel_tool_calls": (False, True), "response_format": ({"type": "text"},),
+    "tool_choice": ("none",), "parallel_tool_calls": (False, True), "min_p": (0, 0.0),
 }
 """Fields accepted only at a value that changes nothing (null too)."""
 TABLE = FieldTable({
     "max_tokens": "generation.max_new_tokens", "max_completion_tokens": "generation.max_new_tokens",
     "temperature": "generation.temperature", "top_p": "generation.top_p", "seed": "generation.seed",
-    "top_logprobs": "generation.logprobs", "stop": "stop.strings",
+    "top_logprobs": "generation.logprobs", "stop": "stop.strings", "top_k": "generation.top_k",
+    "repetition_penalty": "generation.repetition_penalty", "min_tokens": "generation.min_new_tokens",
+    "stop_token_ids": "stop.token_ids", "response_format.json_schema.schema": "json_schema",
 })
 """The fields both ways: top-level fields read into generation options; the engine's errors name them, the one
 request's ``messages[i]`` and the ``engine`` extension's fields."""
@@ -69,6 +78,8 @@ class CompletionCall:
     include_usage: bool = False
     logprobs: bool = False
     top_logprobs: int | None = None
+    json_schema: Any = None
+    """``response_format``'s schema, for the engine's constrained decoding (None: free text)."""
 
 
 def _bool(body: Mapping[str, Any], key: str, where: str = "") -> bool:
@@ -120,7 +131,10 @@ times for several samples).
     tokens = _max_tokens(body)
     if tokens is not None:
         options["max_new_tokens"] = tokens
-    options.update(TABLE.read_options(body, ("temperature", "top_p", "seed")))
+    options.update(TABLE.read_options(body, ("temperature", "top_p", "seed", "top_k", "repetition_penalty",
+                                             "min_tokens")))
+    if options.get("top_k") == -1 and not isinstance(options["top_k"], bool):
+        options["top_k"] = 0  # vLLM's "off"; the engine's is 0
     logprobs, top = _bool(body, "logprobs"), body.get("top_logprobs")
     if top is not None and not logprobs:
         raise RequestError("top_logprobs", top, "needs logprobs: true", fix="set logprobs to true")
@@ -141,11 +155,50 @@ times for several samples).
         if _bool(stream_options, "continuous_usage_stats", "stream_options."):
             raise RequestError("stream_options.continuous_usage_stats", True, "is not supported",
                                fix="use include_usage for one usage chunk at the end")
-    options, stop, plugins = engine_extension(body, options, stop_strings(body.get("stop"), "stop"),
-                                              options_from="by a top-level field", stop_field="stop")
+    stop = stop_strings(body.get("stop"), "stop")
+    if body.get("stop_token_ids") not in (None, []):
+        stop = {**(stop or {}), "token_ids": body["stop_token_ids"]}  # checked by the engine, named back by TABLE
+    options, stop, plugins = engine_extension(body, options, stop, options_from="by a top-level field",
+                                              stop_field="stop" if body.get("stop") else "stop_token_ids")
     return CompletionCall(model=model, messages=chat_messages(body.get("messages")), options=options, stop=stop,
                           plugins=plugins, stream=stream, include_usage=include_usage,
-                          logprobs=logprobs, top_logprobs=top)
+                          logprobs=logprobs, top_logprobs=top, json_schema=response_schema(body.get("response_format")))
+
+
+def response_schema(value: Any) -> Any:
+    """The JSON Schema a ``response_format`` asks for, or None for free text.
+
+    >>> response_schema({"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "integer"}}})
+    {'type': 'integer'}
+    >>> response_schema({"type": "json_object"}), response_schema({"type": "text"}), response_schema(None)
+    ({'type': 'object'}, None, None)
+    >>> response_schema({"type": "json_schema", "json_schema": {"name": "a"}})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: response_format.json_schema.schema is required ...
+    """
+    example = '{"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"}}}'
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise RequestError("response_format", value, "must be an object", fix=f"e.g. {example}")
+    kind = value.get("type")
+    if kind in ("text", "json_object"):
+        unknown_fields("response_format.", value, ("type",))
+        return None if kind == "text" else {"type": "object"}
+    if kind != "json_schema":
+        raise RequestError("response_format.type", kind, "must be text, json_object or json_schema",
+                           fix=f"e.g. {example}")
+    unknown_fields("response_format.", value, ("type", "json_schema"))
+    spec = value.get("json_schema")
+    if not isinstance(spec, Mapping):
+        raise RequestError("response_format.json_schema", spec, "must be an object with a schema",
+                           fix=f"e.g. {example}")
+    unknown_fields("response_format.json_schema.", spec, ("name", "schema", "strict", "description"))
+    if spec.get("schema") is None:
+        raise RequestError("response_format.json_schema.schema", None, "is required (the engine constrains answers "
+                           "to it)", fix=f"e.g. {example}")
+    return spec["schema"]
 
 
 def _max_tokens(body: Mapping[str, Any]) -> Any:

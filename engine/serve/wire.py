@@ -30,6 +30,8 @@ class FieldTable:
     >>> [table.client_field(f) for f in ("generation.max_new_tokens", "requests[0].messages[1]",
     ...                                  "generation.min_new_tokens", "plugins[0].name")]
     ['max_tokens', 'messages[1]', 'engine.options.min_new_tokens', 'engine.plugins[0].name']
+    >>> FieldTable({"stop_token_ids": "stop.token_ids"}).client_field("stop.token_ids[1]")
+    'stop_token_ids[1]'
     """
 
     fields: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
@@ -52,11 +54,29 @@ class FieldTable:
                 options[engine_field.removeprefix("generation.")] = section[name]
         return options
 
+    def sent(self, body: Any) -> FieldTable:
+        """This table without the client fields ``body`` does not hold: where two client fields name one engine
+        field (vLLM's ``min_tokens``, the extension's ``engine.options.min_new_tokens``), an error names the one the
+        client sent.
+
+        >>> table = FieldTable({"min_tokens": "generation.min_new_tokens"})
+        >>> table.sent({"min_tokens": 3}).client_field("generation.min_new_tokens")
+        'min_tokens'
+        >>> table.sent({"engine": {"options": {"min_new_tokens": -1}}}).client_field("generation.min_new_tokens")
+        'engine.options.min_new_tokens'
+        """
+        if not isinstance(body, Mapping):
+            return self
+        kept = {client: engine for client, engine in self.fields.items() if client.split(".")[0] in body}
+        return FieldTable(MappingProxyType(kept), requests=self.requests, extension=self.extension)
+
     def client_field(self, engine_field: str) -> str:
         """The field as the client sent it."""
         for client, engine in self.fields.items():
             if engine == engine_field:
                 return client
+            if engine_field.startswith(f"{engine}["):  # an item of a listed field: stop.token_ids[1]
+                return client + engine_field.removeprefix(engine)
         if engine_field.startswith("requests["):
             if self.requests is not None:
                 return self.requests + engine_field.removeprefix("requests")
