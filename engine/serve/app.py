@@ -14,7 +14,15 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import EngineError
-from engine.serve import openai_routes, pattern_c_routes, rollout_routes, rollout_wire, weights_routes
+from engine.serve import (
+    openai_routes,
+    pattern_c_routes,
+    rollout_routes,
+    rollout_wire,
+    tokenize_routes,
+    weights_routes,
+)
+from engine.serve.access import AccessLog
 from engine.serve.answering import refuse
 from engine.serve.auth import ApiKeyGate
 from engine.serve.service import ServedEngine
@@ -42,10 +50,12 @@ def create_app(served: ServedEngine, *, close_engine: bool = True) -> FastAPI:
     app = FastAPI(title="engine.serve", lifespan=lifespan)
     if served.api_key is not None:
         app.add_middleware(ApiKeyGate, key=served.api_key)
+    app.add_middleware(AccessLog)  # outermost: every request gets its id and its line, refusals included
     app.include_router(rollout_routes.router(served))
     app.include_router(openai_routes.router(served))
     app.include_router(pattern_c_routes.router(served))
     app.include_router(weights_routes.router(served))
+    app.include_router(tokenize_routes.router(served))
 
     @app.exception_handler(EngineError)
     async def engine_error(request: Request, err: EngineError) -> JSONResponse:
@@ -63,12 +73,13 @@ def create_app(served: ServedEngine, *, close_engine: bool = True) -> FastAPI:
     async def internal_error(request: Request, err: Exception) -> JSONResponse:
         """Whatever escaped every typed refusal: still a JSON error in the wire format, naming the request (the
         client's ``x-request-id``, else a new one) so that the log line with the traceback can be found."""
-        request_id = request.headers.get("x-request-id", "")[:64] or uuid.uuid4().hex[:16]
+        request_id = getattr(request.state, "request_id", None) or uuid.uuid4().hex[:16]  # AccessLog's
         log.error("engine.serve: request %s (%s %s) failed: %s", request_id, request.method, request.url.path,
                   type(err).__name__, exc_info=err)
         body = error_body(f"internal error while answering request {request_id} ({request.method} "
                                    f"{request.url.path}): {type(err).__name__}; the server log has the traceback",
                                    kind="internal_error", code=500)
+        # Sent by Starlette's outermost error middleware, outside AccessLog: the header is set here.
         return JSONResponse(body, 500, headers={"x-request-id": request_id})
 
     @app.exception_handler(RequestValidationError)

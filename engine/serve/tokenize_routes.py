@@ -1,0 +1,169 @@
+"""vLLM's utility routes, answered as ``vllm serve`` answers them: ``POST /tokenize``, ``POST /detokenize``,
+``GET /version``.
+
+- ``/tokenize`` takes ``{"prompt": str, "add_special_tokens": true}`` (the text as the tokenizer encodes it) or
+  ``{"messages": [...]}`` (the chat rendered exactly as the engine renders it for generation, template and generation
+  prompt included: the very ids every backend receives, so a client can count a prompt before sending it). Answer:
+  ``{"count", "max_model_len", "tokens", "token_strs"}`` (``return_token_strs: true`` fills the last).
+  Choices written down: ``add_generation_prompt`` must be true (the engine always adds it), ``chat_template`` and
+  ``continue_final_message`` are not taken.
+- ``/detokenize`` takes ``{"tokens": [ids]}`` and answers ``{"prompt": text}``, special tokens kept (as vLLM).
+- ``/version``: ``{"version": <this package>, "backend": ..., "backend_version": ...}``.
+
+``model`` is optional on both POST routes; when given it must name the served model (404 otherwise). Bad fields are
+400s naming them, in OpenAI's error object.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from engine.errors import EngineError, RequestError
+from engine.serve.answering import Answering, unknown_model
+from engine.serve.limits import read_json
+from engine.serve.service import ServedEngine
+from engine.serve.wire import FieldTable, chat_messages, unknown_fields
+
+TOKENIZE_FIELDS = ("model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs")
+DETOKENIZE_FIELDS = ("model", "tokens")
+TABLE = FieldTable(extension=False)
+
+
+def _flag(body: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key, default)
+    if not isinstance(value, bool):
+        raise RequestError(key, value, "must be true or false", fix="send a boolean")
+    return value
+
+
+def tokenize(body: Any, tokenizer: Any) -> tuple[list[int], bool]:
+    """The ids ``body`` asks for and whether to return their strings; ``RequestError`` naming a bad field.
+
+    >>> from types import SimpleNamespace
+    >>> tok = SimpleNamespace(encode=lambda text, add_special_tokens: [1] * add_special_tokens + [ord(c) for c in text])
+    >>> tokenize({"prompt": "hi"}, tok), tokenize({"prompt": "hi", "add_special_tokens": False}, tok)[0]
+    (([1, 104, 105], False), [104, 105])
+    >>> tokenize({"prompt": "hi", "messages": []}, tok)
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: messages cannot be sent with prompt, got []. Fix: send one of them.
+    """
+    from engine.templates import render_prompt
+
+    if not isinstance(body, Mapping):
+        raise RequestError("body", type(body).__name__, "must be a JSON object", fix='send {"prompt": "..."}')
+    unknown_fields("", body, TOKENIZE_FIELDS)
+    strs = _flag(body, "return_token_strs", False)
+    if "messages" in body:
+        if "prompt" in body:
+            raise RequestError("messages", body["messages"], "cannot be sent with prompt", fix="send one of them")
+        if not _flag(body, "add_generation_prompt", True):
+            raise RequestError("add_generation_prompt", False, "is not supported: the engine renders every chat with "
+                               "its generation prompt", fix="leave it out or send true")
+        if "add_special_tokens" in body:
+            raise RequestError("add_special_tokens", body["add_special_tokens"], "applies to prompt only (a chat is "
+                               "tokenized as the engine renders it)", fix="leave it out")
+        return list(render_prompt(tokenizer, chat_messages(body["messages"])).token_ids), strs
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise RequestError("prompt", prompt, "is required and must be a string (or send messages)",
+                           fix='send {"prompt": "..."} or {"messages": [...]}')
+    if "add_generation_prompt" in body:
+        raise RequestError("add_generation_prompt", body["add_generation_prompt"], "applies to messages only",
+                           fix="leave it out")
+    return list(tokenizer.encode(prompt, add_special_tokens=_flag(body, "add_special_tokens", True))), strs
+
+
+def detokenize(body: Any, vocab: int) -> list[int]:
+    """The token ids of a ``/detokenize`` body, each checked against the vocabulary.
+
+    >>> detokenize({"tokens": [5, 6]}, 10)
+    [5, 6]
+    >>> detokenize({"tokens": [5, 60]}, 10)
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: tokens[1] is not a token id of this model (its tokenizer has 10), got 60. \
+Fix: give ids in [0, 10).
+    """
+    if not isinstance(body, Mapping):
+        raise RequestError("body", type(body).__name__, "must be a JSON object", fix='send {"tokens": [...]}')
+    unknown_fields("", body, DETOKENIZE_FIELDS)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list):
+        raise RequestError("tokens", tokens, "is required and must be a list of token ids", fix='e.g. {"tokens": [1]}')
+    for i, t in enumerate(tokens):
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+            raise RequestError(f"tokens[{i}]", t, f"is not a token id of this model (its tokenizer has {vocab})",
+                               fix=f"give ids in [0, {vocab})")
+    return tokens
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("xbackend-engine")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def backend_version(name: str) -> str | None:
+    """The version of the library that runs backend ``name`` (its first module in the registry: ``transformers``
+    for HF, ``vllm``, ``llama_cpp``), as that module reports it."""
+    import sys
+
+    from engine.backends.registry import spec
+
+    modules = spec(name).modules
+    library = "transformers" if "transformers" in modules else modules[0]
+    return getattr(sys.modules.get(library), "__version__", None)
+
+
+def router(served: ServedEngine) -> APIRouter:
+    api = APIRouter()
+    engine = served.engine
+    tokenize_calls = Answering(served, "tokenize", TABLE)
+    detokenize_calls = Answering(served, "detokenize", TABLE)
+
+    def wrong_model(body: Any) -> Any:
+        name = body.get("model") if isinstance(body, Mapping) else None
+        return None if name is None or name == served.model_name else unknown_model(name, served)
+
+    @api.post("/tokenize")
+    async def tokenize_route(request: Request) -> Any:
+        start = time.perf_counter()
+        try:
+            body = await read_json(request, served.serve.max_body_bytes)
+            if (refusal := wrong_model(body)) is not None:
+                tokenize_calls.observe(404, start)
+                return refusal
+            ids, strs = tokenize(body, engine.tokenizer)
+        except EngineError as err:
+            return tokenize_calls.refused(err, start)
+        tokenize_calls.observe(200, start)
+        return {"count": len(ids), "max_model_len": engine.backend.capabilities.max_model_len, "tokens": ids,
+                "token_strs": engine.tokenizer.convert_ids_to_tokens(ids) if strs else None}
+
+    @api.post("/detokenize")
+    async def detokenize_route(request: Request) -> Any:
+        start = time.perf_counter()
+        try:
+            body = await read_json(request, served.serve.max_body_bytes)
+            if (refusal := wrong_model(body)) is not None:
+                detokenize_calls.observe(404, start)
+                return refusal
+            ids = detokenize(body, len(engine.tokenizer))
+        except EngineError as err:
+            return detokenize_calls.refused(err, start)
+        detokenize_calls.observe(200, start)
+        return {"prompt": engine.tokenizer.decode(ids)}
+
+    @api.get("/version")
+    async def version() -> dict[str, Any]:
+        return {"version": package_version(), "backend": engine.backend.name,
+                "backend_version": backend_version(engine.backend.name)}
+
+    return api
