@@ -93,3 +93,14 @@ class ServedTwin:
         self._pool.served_calls += 1
         assert_served_equal(served, local, what=f"served vs in-process ({self.local.backend.name})")
         return served
+
+
+def scrape(url: str, name: str, **labels: str) -> float:
+    """The sum of the ``name`` samples of a server's ``/metrics`` whose labels include ``labels``, read with
+    ``prometheus_client``'s own parser (a malformed exposition fails here)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == name and labels.items() <= s.labels.items())

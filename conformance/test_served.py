@@ -15,10 +15,12 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from conformance.compare import assert_served_equal
+from conformance.served import scrape
 from conformance.test_repeat import BUDGET, LOOP_GUARD, MIXED
 from engine.config import RepeatTerminateConfig
 from fixtures import fixture_path
@@ -68,10 +70,7 @@ def post(url: str, body, timeout: float = 120.0):
 
 
 def generated_sequences(url: str) -> int:
-    import httpx
-
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return int(next(line.split()[1] for line in text.splitlines() if line.startswith("engine_sequences_total ")))
+    return int(scrape(url, "engine_sequences_total"))
 
 
 def test_health_reports_the_startup_activation(server, backend):
@@ -130,6 +129,41 @@ def test_envelope_flags_equal_the_in_process_meta(server, reference):
         chosen = [shown_logprob(ref.logprobs[k][t]) for k, t in enumerate(ref.token_ids)]
         assert [c["logprob"] for c in content] == chosen
         assert all(len(c["top_logprobs"]) == 2 for c in content)
+
+
+def test_metrics_count_the_answers_labelled_by_the_model(server, backend, reference, looper_path):
+    """``/metrics`` read with ``prometheus_client``'s parser: every series of ours names the served model, the token
+    and trigger counters grow by what the rows answered (the guard's own flags), and on vLLM its own metrics follow
+    under the same model name, counting the same generated tokens."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    name = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
+    assert name.startswith(Path(looper_path).name)  # the folder's name (llama.cpp serves the GGUF twin's folder)
+    counters = ("engine_generation_tokens_total", "engine_repeat_terminate_triggered_total",
+                "vllm:generation_tokens_total")
+    before = {c: scrape(server.url, c) for c in counters}
+    r = post(server.url, {"infer_requests": [{"messages": m} for m in MIXED], "request_config": GREEDY})
+    assert r.status_code == 200, r.text
+    local = reference.generate(MIXED, options=BUDGET)
+    generated = sum(len(x.token_ids) for x in local)
+    deadline = time.monotonic() + 10  # vLLM records its stats as its output loop runs: allow it a moment
+    while True:
+        grown = {c: scrape(server.url, c) - before[c] for c in counters}
+        if backend != "vllm" or grown["vllm:generation_tokens_total"] >= generated or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert grown["engine_generation_tokens_total"] == generated
+    assert grown["engine_repeat_terminate_triggered_total"] == sum(x.meta["repeat_terminate_triggered"] for x in local)
+    families = list(text_string_to_metric_families(httpx.get(f"{server.url}/metrics", timeout=10).text))
+    ours = [s for f in families if f.name.startswith("engine_") for s in f.samples]
+    theirs = [s for f in families if f.name.startswith("vllm:") for s in f.samples]
+    assert ours and {s.labels["model_name"] for s in ours} == {name}
+    if backend == "vllm":
+        assert grown["vllm:generation_tokens_total"] == generated
+        assert {s.labels["model_name"] for s in theirs if "model_name" in s.labels} == {name}
+    else:
+        assert theirs == []
 
 
 def test_curl_sees_the_raw_wire_format(server):
@@ -319,7 +353,6 @@ def test_concurrent_seeded_calls_each_get_their_in_process_samples(server, refer
 
 
 def test_client_disconnect_cancels_only_its_request(server):
-    import httpx
 
     # min_new_tokens holds EOS and the guard back: the rows surely still run when the client goes away.
     body = json.dumps({"infer_requests": [{"messages": MIXED[0]}] * 8, "request_config": {"max_tokens": 600},
@@ -330,7 +363,7 @@ def test_client_disconnect_cancels_only_its_request(server):
                   + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         time.sleep(0.5)
     deadline = time.monotonic() + 30
-    while "engine_requests_cancelled_total 1" not in httpx.get(f"{server.url}/metrics", timeout=10).text:
+    while scrape(server.url, "engine_requests_cancelled_total") < 1:
         assert time.monotonic() < deadline, "the server never noticed the disconnect"
         time.sleep(0.25)
     r = post(server.url, {"infer_requests": [{"messages": MIXED[0]}], "request_config": GREEDY})

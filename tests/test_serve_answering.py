@@ -55,8 +55,15 @@ def session(calls):
     return asyncio.run(run())
 
 
-def metric(text, name):
-    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+def metric(text, name, **labels):
+    """One sample of the exposition, read with prometheus_client's own parser (every series names the model)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and {**labels, "model_name": "stand-in"}.items() <= sample.labels.items():
+                return sample.value
+    raise AssertionError(f"no sample {name} {labels} in /metrics")
 
 
 def test_every_surface_counts_its_answers_and_the_guards_triggers_alike():
@@ -70,7 +77,7 @@ def test_every_surface_counts_its_answers_and_the_guards_triggers_alike():
     assert metric(text, "engine_generation_tokens_total") == 16
     assert metric(text, "engine_repeat_terminate_triggered_total") == 4
     for endpoint in ("infer", "chat_completions", "chat"):
-        assert f'engine_requests_total{{endpoint="{endpoint}",status="200"}} 1' in text
+        assert metric(text, "engine_requests_total", endpoint=endpoint, status="200") == 1
 
 
 @pytest.mark.parametrize(("path", "body", "field"), [
@@ -82,4 +89,4 @@ def test_every_surface_counts_its_answers_and_the_guards_triggers_alike():
 def test_an_engine_refusal_names_the_clients_field_and_is_counted(path, body, field):
     replies, text = session([(path, body)])
     assert replies[0].status_code == 400 and replies[0].json()["error"]["param"] == field
-    assert metric(text, "engine_sequences_total") == 0 and 'status="400"} 1' in text
+    assert metric(text, "engine_sequences_total") == 0 and metric(text, "engine_requests_total", status="400") == 1

@@ -13,6 +13,7 @@ from engine.errors import EngineError
 from engine.serve import rollout_wire as wire
 from engine.serve.answering import Answering
 from engine.serve.limits import check_call, read_json
+from engine.serve.metrics import CONTENT_TYPE
 from engine.serve.service import ServedEngine
 
 
@@ -39,7 +40,7 @@ def router(served: ServedEngine) -> APIRouter:
     @api.get("/metrics")
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(served.metrics.render(active=served.guard_active, in_flight=served.in_flight),
-                                 media_type="text/plain; version=0.0.4")
+                                 media_type=CONTENT_TYPE)
 
     @api.post("/infer/")
     async def infer(request: Request) -> Any:

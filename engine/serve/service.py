@@ -30,7 +30,7 @@ class ServedEngine:
         """The bearer key every route but ``/health`` requires (``engine.serve.auth``); None: no key."""
         self.serve = serve or engine.config.serve
         """The ``ServeConfig`` in effect (the engine's own unless given)."""
-        self.metrics = ServeMetrics()
+        self.metrics = ServeMetrics(self.model_name, include_vllm=engine.backend.name == "vllm")
         self.gates: list[Callable[[], Awaitable[None]]] = []
         """What must finish before the next generation starts (a learner's weight push: ``weights_routes``)."""
         self.in_flight = 0
