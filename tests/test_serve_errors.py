@@ -76,3 +76,18 @@ def test_an_unknown_route_or_method_is_the_same_error_object(method, path, statu
     assert reply.status_code == status
     error = reply.json()["error"]
     assert error["code"] == status and path in error["message"]
+
+
+def test_every_request_gets_an_id_and_one_access_line(caplog):
+    """The access log (``engine.serve.access``): one line per request with its id (the client's, else a new one),
+    method, path and status; the id also comes back in the ``x-request-id`` header, refusals included."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="engine.serve.access"):
+        failed = post("/infer/", NORMAL, {"x-request-id": "step-9"})  # this stand-in's generation fails: a 500
+        missing = post("/no/such/route", {})
+    lines = [r.getMessage() for r in caplog.records if r.name == "engine.serve.access"]
+    assert failed.headers.get_list("x-request-id") == ["step-9"] and len(missing.headers["x-request-id"]) == 16
+    assert len(lines) == 2
+    assert lines[0].startswith("step-9 ") and '"POST /infer/" 500 ' in lines[0] and lines[0].endswith("ms")
+    assert lines[1].startswith(missing.headers["x-request-id"]) and '"POST /no/such/route" 404' in lines[1]

@@ -48,7 +48,8 @@ def parser() -> argparse.ArgumentParser:
                    f"{ENV_API_KEY}; prefer the variable: a flag shows in the process list)")
     p.add_argument("--ready-file", help="write {url, pid, port} here once the port is bound")
     p.add_argument("--check", action="store_true", help="validate the config and exit (nothing loaded)")
-    p.add_argument("--log-level", default="warning", help="uvicorn log level (default: warning)")
+    p.add_argument("--log-level", default="info", help="log level of uvicorn and the engine's loggers, the access "
+                   "log (engine.serve.access) at info (default: info, as vllm serve)")
     return p
 
 
@@ -162,9 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from engine.engine import GenerationEngine
+    from engine.serve.access import configure_logging
     from engine.serve.app import create_app
     from engine.serve.service import ServedEngine
 
+    configure_logging(args.log_level)
     # The port is taken before the model loads (a port in use fails in a second, not after the load), but it
     # listens only once uvicorn starts: until the ready line, connecting is refused.
     sock = socket.socket(socket.AF_INET6 if ":" in config.serve.host else socket.AF_INET, socket.SOCK_STREAM)
@@ -200,7 +203,8 @@ def uvicorn_config(app: Any, serve: Any, *, log_level: str) -> Any:
     given (0: none; a fraction of a second stays one, it never turns into "wait forever")."""
     import uvicorn
 
-    return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=serve.drain_timeout_s)
+    # The engine's own access log (engine.serve.access: request ids, durations) replaces uvicorn's.
+    return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=serve.drain_timeout_s, access_log=False)
 
 
 def cli() -> None:
