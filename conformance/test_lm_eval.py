@@ -270,3 +270,28 @@ def test_a_backend_without_scoring_is_refused(pool, backend_names):
     finally:
         del engine.backend.generate
     assert calls == [], "a refused request generated tokens"
+
+
+def test_is_greedy_holds_exactly_for_argmax_continuations(engines):
+    """lm-eval's ``is_greedy`` (exact-match metrics read it): true when every continuation token is the model's argmax
+    there, false as soon as one is not, on every backend that scores. The continuation is the engine's own greedy
+    answer as token ids (no retokenization), then that answer with its first or its last token swapped."""
+    prompts = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time"]
+    for backend, engine in engines.items():
+        lm = engine_lm(engine)
+        vocab = len(engine.tokenizer)
+        requests, expected = [], []
+        for text in prompts:
+            (answer,) = engine.complete([text], options={"max_new_tokens": 5, "temperature": 0})
+            context = engine.tokenizer.encode(text, add_special_tokens=False)
+            greedy = [t for t in answer.token_ids if t not in engine.load_info.eos_token_ids]
+            assert len(greedy) >= 2, f"{backend}: {text!r} ended too early to swap a token"
+            first = [(greedy[0] + 1) % vocab, *greedy[1:]]
+            last = [*greedy[:-1], (greedy[-1] + 1) % vocab]
+            for continuation, want in ((greedy, True), (first, False), (last, False)):
+                requests.append(((text, ""), context, continuation))
+                expected.append(want)
+        answers = lm._loglikelihood_tokens(requests)
+        assert [greedy for _, greedy in answers] == expected, backend
+        for i in range(0, len(answers), 3):  # the argmax path is the likeliest of the three
+            assert answers[i][0] > max(answers[i + 1][0], answers[i + 2][0]), f"{backend}: prompt {i // 3}"
