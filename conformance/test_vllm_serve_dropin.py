@@ -115,3 +115,24 @@ def test_tokenize_detokenize_and_version_answer_as_vllm_serve(client, pool, back
     assert err.value.body["param"] == "tokens[1]"
     with pytest.raises(openai.NotFoundError):
         post("/tokenize", {"model": "no-such-model", "prompt": "x"})
+
+
+def test_a_stream_cut_inside_a_utf8_character_equals_the_whole_answer(client, pool, backend):
+    """SmolLM2 writes Japanese a byte at a time: with ``max_tokens`` ending inside a character the answer ends with
+    U+FFFD (what decoding those ids gives). A stream holds a trailing U+FFFD back (the next token may complete it), so
+    the closing chunk must carry it, and the streamed text must still equal the whole answer."""
+    engine = pool.text_engine(backend)
+    model = model_id(client)
+    messages = [{"role": "user", "content": "Write the Japanese word for cat."}]
+    ids = engine.generate([messages], options={"max_new_tokens": 12, "temperature": 0})[0].token_ids
+    cuts = [k for k in range(2, len(ids) + 1)
+            if engine.tokenizer.decode(list(ids[:k]), skip_special_tokens=True).endswith("\ufffd")]
+    assert cuts, f"{backend}: {engine.tokenizer.decode(list(ids))!r} splits no character: pick another prompt"
+    k = cuts[0]
+    whole = engine.generate([messages], options={"max_new_tokens": k, "temperature": 0})[0].text
+    assert whole.endswith("\ufffd")
+    text, chunks = streamed(client, model=model, messages=messages, max_tokens=k, temperature=0)
+    plain = client.chat.completions.create(model=model, messages=messages, max_tokens=k, temperature=0)
+    assert text == plain.choices[0].message.content == whole
+    deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert deltas[-1].endswith("\ufffd") and "\ufffd" not in "".join(deltas[:-1])
