@@ -127,7 +127,9 @@ def test_envelope_flags_equal_the_in_process_meta(server, reference):
         assert item[NS]["repeat_terminate_triggered"] == ref.meta["repeat_terminate_triggered"]
         content = item["response"]["choices"][0]["logprobs"]["content"]
         chosen = [shown_logprob(ref.logprobs[k][t]) for k, t in enumerate(ref.token_ids)]
-        assert [c["logprob"] for c in content] == chosen
+        # Within float32 rounding, as test_chat's logprob check: vLLM's CPU kernels gave a 1-ulp difference once (CI at
+        # a5c587f, token 30 of a row, -7.54736328125 vs -7.547363758087158) on otherwise equal answers.
+        assert [c["logprob"] for c in content] == pytest.approx(chosen, abs=1e-5)
         assert all(len(c["top_logprobs"]) == 2 for c in content)
 
 
