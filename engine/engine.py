@@ -14,10 +14,20 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.backends import AsyncGenerating, Backend, SamplingPlan, Scoring, TokenScores, backend_class, spec
+from engine.backends import (
+    AsyncGenerating,
+    AsyncScoring,
+    Backend,
+    SamplingPlan,
+    Scoring,
+    TokenScores,
+    backend_class,
+    spec,
+)
 from engine.backends.base import Prompt, prompts_of
 from engine.completion import PromptLike, canonical_schema, check_scored, plain_prompts
 from engine.config import EngineConfig, GenerationOptions, PixelBudget, StopPolicy
+from engine.config.generation import MAX_LOGPROBS
 from engine.errors import ConfigError, PluginCompatibilityError, RequestError, UnsupportedCapabilityError
 from engine.loading import load_processor, load_tokenizer
 from engine.plugins import POST_DECODE, Plugin, PluginContext, create_plugins
@@ -293,21 +303,50 @@ class GenerationEngine:
                  plugins: PluginsLike = None, json_schema: SchemaLike = None) -> list[GenerationResult]:
         """Continue plain prompts, no chat template: text (tokenized as is, no special tokens added) or token ids.
         Everything else is ``generate``'s pipeline (stops, guards, plugins, ``json_schema``)."""
+        rendered, plan = self.prepare_plain(prompts, options=options, stop=stop, plugins=plugins,
+                                            json_schema=json_schema)
+        return self._run(self.backend, prompts_of(rendered, plan), rendered, plan, fallback=None,
+                         plugins=self._plugins(plugins))
+
+    def prepare_plain(self, prompts: Sequence[PromptLike], *, options: OptionsLike = None, stop: StopLike = None,
+                      plugins: PluginsLike = None,
+                      json_schema: SchemaLike = None) -> tuple[list[RenderedPrompt], SamplingPlan]:
+        """``prepare`` for plain prompts (``complete``'s): validate and tokenize; raises before any generation."""
         active = self._plugins(plugins)
         self._check_plugins(active, self.backend.name, self.backend.capabilities.hooks, kinds="text")
         plan = self._plan(options, stop, None, self.backend, active, json_schema)
-        rendered = plain_prompts(self.tokenizer, prompts, self.backend.capabilities.max_model_len)
-        return self._run(self.backend, prompts_of(rendered, plan), rendered, plan, fallback=None, plugins=active)
+        return plain_prompts(self.tokenizer, prompts, self.backend.capabilities.max_model_len), plan
 
-    def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[TokenScores]:
+    def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
+              top: int | None = None) -> list[TokenScores]:
         """The model's log-probability of every token of ``sequences[i][starts[i]:]`` given the tokens before
-        it, and whether it was the argmax there (the parts of lm-eval's loglikelihood)."""
+        it, and whether it was the argmax there (the parts of lm-eval's loglikelihood); with ``top``, the ``top``
+        likeliest tokens at each of those positions too (an echoed prompt's logprobs)."""
+        self.check_scoring(sequences, starts, top)
+        return self.backend.score(sequences, starts, top) if sequences else []  # type: ignore[union-attr]
+
+    async def ascore(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
+                     top: int | None = None) -> list[TokenScores]:
+        """``score`` for asyncio callers: on vLLM's ``AsyncLLM`` beside its generation, otherwise in turn with the
+        :class:`~engine.batcher.AsyncBatcher`'s batches. Validation raises first, in the caller."""
+        self.check_scoring(sequences, starts, top)
+        if not sequences:
+            return []
+        if isinstance(self.backend, AsyncScoring):
+            return await self.backend.ascore(sequences, starts, top)
+        backend = self.backend
+        return await self.batcher().run_exclusive(lambda: backend.score(sequences, starts, top))  # type: ignore
+
+    def check_scoring(self, sequences: Sequence[Sequence[int]], starts: Sequence[int], top: int | None) -> None:
+        """Refuse what ``score`` cannot do here (the capability, the sequences, ``top``); nothing runs."""
         caps = self.backend.capabilities
         if not caps.scoring or not isinstance(self.backend, Scoring):
             raise UnsupportedCapabilityError(f"backend {self.backend.name!r} cannot score sequences here. Fix: use "
-                                             "hf, or vllm with vllm.async_engine false, on a text model")
+                                             "hf or vllm, on a text model")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS):
+            raise RequestError("top", top, f"must be an integer in [0, {MAX_LOGPROBS}]",
+                               fix="ask for fewer alternatives")
         check_scored(sequences, starts, caps.max_model_len)
-        return self.backend.score(sequences, starts) if sequences else []
 
     async def agenerate(self, requests: Sequence[RequestLike], *, options: OptionsLike = None, stop: StopLike = None,
                         plugins: PluginsLike = None, json_schema: SchemaLike = None) -> list[GenerationResult]:
@@ -315,6 +354,17 @@ class GenerationEngine:
         ``vllm.async_engine``; otherwise an :class:`~engine.batcher.AsyncBatcher` over the backend's batches).
         Validation happens first, in the caller, and raises before anything is generated."""
         rendered, plan = self.prepare(requests, options=options, stop=stop, plugins=plugins, json_schema=json_schema)
+        return await self._arun(rendered, plan, plugins)
+
+    async def acomplete(self, prompts: Sequence[PromptLike], *, options: OptionsLike = None, stop: StopLike = None,
+                        plugins: PluginsLike = None, json_schema: SchemaLike = None) -> list[GenerationResult]:
+        """``complete`` for asyncio callers, batched as ``agenerate``. Validation raises first, in the caller."""
+        rendered, plan = self.prepare_plain(prompts, options=options, stop=stop, plugins=plugins,
+                                            json_schema=json_schema)
+        return await self._arun(rendered, plan, plugins)
+
+    async def _arun(self, rendered: list[RenderedPrompt], plan: SamplingPlan,
+                    plugins: PluginsLike) -> list[GenerationResult]:
         prompts = prompts_of(rendered, plan)
         if not prompts:
             return []
@@ -331,6 +381,13 @@ class GenerationEngine:
         (see :class:`~engine.streaming.ResultStream`). Validation happens here, before anything is generated;
         the deltas concatenate to the result's ``text`` (the same text ``generate`` gives)."""
         rendered, plan = self.prepare([request], options=options, stop=stop, plugins=plugins, json_schema=json_schema)
+        return ResultStream(self.results, self.backend, self.batcher, rendered[0], plan, self._plugins(plugins))
+
+    def astream_complete(self, prompt: PromptLike, *, options: OptionsLike = None, stop: StopLike = None,
+                         plugins: PluginsLike = None, json_schema: SchemaLike = None) -> ResultStream:
+        """``astream`` for one plain prompt (``complete``'s): its deltas concatenate to ``complete``'s text."""
+        rendered, plan = self.prepare_plain([prompt], options=options, stop=stop, plugins=plugins,
+                                            json_schema=json_schema)
         return ResultStream(self.results, self.backend, self.batcher, rendered[0], plan, self._plugins(plugins))
 
     def batcher(self) -> Any:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.backends import AsyncGenerating, Scoring, TokenStreaming, WeightLoading, load_target
+from engine.backends import AsyncGenerating, AsyncScoring, Scoring, TokenStreaming, WeightLoading, load_target
 from engine.backends.registry import SPECS
 
 ENGINE = Path(__file__).resolve().parents[1] / "engine"
@@ -125,7 +125,8 @@ def test_each_spec_names_a_class_that_agrees_with_it(name):
 def test_optional_protocols_match_what_each_backend_implements():
     hf, vllm, vllm_async, llamacpp = (load_target(t) for t in (
         SPECS["hf"].target, SPECS["vllm"].target, SPECS["vllm"].async_target, SPECS["llamacpp"].target))
-    assert [issubclass(c, Scoring) for c in (hf, vllm, vllm_async, llamacpp)] == [True, True, False, False]
+    assert [issubclass(c, Scoring) for c in (hf, vllm, vllm_async, llamacpp)] == [True, True, True, False]
+    assert [issubclass(c, AsyncScoring) for c in (hf, vllm, vllm_async, llamacpp)] == [False, False, True, False]
     assert [issubclass(c, AsyncGenerating) for c in (hf, vllm, vllm_async, llamacpp)] == [False, False, True, False]
     assert [issubclass(c, TokenStreaming) for c in (hf, vllm, vllm_async, llamacpp)] == [False, False, True, False]
     assert [issubclass(c, WeightLoading) for c in (hf, vllm, vllm_async, llamacpp)] == [True, False, True, False]

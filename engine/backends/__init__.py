@@ -3,7 +3,7 @@ llama_cpp) happen only inside them, when a backend is built.
 
 ``registry.SPECS`` holds every backend's static facts (:class:`BackendSpec`); ``base`` the contract they implement
 (:class:`Backend`, and the optional :class:`AsyncGenerating`, :class:`TokenStreaming`, :class:`Scoring`,
-:class:`WeightLoading`).
+:class:`AsyncScoring`, :class:`WeightLoading`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 from engine.backends.base import (
     AsyncGenerating,
+    AsyncScoring,
     Backend,
     BackendOutput,
     Capabilities,
@@ -38,6 +39,6 @@ def backend_class(name: str, settings: object = None) -> Any:
     return load_target(spec(name).target_for(settings))
 
 
-__all__ = ["REGISTRY", "SPECS", "AsyncGenerating", "Backend", "BackendOutput", "BackendSpec", "Capabilities",
-           "Prompt", "SamplingPlan", "Scoring", "TokenScores", "TokenStreaming", "WeightLoading", "backend_class",
-           "load_target", "spec"]
+__all__ = ["REGISTRY", "SPECS", "AsyncGenerating", "AsyncScoring", "Backend", "BackendOutput", "BackendSpec",
+           "Capabilities", "Prompt", "SamplingPlan", "Scoring", "TokenScores", "TokenStreaming", "WeightLoading",
+           "backend_class", "load_target", "spec"]

@@ -107,7 +107,8 @@ class BackendOutput:
 
 @dataclass(frozen=True)
 class TokenScores:
-    """The model's log-probability of each scored token of a sequence, and whether it was the argmax there.
+    """The model's log-probability of each scored token of a sequence, whether it was the argmax there, and (when
+    asked for) the best alternatives at each position.
 
     >>> TokenScores(logprobs=(-0.5, -1.0), greedy=(True, False)).total
     -1.5
@@ -115,6 +116,9 @@ class TokenScores:
 
     logprobs: tuple[float, ...]
     greedy: tuple[bool, ...]
+    top: tuple[dict[int, float], ...] | None = None
+    """Per scored token, ``top`` best token ids -> log-probability plus the scored token itself (the shape of a
+    generated token's logprobs); None unless ``score(..., top=k)`` asked for them."""
 
     @property
     def total(self) -> float:
@@ -210,6 +214,16 @@ class AsyncGenerating(Protocol):
 
 
 @runtime_checkable
+class AsyncScoring(Protocol):
+    """A :class:`Scoring` backend with its own asyncio batching (vLLM's ``AsyncLLM``): scoring shares it with
+    generation instead of waiting behind the engine-side batcher."""
+
+    async def ascore(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
+                     top: int | None = None) -> list[TokenScores]:
+        ...
+
+
+@runtime_checkable
 class TokenStreaming(Protocol):
     """A backend that streams one request's growing token ids itself, then yields its final ``BackendOutput``."""
 
@@ -219,7 +233,9 @@ class TokenStreaming(Protocol):
 
 @runtime_checkable
 class Scoring(Protocol):
-    """A backend that scores given sequences (lm-eval's loglikelihood): log-probabilities and argmax flags."""
+    """A backend that scores given sequences (lm-eval's loglikelihood, a completion's echoed prompt):
+    log-probabilities, argmax flags and, with ``top``, the ``top`` best alternatives at every scored position."""
 
-    def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[TokenScores]:
+    def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
+              top: int | None = None) -> list[TokenScores]:
         ...

@@ -328,9 +328,11 @@ class HfBackend(BackendBase, backend="hf"):
             self._schemas = SchemaCompiler(self.tokenizer, self.vocab_size)
         return [GrammarMask(self._schemas.compile(plan.json_schema), batch, prompt_len, self.vocab_size)]
 
-    def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[TokenScores]:
+    def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
+              top: int | None = None) -> list[TokenScores]:
         """Log-probabilities of ``sequences[i][starts[i]:]`` (each token given all before it) from one forward
-        pass per batch of right-padded rows, and whether each token was the model's argmax there."""
+        pass per batch of right-padded rows, whether each token was the model's argmax there, and with ``top`` the
+        ``top`` likeliest tokens at each position."""
         import torch
 
         size = self.settings.max_batch_size or 8
@@ -351,7 +353,8 @@ class HfBackend(BackendBase, backend="hf"):
                 target = torch.tensor(list(seq[start:]), dtype=torch.long, device=lp.device)
                 chosen = lp.gather(-1, target[:, None])[:, 0]
                 greedy = lp.argmax(dim=-1) == target
-                scores.append(TokenScores(logprobs=tuple(chosen.tolist()), greedy=tuple(greedy.tolist())))
+                scores.append(TokenScores(logprobs=tuple(chosen.tolist()), greedy=tuple(greedy.tolist()),
+                                          top=None if top is None else top_alternatives(lp, target, top)))
         return scores
 
     @staticmethod
@@ -369,6 +372,19 @@ class HfBackend(BackendBase, backend="hf"):
             entry[ids[step]] = float(lp[ids[step]])
             per_token.append(entry)
         return tuple(per_token)
+
+
+def top_alternatives(logprobs: Any, target: Any, k: int) -> tuple[dict[int, float], ...]:
+    """Per row of ``logprobs`` (positions x vocab), its ``k`` likeliest token ids and the ``target`` token's."""
+    import torch
+
+    best = torch.topk(logprobs, k, dim=-1) if k else None
+    out = []
+    for row, token in enumerate(target.tolist()):
+        entry = {} if best is None else dict(zip(best.indices[row].tolist(), best.values[row].tolist(), strict=True))
+        entry[token] = float(logprobs[row, token])
+        out.append(entry)
+    return tuple(out)
 
 
 def collapse_runs(ids: Sequence[int], token: int | None) -> list[int]:

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
-from engine.backends.base import BackendBase, BackendOutput, Prompt, SamplingPlan
+from engine.backends.base import BackendBase, BackendOutput, Prompt, SamplingPlan, TokenScores
 from engine.backends.vllm.backend import (
     SPEC,
     backend_output,
@@ -25,8 +25,10 @@ from engine.backends.vllm.backend import (
     engine_input,
     import_vllm,
     prepare_environment,
+    prompt_scores,
     request_params,
     sampling_params,
+    score_params,
     start_arguments,
 )
 from engine.config import ModelConfig, VllmConfig
@@ -123,6 +125,29 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
             raise BackendUnavailableError(SPEC.name, f"AsyncLLM ended request {key} without a final output",
                                           "check the server log for an engine-core error")
         return final
+
+    # -- scoring ---------------------------------------------------------------------------------------
+
+    def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
+              top: int | None = None) -> list[TokenScores]:
+        """As ``VllmBackend.score``: prompt log-probs, one request per sequence."""
+        return self._call(self._score(sequences, starts, top))
+
+    async def ascore(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
+                     top: int | None = None) -> list[TokenScores]:
+        """``score`` for a caller on another event loop, sharing the engine's batching with generation."""
+        future = asyncio.run_coroutine_threadsafe(self._score(sequences, starts, top), self._loop)
+        return await asyncio.wrap_future(future)
+
+    async def _score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
+                     top: int | None) -> list[TokenScores]:
+        from vllm.inputs import TokensPrompt
+
+        params = score_params(top, output_kind=self._final_only)
+        keys = [uuid.uuid4().hex for _ in sequences]
+        outs = await asyncio.gather(*(self._one(TokensPrompt(prompt_token_ids=list(seq)), params, key)
+                                      for seq, key in zip(sequences, keys, strict=True)))
+        return [prompt_scores(out, seq, start, top) for seq, start, out in zip(sequences, starts, outs, strict=True)]
 
     async def astream(self, prompt: Prompt, plan: SamplingPlan) -> AsyncIterator[tuple[int, ...] | BackendOutput]:
         """One prompt's token ids so far after every engine step (cumulative), then its final ``BackendOutput``.

@@ -183,7 +183,7 @@ def capabilities(model_config: Any, settings: VllmConfig, plan: Any) -> Capabili
     multimodal = bool(model_config.is_multimodal_model)
     return Capabilities(name=SPEC.name, logprobs=True, hooks=HOOKS if plan.problem is None else frozenset(),
                         supports_vlm=multimodal and settings.limit_images_per_prompt > 0,
-                        max_model_len=int(model_config.max_model_len), scoring=not settings.async_engine,
+                        max_model_len=int(model_config.max_model_len), scoring=True,
                         structured_outputs=not multimodal, rules_problem=plan.problem)
 
 
@@ -312,20 +312,15 @@ class VllmBackend(BackendBase, backend="vllm"):
         events = self.rule_events(keys) if plan.rules else {}
         return [backend_output(out, plan, events.get(key, {})) for key, out in zip(keys, outs, strict=True)]
 
-    def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[TokenScores]:
+    def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
+              top: int | None = None) -> list[TokenScores]:
         """Log-probabilities of ``sequences[i][starts[i]:]`` from vLLM's prompt log-probs (raw model
-        distribution), and whether each token was the argmax there (its rank is 1)."""
-        from vllm import SamplingParams
+        distribution), whether each token was the argmax there (its rank is 1), and the ``top`` best."""
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False)
+        params = score_params(top)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False)
-        scores = []
-        for seq, start, out in zip(sequences, starts, outs, strict=True):
-            steps = [out.prompt_logprobs[p][seq[p]] for p in range(start, len(seq))]
-            scores.append(TokenScores(logprobs=tuple(float(s.logprob) for s in steps),
-                                      greedy=tuple(s.rank == 1 for s in steps)))
-        return scores
+        return [prompt_scores(out, seq, start, top) for seq, start, out in zip(sequences, starts, outs, strict=True)]
 
     def rule_events(self, keys: Sequence[str]) -> dict[str, dict[str, Any]]:
         """The rule events of finished requests, from the worker process(es) where the processor ran."""
@@ -333,6 +328,26 @@ class VllmBackend(BackendBase, backend="vllm"):
 
         replies = self.llm.collective_rpc(vllm_rules.EVENTS_METHOD, args=(list(keys),))
         return vllm_rules.merge_worker_events(replies)
+
+
+def score_params(top: int | None, **kwargs: Any) -> Any:
+    """The ``SamplingParams`` of a scoring request: one greedy token, the prompt's log-probs and its ``top`` best."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=max(1, top or 0), detokenize=False, **kwargs)
+
+
+def prompt_scores(out: Any, seq: Sequence[int], start: int, top: int | None) -> TokenScores:
+    """``seq[start:]``'s scores from a request's ``prompt_logprobs`` (token id -> ``Logprob`` with its rank)."""
+    positions = range(start, len(seq))
+    steps = [out.prompt_logprobs[p] for p in positions]
+    chosen = [step[seq[p]] for p, step in zip(positions, steps, strict=True)]
+    alternatives = None
+    if top is not None:
+        alternatives = tuple({**{t: float(lp.logprob) for t, lp in step.items() if (lp.rank or top + 1) <= top},
+                              seq[p]: float(step[seq[p]].logprob)} for p, step in zip(positions, steps, strict=True))
+    return TokenScores(logprobs=tuple(float(s.logprob) for s in chosen), greedy=tuple(s.rank == 1 for s in chosen),
+                       top=alternatives)
 
 
 def guard_refusal(problem: str) -> str:
