@@ -136,3 +136,72 @@ def test_a_stream_cut_inside_a_utf8_character_equals_the_whole_answer(client, po
     assert text == plain.choices[0].message.content == whole
     deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert deltas[-1].endswith("\ufffd") and "\ufffd" not in "".join(deltas[:-1])
+
+
+TEXT_PROMPTS = ["The capital of France is", "Once upon a time, there was"]
+
+
+def test_text_completions_equal_the_engines_complete(client, pool, backend):
+    """``/v1/completions``: text and token-id prompts, several per request (a choice each), streamed or not, with a
+    stop string and echo, all give ``GenerationEngine.complete``'s text (no chat template), token for token."""
+    engine = pool.text_engine(backend).local
+    model = model_id(client)
+    local = engine.complete(TEXT_PROMPTS, options={"max_new_tokens": 12, "temperature": 0})
+    plain = client.completions.create(model=model, prompt=TEXT_PROMPTS, max_tokens=12, temperature=0,
+                                      extra_body={"add_special_tokens": False})
+    assert [c.text for c in sorted(plain.choices, key=lambda c: c.index)] == [r.text for r in local]
+    assert plain.usage.completion_tokens == sum(len(r.token_ids) for r in local)
+    ids = [engine.tokenizer.encode(p, add_special_tokens=False) for p in TEXT_PROMPTS]
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=12, temperature=0)
+    assert [c.text for c in sorted(by_ids.choices, key=lambda c: c.index)] == [r.text for r in local]
+    assert [c.finish_reason for c in by_ids.choices] == [r.finish_reason for r in local]
+    stop = local[1].text[4:9]
+    stopped = engine.complete([ids[1]], options={"max_new_tokens": 12, "temperature": 0}, stop={"strings": [stop]})[0]
+    chunks = list(client.completions.create(model=model, prompt=ids[1], max_tokens=12, temperature=0, stop=[stop],
+                                            echo=True, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == TEXT_PROMPTS[1] + stopped.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop" == stopped.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(stopped.token_ids)
+    default = client.completions.create(model=model, prompt=ids[0], temperature=0)
+    assert default.usage.completion_tokens == 16 or default.choices[0].finish_reason == "stop"  # OpenAI's default
+
+
+def test_echoed_prompt_logprobs_are_the_engines_scores(client, pool, backend):
+    """``echo`` with ``logprobs`` (lm-eval's ``local-completions`` log-likelihood call): each prompt token's logprob
+    equals ``GenerationEngine.score``'s, its alternatives hold the argmax, the first token has none, and the one
+    generated token follows with its own; ``max_tokens: 0`` scores only. llama.cpp, which cannot score, refuses by
+    name before generating."""
+    import openai
+
+    local = pool.text_engine(backend).local
+    model = model_id(client)
+    ids = local.tokenizer.encode(TEXT_PROMPTS[0], add_special_tokens=False)
+    if not local.backend.capabilities.scoring:
+        with pytest.raises(openai.BadRequestError, match="cannot score"):
+            client.completions.create(model=model, prompt=ids, max_tokens=1, echo=True, logprobs=1)
+        return
+    (want,) = local.score([ids], [1], top=2)
+    answer = local.complete([ids], options={"max_new_tokens": 1, "temperature": 0, "logprobs": 2})[0]
+    got = client.completions.create(model=model, prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=2)
+    lp = got.choices[0].logprobs
+    assert got.choices[0].text == TEXT_PROMPTS[0] + answer.text
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:-1] == pytest.approx(list(want.logprobs), abs=1e-5)
+    assert lp.token_logprobs[-1] == pytest.approx(answer.logprobs[0][answer.token_ids[0]], abs=1e-5)
+    for position, (chosen, top, greedy) in enumerate(zip(lp.token_logprobs[1:-1], lp.top_logprobs[1:-1], want.greedy,
+                                                         strict=True)):
+        assert 2 <= len(top) <= 3, position  # the two likeliest and the prompt's own token
+        assert (chosen == max(top.values())) == greedy, position
+    only = client.completions.create(model=model, prompt=ids, max_tokens=0, echo=True, logprobs=0)
+    assert only.choices[0].text == TEXT_PROMPTS[0] and only.usage.completion_tokens == 0
+    assert only.choices[0].logprobs.token_logprobs[1:] == pytest.approx(list(want.logprobs), abs=1e-5)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model, prompt=[ids, [len(local.tokenizer) + 1]], max_tokens=1)
+    assert err.value.body["param"] == "prompt[1][0]"
+
+
+def test_tokenizer_info_names_the_served_tokenizer(client, pool, backend, chat_server):
+    engine = pool.text_engine(backend).local
+    info = client.get(f"{chat_server(backend).url}/tokenizer_info", cast_to=httpx.Response).json()
+    assert info["eos_token"] == engine.tokenizer.eos_token and info["chat_template"] == engine.tokenizer.chat_template
+    assert info["model_max_length"] == engine.backend.capabilities.max_model_len

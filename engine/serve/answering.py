@@ -9,18 +9,20 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.errors import EngineError, RequestTooLarge
+from engine.serve.limits import read_json
 from engine.serve.service import ServedEngine
 from engine.serve.wire import FieldTable, error_body
 from engine.types import GenerationResult
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -82,6 +84,15 @@ class Answering:
             generated_tokens=sum(len(r.token_ids) for r in results),
             triggered=sum(int(r.meta.get("repeat_terminate_triggered", 0)) for r in results))
 
+    async def read(self, request: Request, start: float) -> tuple[Any, Answering | None]:
+        """The request's JSON body (within ``serve.max_body_bytes``) and the answering of this call, whose errors name
+        the fields this body sent (where two client fields name one engine field); or (the counted refusal, None)."""
+        try:
+            body = await read_json(request, self.served.serve.max_body_bytes)
+        except EngineError as err:
+            return self.refused(err, start), None
+        return body, Answering(self.served, self.endpoint, self.fields.sent(body))
+
     def refused(self, err: EngineError, start: float) -> JSONResponse:
         """Count a refusal and answer it (see :func:`refuse`)."""
         self.observe(refusal_status(err), start)
@@ -91,21 +102,27 @@ class Answering:
                     body: Callable[[list[GenerationResult]], Any]) -> Any:
         """The non-streamed answer to ``requests`` (one ``agenerate`` call): ``body(results)`` as JSON, a 400 for
         what validation refuses, or the 499 of a client that went away (its generation cancelled); counted."""
+        return await self.whole_of(request, start, lambda: self.served.engine.agenerate(requests, **kwargs),
+                                   body=body, counted=lambda results: results)
+
+    async def whole_of(self, request: Request, start: float, run: Callable[[], Awaitable[T]], *,
+                       body: Callable[[T], Any], counted: Callable[[T], Sequence[GenerationResult]]) -> Any:
+        """``whole`` for any engine work: ``run()`` (validation raises in it before anything is generated), answered
+        as ``body(output)``; ``counted(output)`` are the results ``/metrics`` counts."""
         await self.served.ready()
         self.served.in_flight += 1
-        # The engine validates messages, options, plugins and context length first and raises before generating.
-        task = asyncio.ensure_future(self.served.engine.agenerate(requests, **kwargs))
+        task = asyncio.ensure_future(run())
         try:
             if await until_disconnected(request, task):
                 self.observe(499, start, cancelled=True)
                 return gone()
-            results = task.result()
+            output = task.result()
         except EngineError as err:
             return self.refused(err, start)
         finally:
             self.served.in_flight -= 1
-        self.observe(200, start, results)
-        return JSONResponse(body(results))
+        self.observe(200, start, counted(output))
+        return JSONResponse(body(output))
 
     def stream(self, stream: Any, start: float, events: Callable[[Any], list[Any]],
                first: Sequence[Any] = ()) -> StreamingResponse:

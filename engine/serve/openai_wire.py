@@ -91,6 +91,75 @@ def _bool(body: Mapping[str, Any], key: str, where: str = "") -> bool:
     return value
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """What a chat and a text completions body share, checked: the model, engine options, stop policy, plugins,
+    streaming, and ``response_format``'s schema."""
+
+    model: str
+    options: dict[str, Any]
+    stop: dict[str, Any] | None
+    plugins: list[Any] | None
+    stream: bool
+    include_usage: bool
+    json_schema: Any
+
+
+def parse_sampling(body: Mapping[str, Any], fields: FieldTable, neutral: Mapping[str, tuple[Any, ...]], *,
+                   logprobs: int | None) -> Sampling:
+    """The sampling fields of an OpenAI body whose keys were checked: ``n``, the ``neutral`` fields, ``model``,
+    ``user``, the token budget, the sampling options (read through ``fields``), ``logprobs`` (already read, as the
+    engine's ``generation.logprobs``), ``stream``/``stream_options``, ``stop``/``stop_token_ids``, the ``engine``
+    extension and ``response_format``. Raises ``RequestError`` naming the first bad field."""
+    n = body.get("n", 1)
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise RequestError("n", n, "is not supported by this server",
+                           fix="use 1 (send the request several times for several samples)")
+    for key, allowed in neutral.items():
+        value = body.get(key)
+        if value is not None and (value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool)):
+            raise RequestError(key, value, "is not supported by this server",
+                               fix=f"leave it out or send {allowed[0]!r}")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestError("model", model, "is required and must be a string", fix="send the served model's name "
+                           "(GET /v1/models lists it)")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise RequestError("user", body["user"], "must be a string", fix="send a string or leave it out")
+    options: dict[str, Any] = {}
+    tokens = _max_tokens(body)
+    if tokens is not None:
+        options["max_new_tokens"] = tokens
+    options.update(fields.read_options(body, ("temperature", "top_p", "seed", "top_k", "repetition_penalty",
+                                              "min_tokens")))
+    if options.get("top_k") == -1 and not isinstance(options["top_k"], bool):
+        options["top_k"] = 0  # vLLM's "off"; the engine's is 0
+    if logprobs is not None:
+        options["logprobs"] = logprobs
+    stream = _bool(body, "stream")
+    stream_options = body.get("stream_options")
+    include_usage = False
+    if stream_options is not None:
+        if not stream:
+            raise RequestError("stream_options", stream_options, "is only allowed with stream: true",
+                               fix="set stream to true or leave stream_options out")
+        if not isinstance(stream_options, Mapping):
+            raise RequestError("stream_options", stream_options, "must be an object",
+                               fix='e.g. {"include_usage": true}')
+        unknown_fields("stream_options.", stream_options, ("include_usage", "continuous_usage_stats"))
+        include_usage = _bool(stream_options, "include_usage", "stream_options.")
+        if _bool(stream_options, "continuous_usage_stats", "stream_options."):
+            raise RequestError("stream_options.continuous_usage_stats", True, "is not supported",
+                               fix="use include_usage for one usage chunk at the end")
+    stop = stop_strings(body.get("stop"), "stop")
+    if body.get("stop_token_ids") not in (None, []):
+        stop = {**(stop or {}), "token_ids": body["stop_token_ids"]}  # checked by the engine, named back by TABLE
+    options, stop, plugins = engine_extension(body, options, stop, options_from="by a top-level field",
+                                              stop_field="stop" if body.get("stop") else "stop_token_ids")
+    return Sampling(model=model, options=options, stop=stop, plugins=plugins, stream=stream,
+                    include_usage=include_usage, json_schema=response_schema(body.get("response_format")))
+
+
 def parse_completion(body: Any) -> CompletionCall:
     """Check a chat-completions body; raise ``RequestError`` naming the first bad field. Nothing is generated.
 
@@ -112,57 +181,14 @@ times for several samples).
         raise RequestError("body", type(body).__name__, "must be a JSON object",
                            fix='send {"model": ..., "messages": [...]}')
     unknown_fields("", body, (*FIELDS, *NEUTRAL))
-    n = body.get("n", 1)
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise RequestError("n", n, "is not supported by this server",
-                           fix="use 1 (send the request several times for several samples)")
-    for key, allowed in NEUTRAL.items():
-        value = body.get(key)
-        if value is not None and (value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool)):
-            raise RequestError(key, value, "is not supported by this server",
-                               fix=f"leave it out or send {allowed[0]!r}")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise RequestError("model", model, "is required and must be a string", fix="send the served model's name "
-                           "(GET /v1/models lists it)")
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise RequestError("user", body["user"], "must be a string", fix="send a string or leave it out")
-    options: dict[str, Any] = {}
-    tokens = _max_tokens(body)
-    if tokens is not None:
-        options["max_new_tokens"] = tokens
-    options.update(TABLE.read_options(body, ("temperature", "top_p", "seed", "top_k", "repetition_penalty",
-                                             "min_tokens")))
-    if options.get("top_k") == -1 and not isinstance(options["top_k"], bool):
-        options["top_k"] = 0  # vLLM's "off"; the engine's is 0
     logprobs, top = _bool(body, "logprobs"), body.get("top_logprobs")
     if top is not None and not logprobs:
         raise RequestError("top_logprobs", top, "needs logprobs: true", fix="set logprobs to true")
-    if logprobs:
-        options["logprobs"] = 0 if top is None else top
-    stream = _bool(body, "stream")
-    stream_options = body.get("stream_options")
-    include_usage = False
-    if stream_options is not None:
-        if not stream:
-            raise RequestError("stream_options", stream_options, "is only allowed with stream: true",
-                               fix="set stream to true or leave stream_options out")
-        if not isinstance(stream_options, Mapping):
-            raise RequestError("stream_options", stream_options, "must be an object",
-                               fix='e.g. {"include_usage": true}')
-        unknown_fields("stream_options.", stream_options, ("include_usage", "continuous_usage_stats"))
-        include_usage = _bool(stream_options, "include_usage", "stream_options.")
-        if _bool(stream_options, "continuous_usage_stats", "stream_options."):
-            raise RequestError("stream_options.continuous_usage_stats", True, "is not supported",
-                               fix="use include_usage for one usage chunk at the end")
-    stop = stop_strings(body.get("stop"), "stop")
-    if body.get("stop_token_ids") not in (None, []):
-        stop = {**(stop or {}), "token_ids": body["stop_token_ids"]}  # checked by the engine, named back by TABLE
-    options, stop, plugins = engine_extension(body, options, stop, options_from="by a top-level field",
-                                              stop_field="stop" if body.get("stop") else "stop_token_ids")
-    return CompletionCall(model=model, messages=chat_messages(body.get("messages")), options=options, stop=stop,
-                          plugins=plugins, stream=stream, include_usage=include_usage,
-                          logprobs=logprobs, top_logprobs=top, json_schema=response_schema(body.get("response_format")))
+    sampling = parse_sampling(body, TABLE, NEUTRAL, logprobs=(0 if top is None else top) if logprobs else None)
+    return CompletionCall(model=sampling.model, messages=chat_messages(body.get("messages")),
+                          options=sampling.options, stop=sampling.stop, plugins=sampling.plugins,
+                          stream=sampling.stream, include_usage=sampling.include_usage, logprobs=logprobs,
+                          top_logprobs=top, json_schema=sampling.json_schema)
 
 
 def response_schema(value: Any) -> Any:

@@ -1,5 +1,5 @@
 """vLLM's utility routes, answered as ``vllm serve`` answers them: ``POST /tokenize``, ``POST /detokenize``,
-``GET /version``.
+``GET /tokenizer_info``, ``GET /version``.
 
 - ``/tokenize`` takes ``{"prompt": str, "add_special_tokens": true}`` (the text as the tokenizer encodes it) or
   ``{"messages": [...]}`` (the chat rendered exactly as the engine renders it for generation, template and generation
@@ -8,6 +8,10 @@
   Choices written down: ``add_generation_prompt`` must be true (the engine always adds it), ``chat_template`` and
   ``continue_final_message`` are not taken.
 - ``/detokenize`` takes ``{"tokens": [ids]}`` and answers ``{"prompt": text}``, special tokens kept (as vLLM).
+- ``/tokenizer_info``: the tokenizer's class, special tokens, chat template and ``model_max_length`` (the served
+  context length). ``vllm serve`` answers it with ``--enable-tokenizer-info-endpoint``; here it is always on (behind
+  the API key when one is set): lm-eval's ``local-completions`` model finds it (with ``/tokenize``) and tokenizes
+  through the server, so its token ids are the served model's own.
 - ``/version``: ``{"version": <this package>, "backend": ..., "backend_version": ...}``.
 
 ``model`` is optional on both POST routes; when given it must name the served model (404 otherwise). Bad fields are
@@ -103,6 +107,23 @@ Fix: give ids in [0, 10).
     return tokens
 
 
+def tokenizer_facts(tokenizer: Any, max_model_len: int | None) -> dict[str, Any]:
+    """What ``/tokenizer_info`` tells a client: the class, the special tokens (text), the chat template.
+
+    >>> from types import SimpleNamespace
+    >>> tok = SimpleNamespace(eos_token="</s>", bos_token=None, pad_token="</s>", unk_token=None, chat_template="{{x}}")
+    >>> tokenizer_facts(tok, 2048)["eos_token"], tokenizer_facts(tok, 2048)["model_max_length"]
+    ('</s>', 2048)
+    """
+    facts: dict[str, Any] = {"tokenizer_class": type(tokenizer).__name__}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = getattr(tokenizer, name, None)
+        facts[name] = None if value is None else str(value)
+    facts["chat_template"] = getattr(tokenizer, "chat_template", None)
+    facts["model_max_length"] = max_model_len
+    return facts
+
+
 def package_version() -> str:
     try:
         return importlib.metadata.version("xbackend-engine")
@@ -160,6 +181,10 @@ def router(served: ServedEngine) -> APIRouter:
             return detokenize_calls.refused(err, start)
         detokenize_calls.observe(200, start)
         return {"prompt": engine.tokenizer.decode(ids)}
+
+    @api.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        return tokenizer_facts(engine.tokenizer, engine.backend.capabilities.max_model_len)
 
     @api.get("/version")
     async def version() -> dict[str, Any]:

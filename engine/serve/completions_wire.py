@@ -1,0 +1,257 @@
+"""OpenAI's text completions wire format (``POST /v1/completions``), both ways, as ``vllm serve`` takes it (what the
+chat surface shares with it: :func:`engine.serve.openai_wire.parse_sampling`). No web framework is imported here.
+
+Choices written down:
+
+* ``prompt``: a string, a list of strings, a list of token ids, or a list of such lists; every prompt is one choice
+  (``choices[i].index == i``). Text is tokenized with special tokens unless ``add_special_tokens`` is false (vLLM's
+  field and default); token ids are taken as given. Either way the engine continues the ids as they are, no chat
+  template (``GenerationEngine.complete``).
+* ``max_tokens`` defaults to 16 (OpenAI's and vLLM's default for this route); 0 is allowed with ``echo`` only (the
+  prompt scored, nothing generated), as vLLM allows it.
+* ``logprobs: k`` (an integer, k in [0, 20]) gives OpenAI's legacy object per choice: ``tokens``, ``token_logprobs``,
+  ``top_logprobs`` (the k likeliest tokens and the chosen one, by their text) and ``text_offset`` (where each token's
+  text starts in the choice's ``text``).
+* ``echo: true`` puts the prompt before the answer: its text (as sent; token ids decoded) and, with ``logprobs``, its
+  tokens scored by the model (the first has no logprob: ``null``), the numbers lm-eval's ``local-completions`` model
+  reads for log-likelihoods. Scoring needs a backend that scores (HF, vLLM); llama.cpp refuses ``echo`` with
+  ``logprobs`` by name.
+* ``best_of`` (1 only), ``suffix`` (empty only) and the penalties are taken at their neutral value, as on the chat
+  route; ``n`` must be 1.
+* Streamed: the first chunk carries the echoed prompt (and its logprobs), the text deltas follow, the chunk with the
+  ``finish_reason`` carries the answer's logprobs; all chunks' texts together equal the non-streamed ``text``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.backends.base import TokenScores
+from engine.errors import RequestError
+from engine.serve.openai_wire import FIELDS as CHAT_FIELDS
+from engine.serve.openai_wire import TABLE as CHAT_TABLE
+from engine.serve.openai_wire import parse_sampling
+from engine.serve.wire import FieldTable, shown_logprob, unknown_fields
+from engine.types import GenerationResult
+
+SAMPLING = tuple(f for f in CHAT_FIELDS if f not in ("messages", "max_completion_tokens", "logprobs", "top_logprobs"))
+FIELDS = (*SAMPLING, "prompt", "logprobs", "echo", "add_special_tokens")
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "min_p": (0, 0.0),
+    "best_of": (1,), "suffix": ("",),
+}
+"""Fields accepted only at a value that changes nothing (null too)."""
+TABLE = FieldTable({**{k: v for k, v in CHAT_TABLE.fields.items() if k not in ("top_logprobs",
+                                                                              "max_completion_tokens")},
+                    "logprobs": "generation.logprobs", "prompt": "prompts"})
+"""The fields both ways; the engine's ``prompts[i]`` is the client's ``prompt[i]``."""
+DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class TextCompletionCall:
+    """One checked ``/v1/completions`` body: the prompts (token ids and the text to echo), what the engine is asked
+    for, and how to answer."""
+
+    model: str
+    prompts: list[list[int]]
+    texts: list[str]
+    """Each prompt as the client sent it (text), or its ids decoded: what ``echo`` shows."""
+    options: dict[str, Any] = field(default_factory=dict)
+    stop: dict[str, Any] | None = None
+    plugins: list[Any] | None = None
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    logprobs: int | None = None
+    json_schema: Any = None
+
+    @property
+    def generates(self) -> bool:
+        """False for ``max_tokens: 0`` (with ``echo``): the prompts are only scored."""
+        return self.options.get("max_new_tokens") != 0
+
+    @property
+    def scores_prompt(self) -> bool:
+        return self.echo and self.logprobs is not None
+
+
+def _prompts(value: Any, tokenizer: Any, special: bool) -> tuple[list[list[int]], list[str]]:
+    """``prompt`` as token-id lists, and the text each shows when echoed."""
+    example = 'e.g. "Once upon a time", ["a", "b"], [1, 2, 3] or [[1, 2], [3]]'
+    flat_ids = isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    if isinstance(value, str) or flat_ids:
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise RequestError("prompt", value, "is required: a string, a list of strings, or token ids", fix=example)
+    ids, texts, vocab = [], [], len(tokenizer)
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            ids.append(list(tokenizer.encode(item, add_special_tokens=special)))
+            texts.append(item)
+            continue
+        if not isinstance(item, list):
+            raise RequestError(f"prompt[{i}]", item, "must be a string or a list of token ids", fix=example)
+        for j, t in enumerate(item):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise RequestError(f"prompt[{i}][{j}]", t, f"is not a token id of this model (its tokenizer has "
+                                   f"{vocab})", fix=f"give ids in [0, {vocab}), from the model's own tokenizer")
+        ids.append(item)
+        texts.append(tokenizer.decode(item))
+    return ids, texts
+
+
+def parse_text_completion(body: Any, tokenizer: Any) -> TextCompletionCall:
+    """Check a text completions body; raise ``RequestError`` naming the first bad field. Nothing is generated.
+
+    >>> class Tok:
+    ...     def __len__(self): return 200
+    ...     def encode(self, text, add_special_tokens): return [1] * add_special_tokens + [ord(c) for c in text]
+    ...     def decode(self, ids): return "".join(map(chr, ids))
+    >>> tok = Tok()
+    >>> call = parse_text_completion({"model": "m", "prompt": "hi", "echo": True, "logprobs": 1}, tok)
+    >>> call.prompts, call.texts, call.options
+    ([[1, 104, 105]], ['hi'], {'logprobs': 1, 'max_new_tokens': 16})
+    >>> parse_text_completion({"model": "m", "prompt": [[104, 105], [33]]}, tok).texts
+    ['hi', '!']
+    >>> parse_text_completion({"model": "m", "prompt": [[5, 6], [7]], "max_tokens": 0}, tok)
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: max_tokens is 0, which only echo allows, got 0. Fix: set echo to true to score \
+the prompt, or ask for at least one token.
+    """
+    if not isinstance(body, Mapping):
+        raise RequestError("body", type(body).__name__, "must be a JSON object",
+                           fix='send {"model": ..., "prompt": "..."}')
+    unknown_fields("", body, (*FIELDS, *NEUTRAL))
+    logprobs = body.get("logprobs")
+    if isinstance(logprobs, bool):
+        raise RequestError("logprobs", logprobs, "must be an integer (how many alternatives per token)",
+                           fix="send e.g. 1, or leave it out")
+    echo = _flag(body, "echo", False)
+    special = _flag(body, "add_special_tokens", True)
+    zero = body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)
+    if zero and not echo:
+        raise RequestError("max_tokens", 0, "is 0, which only echo allows",
+                           fix="set echo to true to score the prompt, or ask for at least one token")
+    sampling = parse_sampling({k: v for k, v in body.items() if not (zero and k == "max_tokens")}, TABLE, NEUTRAL,
+                              logprobs=logprobs)
+    options = dict(sampling.options)
+    options.setdefault("max_new_tokens", 0 if zero else DEFAULT_MAX_TOKENS)
+    prompts, texts = _prompts(body.get("prompt"), tokenizer, special)
+    return TextCompletionCall(model=sampling.model, prompts=prompts, texts=texts, options=options,
+                              stop=sampling.stop, plugins=sampling.plugins, stream=sampling.stream,
+                              include_usage=sampling.include_usage, echo=echo, logprobs=logprobs,
+                              json_schema=sampling.json_schema)
+
+
+def _flag(body: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(key, value, "must be true or false", fix="send a boolean")
+    return value
+
+
+# -- responses ------------------------------------------------------------------------------------------
+
+
+def completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def legacy_logprobs(token_ids: Sequence[int], steps: Sequence[tuple[float | None, Mapping[int, float] | None]],
+                    tokenizer: Any, offset: int = 0) -> dict[str, Any]:
+    """OpenAI's legacy logprobs object for ``token_ids``: ``steps[j]`` is token j's logprob and its alternatives
+    (token id -> logprob, the chosen one included), ``(None, None)`` where there are none (a prompt's first token);
+    ``offset`` is where the first token's text starts in the choice's text.
+
+    >>> from types import SimpleNamespace
+    >>> tok = SimpleNamespace(decode=lambda ids: "".join(chr(96 + i) for i in ids))
+    >>> legacy_logprobs([1, 2], [(None, None), (-0.5, {2: -0.5, 3: -1.5})], tok, offset=4)
+    {'tokens': ['a', 'b'], 'token_logprobs': [None, -0.5], 'top_logprobs': [None, {'b': -0.5, 'c': -1.5}], \
+'text_offset': [4, 5]}
+    """
+    tokens, logprobs, tops, offsets = [], [], [], []
+    for token_id, (logprob, alternatives) in zip(token_ids, steps, strict=True):
+        text = tokenizer.decode([token_id])
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        logprobs.append(None if logprob is None else shown_logprob(logprob))
+        tops.append(None if alternatives is None else _by_text(alternatives, tokenizer))
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _by_text(alternatives: Mapping[int, float], tokenizer: Any) -> dict[str, float]:
+    """Alternatives keyed by token text, likeliest first; two tokens with one text keep the likelier logprob."""
+    out: dict[str, float] = {}
+    for token_id, logprob in sorted(alternatives.items(), key=lambda kv: -kv[1]):
+        out.setdefault(tokenizer.decode([token_id]), shown_logprob(logprob))
+    return out
+
+
+def prompt_steps(scores: TokenScores | None, length: int) -> list[tuple[float | None, Mapping[int, float] | None]]:
+    """An echoed prompt's steps for :func:`legacy_logprobs`: none for its first token, then ``scores`` (None for a
+    one-token prompt, which has nothing to score)."""
+    steps: list[tuple[float | None, Mapping[int, float] | None]] = [(None, None)]
+    if scores is not None:
+        steps += list(zip(scores.logprobs, scores.top or [None] * len(scores.logprobs), strict=True))
+    assert len(steps) == length, (len(steps), length)
+    return steps
+
+
+def answer_steps(result: GenerationResult) -> list[tuple[float | None, Mapping[int, float] | None]]:
+    assert result.logprobs is not None
+    return [(step[t], step) for t, step in zip(result.token_ids, result.logprobs, strict=True)]
+
+
+def choice_logprobs(call: TextCompletionCall, index: int, result: GenerationResult | None,
+                    scores: TokenScores | None, tokenizer: Any, *, prompt: bool = True,
+                    answer: bool = True) -> dict[str, Any] | None:
+    """One choice's legacy logprobs: the echoed prompt's (``prompt``) then the answer's (``answer``)."""
+    if call.logprobs is None:
+        return None
+    ids: list[int] = []
+    steps: list[tuple[float | None, Mapping[int, float] | None]] = []
+    if call.echo and prompt:
+        ids += call.prompts[index]
+        steps += prompt_steps(scores, len(call.prompts[index]))
+    if result is not None and answer:
+        ids += result.token_ids
+        steps += answer_steps(result)
+    offset = len(call.texts[index]) if call.echo and not prompt else 0
+    return legacy_logprobs(ids, steps, tokenizer, offset=offset)
+
+
+def completion_body(call: TextCompletionCall, results: Sequence[GenerationResult | None],
+                    scores: Sequence[TokenScores | None], *, model: str, tokenizer: Any) -> dict[str, Any]:
+    """The ``text_completion`` object: one choice per prompt (``results[i]`` None when nothing was generated)."""
+    choices = []
+    prompt_tokens = completion_tokens = 0
+    for i, (result, score) in enumerate(zip(results, scores, strict=True)):
+        answer = result.text if result is not None else ""
+        choices.append({"index": i, "text": (call.texts[i] if call.echo else "") + answer,
+                        "logprobs": choice_logprobs(call, i, result, score, tokenizer),
+                        "finish_reason": result.finish_reason if result is not None else "length"})
+        prompt_tokens += len(call.prompts[i])
+        completion_tokens += len(result.token_ids) if result is not None else 0
+    return {"id": completion_id(), "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "system_fingerprint": None,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def chunk(cid: str, created: int, model: str, *, index: int = 0, text: str = "", logprobs: Any = None,
+          finish_reason: str | None = None, usage: dict[str, int] | None = None) -> dict[str, Any]:
+    """One streamed ``text_completion`` chunk; with ``usage`` the trailing usage chunk (no choices)."""
+    body: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                            "system_fingerprint": None}
+    if usage is not None:
+        return {**body, "choices": [], "usage": usage}
+    return {**body, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
