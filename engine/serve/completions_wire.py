@@ -35,7 +35,7 @@ from engine.errors import RequestError
 from engine.serve.openai_wire import FIELDS as CHAT_FIELDS
 from engine.serve.openai_wire import TABLE as CHAT_TABLE
 from engine.serve.openai_wire import parse_sampling
-from engine.serve.wire import FieldTable, shown_logprob, unknown_fields
+from engine.serve.wire import FieldTable, flag, shown_logprob, unknown_fields
 from engine.types import GenerationResult
 
 SAMPLING = tuple(f for f in CHAT_FIELDS if f not in ("messages", "max_completion_tokens", "logprobs", "top_logprobs"))
@@ -132,8 +132,8 @@ the prompt, or ask for at least one token.
     if isinstance(logprobs, bool):
         raise RequestError("logprobs", logprobs, "must be an integer (how many alternatives per token)",
                            fix="send e.g. 1, or leave it out")
-    echo = _flag(body, "echo", False)
-    special = _flag(body, "add_special_tokens", True)
+    echo = flag(body, "echo")
+    special = flag(body, "add_special_tokens", True)
     zero = body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)
     if zero and not echo:
         raise RequestError("max_tokens", 0, "is 0, which only echo allows",
@@ -147,15 +147,6 @@ the prompt, or ask for at least one token.
                               stop=sampling.stop, plugins=sampling.plugins, stream=sampling.stream,
                               include_usage=sampling.include_usage, echo=echo, logprobs=logprobs,
                               json_schema=sampling.json_schema)
-
-
-def _flag(body: Mapping[str, Any], key: str, default: bool) -> bool:
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise RequestError(key, value, "must be true or false", fix="send a boolean")
-    return value
 
 
 # -- responses ------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from engine.serve.wire import (
     FieldTable,
     chat_messages,
     engine_extension,
+    flag,
     logprobs_content,
     stop_strings,
     unknown_fields,
@@ -80,15 +81,6 @@ class CompletionCall:
     top_logprobs: int | None = None
     json_schema: Any = None
     """``response_format``'s schema, for the engine's constrained decoding (None: free text)."""
-
-
-def _bool(body: Mapping[str, Any], key: str, where: str = "") -> bool:
-    value = body.get(key, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise RequestError(f"{where}{key}", value, "must be true or false", fix="send a boolean")
-    return value
 
 
 @dataclass(frozen=True)
@@ -136,7 +128,7 @@ def parse_sampling(body: Mapping[str, Any], fields: FieldTable, neutral: Mapping
         options["top_k"] = 0  # vLLM's "off"; the engine's is 0
     if logprobs is not None:
         options["logprobs"] = logprobs
-    stream = _bool(body, "stream")
+    stream = flag(body, "stream")
     stream_options = body.get("stream_options")
     include_usage = False
     if stream_options is not None:
@@ -147,8 +139,8 @@ def parse_sampling(body: Mapping[str, Any], fields: FieldTable, neutral: Mapping
             raise RequestError("stream_options", stream_options, "must be an object",
                                fix='e.g. {"include_usage": true}')
         unknown_fields("stream_options.", stream_options, ("include_usage", "continuous_usage_stats"))
-        include_usage = _bool(stream_options, "include_usage", "stream_options.")
-        if _bool(stream_options, "continuous_usage_stats", "stream_options."):
+        include_usage = flag(stream_options, "include_usage", where="stream_options.")
+        if flag(stream_options, "continuous_usage_stats", where="stream_options."):
             raise RequestError("stream_options.continuous_usage_stats", True, "is not supported",
                                fix="use include_usage for one usage chunk at the end")
     stop = stop_strings(body.get("stop"), "stop")
@@ -181,7 +173,7 @@ times for several samples).
         raise RequestError("body", type(body).__name__, "must be a JSON object",
                            fix='send {"model": ..., "messages": [...]}')
     unknown_fields("", body, (*FIELDS, *NEUTRAL))
-    logprobs, top = _bool(body, "logprobs"), body.get("top_logprobs")
+    logprobs, top = flag(body, "logprobs"), body.get("top_logprobs")
     if top is not None and not logprobs:
         raise RequestError("top_logprobs", top, "needs logprobs: true", fix="set logprobs to true")
     sampling = parse_sampling(body, TABLE, NEUTRAL, logprobs=(0 if top is None else top) if logprobs else None)

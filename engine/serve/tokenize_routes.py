@@ -31,18 +31,11 @@ from engine.errors import EngineError, RequestError
 from engine.serve.answering import Answering, unknown_model
 from engine.serve.limits import read_json
 from engine.serve.service import ServedEngine
-from engine.serve.wire import FieldTable, chat_messages, unknown_fields
+from engine.serve.wire import FieldTable, chat_messages, flag, unknown_fields
 
 TOKENIZE_FIELDS = ("model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs")
 DETOKENIZE_FIELDS = ("model", "tokens")
 TABLE = FieldTable(extension=False)
-
-
-def _flag(body: Mapping[str, Any], key: str, default: bool) -> bool:
-    value = body.get(key, default)
-    if not isinstance(value, bool):
-        raise RequestError(key, value, "must be true or false", fix="send a boolean")
-    return value
 
 
 def tokenize(body: Any, tokenizer: Any) -> tuple[list[int], bool]:
@@ -62,11 +55,11 @@ def tokenize(body: Any, tokenizer: Any) -> tuple[list[int], bool]:
     if not isinstance(body, Mapping):
         raise RequestError("body", type(body).__name__, "must be a JSON object", fix='send {"prompt": "..."}')
     unknown_fields("", body, TOKENIZE_FIELDS)
-    strs = _flag(body, "return_token_strs", False)
+    strs = flag(body, "return_token_strs", False)
     if "messages" in body:
         if "prompt" in body:
             raise RequestError("messages", body["messages"], "cannot be sent with prompt", fix="send one of them")
-        if not _flag(body, "add_generation_prompt", True):
+        if not flag(body, "add_generation_prompt", True):
             raise RequestError("add_generation_prompt", False, "is not supported: the engine renders every chat with "
                                "its generation prompt", fix="leave it out or send true")
         if "add_special_tokens" in body:
@@ -80,7 +73,7 @@ def tokenize(body: Any, tokenizer: Any) -> tuple[list[int], bool]:
     if "add_generation_prompt" in body:
         raise RequestError("add_generation_prompt", body["add_generation_prompt"], "applies to messages only",
                            fix="leave it out")
-    return list(tokenizer.encode(prompt, add_special_tokens=_flag(body, "add_special_tokens", True))), strs
+    return list(tokenizer.encode(prompt, add_special_tokens=flag(body, "add_special_tokens", True))), strs
 
 
 def detokenize(body: Any, vocab: int) -> list[int]:

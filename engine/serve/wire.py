@@ -104,6 +104,25 @@ def unknown_fields(where: str, body: Mapping[str, Any], known: tuple[str, ...]) 
             raise RequestError(f"{where}{key}", value, "is not a known field", fix=did_you_mean(str(key), known))
 
 
+def flag(body: Mapping[str, Any], key: str, default: bool = False, where: str = "") -> bool:
+    """A boolean field of ``body`` (absent or null: ``default``); anything but true or false is refused by name
+    (``where`` prefixes the field path).
+
+    >>> flag({"echo": None}, "echo"), flag({}, "add_special_tokens", True)
+    (False, True)
+    >>> flag({"stream": 1}, "stream")
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: stream must be true or false, got 1. Fix: send a boolean.
+    """
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"{where}{key}", value, "must be true or false", fix="send a boolean")
+    return value
+
+
 def stop_strings(value: Any, field: str) -> dict[str, Any] | None:
     """A wire ``stop`` (a string or a list of strings; None or [] for none) as an engine stop policy."""
     if value is None or value == []:

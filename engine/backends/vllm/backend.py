@@ -343,9 +343,10 @@ def prompt_scores(out: Any, seq: Sequence[int], start: int, top: int | None) -> 
     steps = [out.prompt_logprobs[p] for p in positions]
     chosen = [step[seq[p]] for p, step in zip(positions, steps, strict=True)]
     alternatives = None
-    if top is not None:
-        alternatives = tuple({**{t: float(lp.logprob) for t, lp in step.items() if (lp.rank or top + 1) <= top},
-                              seq[p]: float(step[seq[p]].logprob)} for p, step in zip(positions, steps, strict=True))
+    if top is not None:  # the `top` best by rank, then the scored token itself
+        alternatives = tuple(
+            {**{t: float(lp.logprob) for t, lp in step.items() if lp.rank is not None and lp.rank <= top},
+             seq[p]: float(step[seq[p]].logprob)} for p, step in zip(positions, steps, strict=True))
     return TokenScores(logprobs=tuple(float(s.logprob) for s in chosen), greedy=tuple(s.rank == 1 for s in chosen),
                        top=alternatives)
 
