@@ -247,20 +247,34 @@ class BenchSession:
             writer.line(prefix + line)
             writer.flush()
 
-    def measure(self, benchmark: Any, label: str, variants: Sequence[Variant], *, gated: bool = True) -> Rounds:
+    def measure(self, benchmark: Any, label: str, variants: Sequence[Variant], *, gated: bool = True,
+                gates: Mapping[str, tuple[str, str]] | None = None) -> Rounds:
         """Run the variants interleaved through pytest-benchmark's pedantic mode (warm-up rounds dropped);
-        ``gated`` False: a case whose ratios are reported only gets the size's ``ungated_rounds``."""
+        ``gated`` False: a case whose ratios are reported only gets the size's ``ungated_rounds``.
+
+        ``gates``: the case's ratios the release gate checks, ``{ratio: (subject, reference)}``. When one is below
+        its minimum (``engine.report.gate.DEFAULT_MINIMUMS``) after the size's rounds, the case measures the size's
+        ``confirm_rounds`` more, and every ratio of the case is then a median over all its rounds: on a shared
+        machine one slow round (a ratio of 0.897 where this machine measured 0.966 and 1.065 for the same code)
+        cannot fail a release, while a real regression misses in every round and still fails the gate."""
+        from engine.report.gate import DEFAULT_MINIMUMS
+
         total = self.size.rounds if gated else self.size.ungated_rounds
         rounds = Rounds(variants, warmup=self.size.warmup, total=total, progress=self.progress, label=label)
         benchmark.pedantic(rounds, rounds=total, warmup_rounds=self.size.warmup, iterations=1)
         if rounds.calls != self.size.warmup + total:
             pytest.fail(f"{label}: pytest-benchmark ran {rounds.calls} rounds, expected {self.size.warmup} warm-up + "
                         f"{total} measured; drop --benchmark-disable (the report needs every round)")
+        missed = rounds.missed(gates or {}, DEFAULT_MINIMUMS) if gated else []
+        if missed:
+            self.progress(f"{label}: {', '.join(missed)} after {total} rounds; confirming with "
+                          f"{self.size.confirm_rounds} more")
+            rounds.more(self.size.confirm_rounds)
         return rounds
 
     def record(self, case: Mapping[str, Any], rounds: Rounds, ratios: Mapping[str, float],
                benchmark: Any) -> None:
-        row = {"model": self.model_name, "dtype": self.dtype, **case}
+        row = {"model": self.model_name, "dtype": self.dtype, **case, "confirm_rounds": rounds.added}
         self.writer.add_case(row, rounds.rows(), ratios)
         benchmark.extra_info.update({**case, **ratios})
         shown = ", ".join(f"{k} {v:.3f}" if k in RATIO_COLUMNS else f"{k} {v:.3g}" for k, v in ratios.items())

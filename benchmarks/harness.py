@@ -10,7 +10,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +101,8 @@ class Rounds:
     progress: Callable[[str], None]
     label: str
     calls: int = 0
+    added: int = 0
+    """Measured rounds added after the first ``total`` (see :meth:`more`)."""
     samples: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
     latencies: dict[str, list[tuple[float, ...]]] = field(default_factory=dict)
     """Per measured round, each request's latency (variants that return :class:`Answered` only)."""
@@ -129,6 +131,13 @@ class Rounds:
         self.progress(f"{self.label} {step}: {', '.join(done)}")
         self.calls += 1
 
+    def more(self, n: int) -> None:
+        """Measure ``n`` more rounds of every variant, kept beside the first ones (same interleaving)."""
+        self.total += n
+        self.added += n
+        for _ in range(n):
+            self()
+
     def median_wall(self, name: str) -> float:
         return statistics.median(w for w, _ in self.samples[name])
 
@@ -141,6 +150,11 @@ class Rounds:
         """Median tokens/s of ``subject`` / of ``reference`` (for variants that generate different lengths)."""
         rate = {n: statistics.median(t / w for w, t in self.samples[n]) for n in (subject, reference)}
         return rate[subject] / rate[reference]
+
+    def missed(self, gates: Mapping[str, tuple[str, str]], minimums: Mapping[str, float]) -> list[str]:
+        """The gated ratios (``{ratio: (subject, reference)}``) below their minimums, as ``"ratio value < min"``."""
+        return [f"{ratio} {self.speed_ratio(*pair):.3f} < {minimums[ratio]}" for ratio, pair in gates.items()
+                if ratio in minimums and self.speed_ratio(*pair) < minimums[ratio]]
 
     def tokens(self, name: str) -> set[int]:
         return {t for _, t in self.samples[name]}

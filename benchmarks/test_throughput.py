@@ -110,7 +110,7 @@ def test_throughput(bench, benchmark, case: Case) -> None:
     else:
         raise AssertionError(f"unknown guard set {case.guard_set!r}")
 
-    rounds = bench.measure(benchmark, case.id, [reference, subject])
+    rounds = bench.measure(benchmark, case.id, [reference, subject], gates={ratio_name: (subject.name, reference.name)})
     expected = case.batch * case.new_tokens
     for variant in (reference, subject):  # fixed length: a variant that stopped early would flatter the ratio
         assert rounds.tokens(variant.name) == {expected}, (variant.name, rounds.tokens(variant.name), expected)

@@ -25,6 +25,7 @@ class Size:
     rounds: int  # measured rounds of a gated case (its ratios decide the release gate)
     warmup: int
     ungated_rounds: int  # measured rounds of a case whose ratios are reported, not gated
+    confirm_rounds: int  # rounds a gated case adds when a gated ratio missed its minimum (see BenchSession.measure)
     rollout_tokens: int  # sampled tokens per row of the rollout_vs_trainer cases
     vllm_compiled: bool  # vLLM's defaults (torch.compile); False: eager engines and torch.compile off
 
@@ -39,12 +40,12 @@ SIZES = {
     "smoke": Size(batches=(1, 8, 64), prompt_lens=("short",), new_tokens=(16,),
                   guard_sets=("none", "repeat", "min_length"), guard_batches=(8,), native_budget=96,
                   served_concurrency=(1, 8, 64), served_requests=8, chat_concurrency=(1, 16), chat_requests=8,
-                  rounds=3, warmup=1, ungated_rounds=1, rollout_tokens=32, vllm_compiled=False),
+                  rounds=3, warmup=1, ungated_rounds=1, confirm_rounds=6, rollout_tokens=32, vllm_compiled=False),
     # For GPU runners: both prompt lengths, short and long outputs, batch 256 too, more rounds.
     "full": Size(batches=(1, 8, 64, 256), prompt_lens=("short", "long"), new_tokens=(64, 256),
                  guard_sets=("none", "repeat", "min_length"), guard_batches=(1, 8, 64, 256), native_budget=256,
                  served_concurrency=(1, 8, 64), served_requests=128, chat_concurrency=(1, 16), chat_requests=64,
-                 rounds=5, warmup=1, ungated_rounds=5, rollout_tokens=128, vllm_compiled=True),
+                 rounds=5, warmup=1, ungated_rounds=5, confirm_rounds=10, rollout_tokens=128, vllm_compiled=True),
 }
 
 # The repeat guard under test; thresholds that never fire on the healthy prompts, and catch SmolLM2's

@@ -73,3 +73,29 @@ def test_batches_cycle_prompts_and_long_prompts_carry_the_context():
     assert all(len(lo[-1]["content"]) > len(sh[-1]["content"]) + 500 for sh, lo in zip(short, long, strict=True))
     with pytest.raises(ValueError, match="short or long"):
         batch_messages(1, "medium")
+
+
+def test_a_missed_gate_is_confirmed_with_more_interleaved_rounds_judged_on_all_of_them():
+    calls: list[str] = []
+    rounds = make_rounds(calls)
+    for _ in range(4):
+        rounds()
+    rounds.samples = {"raw": [(1.0, 4)] * 3, "engine": [(1.0, 4), (1.0, 4), (1.25, 4)]}
+    gates = {"engine_over_raw": ("engine", "raw")}
+    assert rounds.missed(gates, {"engine_over_raw": 0.9}) == []
+    rounds.samples["engine"] = [(1.25, 4), (1.2, 4), (1.0, 4)]  # median 1.2: 0.833
+    assert rounds.missed(gates, {"engine_over_raw": 0.9}) == ["engine_over_raw 0.833 < 0.9"]
+    assert rounds.missed(gates, {"guard_on_over_off": 0.8}) == []  # a ratio with no minimum is never missed
+    calls.clear()
+    rounds.more(4)
+    assert [c for c in calls if not c.startswith("progress")] == ["raw", "engine", "engine", "raw"] * 2
+    assert "round 7/7" in calls[-1] and rounds.added == 4
+    assert [len(rounds.samples[n]) for n in ("raw", "engine")] == [7, 7]
+    rounds.samples = {"raw": [(1.0, 4)] * 7, "engine": [(1.25, 4), (1.2, 4), (1.0, 4)] + [(1.0, 4)] * 4}
+    assert rounds.speed_ratio("engine", "raw") == pytest.approx(1.0)  # judged on all 7: one slow pair outvoted
+    assert [r["round"] for r in rounds.rows() if r["variant"] == "engine"] == list(range(7))
+
+
+def test_every_size_can_confirm_a_missed_gate_with_more_rounds_than_it_first_measured():
+    for size in SIZES.values():
+        assert size.confirm_rounds >= size.rounds

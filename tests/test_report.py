@@ -149,3 +149,16 @@ def test_per_case_figures_are_written_on_the_case_rows_and_unknown_names_refused
     assert math.isnan(w.rows[2]["added_ms_per_step"])
     with pytest.raises(ValueError, match="unknown ratio or figure columns \\['ms_added'\\]"):
         w.add_case({"benchmark": "x"}, [], {"ms_added": 1.0})
+
+
+def test_the_gate_says_when_a_case_was_confirmed_with_more_rounds(tmp_path, capsys):
+    path = make_report(tmp_path, "confirmed", engine_over_raw=0.93)
+    frame = read(path)
+    frame.loc[frame["benchmark"] == "throughput[hf-b8]", "confirm_rounds"] = 6
+    verdicts = {v.benchmark: v.confirm_rounds for v in gate(frame, {"engine_over_raw": 0.9}).verdicts}
+    assert verdicts == {"throughput[hf-b1]": 0, "throughput[hf-b8]": 6}
+    assert read(make_report(tmp_path / "plain", "plain"))["confirm_rounds"].eq(0).all()  # the writer's default
+    from engine.report.gate import format_gate
+
+    lines = format_gate(gate(frame, {"engine_over_raw": 0.9})).splitlines()
+    assert "6 more rounds measured" in lines[1] and "more rounds" not in lines[0]

@@ -2,6 +2,9 @@
 
 Each case's ratio (one value per benchmark, see :data:`~engine.report.schema.RATIO_COLUMNS`) must be at
 least its minimum. A minimum with no case to check fails too: a gate that checked nothing must not pass.
+The benchmarks confirm a miss before it reaches the gate: a gated case whose ratio is below its default minimum
+after the size's rounds measures ``confirm_rounds`` more, and its ratio is the median over all of them (one noisy
+round cannot fail a release; a real regression misses in every round and still does). The gate line says so.
 
 >>> import pandas as pd
 >>> f = pd.DataFrame({"benchmark": ["a", "a", "b"], "engine_over_raw": [0.97, 0.97, 0.85]})
@@ -27,6 +30,7 @@ class Verdict:
     benchmark: str
     value: float
     minimum: float
+    confirm_rounds: int = 0  # rounds the benchmark added after a first miss (the value is over all its rounds)
 
     @property
     def passed(self) -> bool:
@@ -60,15 +64,20 @@ def parse_minimum(text: str) -> tuple[str, float]:
 def gate(frame: Any, minimums: Mapping[str, float]) -> GateResult:
     verdicts, unchecked = [], []
     for ratio, minimum in minimums.items():
-        per_case = frame.dropna(subset=[ratio]).groupby("benchmark", sort=True)[ratio].first()
-        if per_case.empty:
+        rows = frame.dropna(subset=[ratio])
+        if rows.empty:
             unchecked.append(ratio)
-        verdicts += [Verdict(ratio, str(b), float(v), minimum) for b, v in per_case.items()]
+            continue
+        confirmed = rows.get("confirm_rounds", 0)  # reports are read with the column; a bare frame may lack it
+        per_case = rows.assign(confirm_rounds=confirmed).groupby("benchmark", sort=True)[[ratio, "confirm_rounds"]]
+        verdicts += [Verdict(ratio, str(b), float(r[ratio]), minimum, int(r["confirm_rounds"]))
+                     for b, r in per_case.first().iterrows()]
     return GateResult(verdicts, unchecked)
 
 
 def format_gate(result: GateResult) -> str:
     lines = [f"{'PASS' if v.passed else 'FAIL'}  {v.ratio:<18} {v.value:6.3f} >= {v.minimum:.3f}  {v.benchmark}"
+             + (f"  (missed at first; {v.confirm_rounds} more rounds measured)" if v.confirm_rounds else "")
              for v in result.verdicts]
     lines += [f"FAIL  {r}: no case in the report measured it (fix: run the benchmarks that do)"
               for r in result.unchecked]

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,9 @@ CASE_COLUMNS = (
                                 "rule_cost: decode+rowwise (reference path) or table+vectorized (fast path); "
                                 "backends: hf, vllm, llamacpp (engines) or llamacpp-raw (Llama.generate)"),
     Column("role", "string", "reference or subject of the case's ratio, or context (measured alongside, in no ratio)"),
+    Column("confirm_rounds", "int64", "measured rounds added because a gated ratio missed its minimum after the "
+                                      "size's rounds (its ratios are then medians over all the case's rounds); 0: "
+                                      "none were needed"),
 )
 ROUND_COLUMNS = (
     Column("round", "int64", "measured round (warm-up rounds are not written)"),

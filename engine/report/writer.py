@@ -34,7 +34,7 @@ class ReportWriter:
         for r in rounds:
             row = {"requests": case.get("batch"), "p50_latency_ms": math.nan, "p99_latency_ms": math.nan,
                    "p50_ttft_ms": math.nan,
-                   **self.run, **case, **r}
+                   "confirm_rounds": 0, **self.run, **case, **r}
             row["tokens_per_s"] = r["output_tokens"] / r["wall_s"]
             row["requests_per_s"] = row["requests"] / r["wall_s"] if row["requests"] is not None else math.nan
             row["us_per_token"] = r["wall_s"] / r["output_tokens"] * 1e6 if r["output_tokens"] else math.nan
