@@ -1,4 +1,4 @@
-"""Sampling options observed, not just passed through: seeds, top-k, top-p, temperature, repetition penalty,
+"""Sampling options observed, not just passed through: seeds, top-k, top-p, min-p, temperature, repetition penalty,
 and the top-k log-probability sets, on every backend.
 
 Seeded samples are reproducible per backend, not across backends (their random streams differ), so seed checks
@@ -42,9 +42,11 @@ def test_a_seed_reproduces_and_another_seed_changes_the_sample(engine, backend):
     assert fields(first) != fields(greedy(engine)), f"{backend}: temperature 1.0 sampled exactly the greedy rows"
 
 
-@pytest.mark.parametrize("limit", [{"top_k": 1}, {"top_p": 1e-6}], ids=["top_k-1", "top_p-tiny"])
+@pytest.mark.parametrize("limit", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}],
+                         ids=["top_k-1", "top_p-tiny", "min_p-1"])
 def test_a_one_token_candidate_set_is_greedy(engines, limit, pool):
-    """``top_k: 1`` keeps one candidate; so does a nucleus smaller than any token's probability. Both must
+    """``top_k: 1`` keeps one candidate; so does a nucleus smaller than any token's probability, and ``min_p: 1``
+    (only tokens as likely as the likeliest). Each must
     reproduce greedy decoding whatever the temperature and the seed, and agree across backends. (In lower
     precision two tokens can tie exactly, and the sampler's top-k may keep the other one than argmax: vLLM's rule.)"""
     got = {}
@@ -57,14 +59,33 @@ def test_a_one_token_candidate_set_is_greedy(engines, limit, pool):
 
 
 def test_greedy_with_a_nucleus_is_refused_before_generation(engine, count_backend_calls):
-    """``top_p`` or ``top_k`` with temperature 0 would be ignored by greedy decoding: the engine refuses it (a
-    typed error naming the field) rather than let one backend apply it and the other drop it."""
+    """``top_p``, ``top_k`` or ``min_p`` with temperature 0 would be ignored by greedy decoding: the engine refuses
+    it (a typed error naming the field) rather than let one backend apply it and the other drop it."""
     calls = count_backend_calls(engine)
-    for key, value in (("top_p", 0.5), ("top_k", 5)):
+    for key, value in (("top_p", 0.5), ("top_k", 5), ("min_p", 0.1)):
         with pytest.raises(ConfigError) as info:
             engine.generate(PROMPTS, options={"max_new_tokens": 4, key: value})
         assert info.value.field == f"generation.{key}" and info.value.value == value
     assert calls == [], "a refused request generated tokens"
+
+
+def test_min_p_never_draws_below_its_floor(engine, backend, pool):
+    """``min_p``: a token is drawn only if its probability after the temperature is at least ``min_p`` times the
+    likeliest one's, i.e. its raw log-probability (what ``logprobs`` returns) is at most ``T * ln(1 / min_p)`` below
+    the best. The same seeds without ``min_p`` draw below that floor at temperature 3: the check has teeth."""
+    temperature, min_p = 3.0, 0.3
+    floor = temperature * math.log(min_p)
+    tol = 1e-3 if pool.options.dtype == "float32" else LOW_PRECISION_LOGPROB_TOL
+
+    def lowest(rows) -> float:
+        return min(r.logprobs[step][t] - max(r.logprobs[step].values())
+                   for r in rows for step, t in enumerate(r.token_ids))
+
+    options = {"max_new_tokens": 16, "temperature": temperature, "seed": 11, "logprobs": 1}
+    free = engine.generate(PROMPTS, options=options)
+    kept = engine.generate(PROMPTS, options={**options, "min_p": min_p})
+    assert lowest(free) < floor, f"{backend}: without min_p no draw fell below {floor:.2f}; the check proves nothing"
+    assert lowest(kept) >= floor - tol, f"{backend}: min_p {min_p} drew a token {lowest(kept):.3f} below the best"
 
 
 def test_repetition_penalty_greedy_parity(engines, pool, summary_note):

@@ -96,3 +96,16 @@ def test_yaml_file(tmp_path):
     (tmp_path / "bad.yaml").write_text("- a list\n")
     with pytest.raises(ConfigError, match="top level"):
         EngineConfig.from_yaml(tmp_path / "bad.yaml")
+
+
+def test_min_p_is_a_fraction_of_the_likeliest_and_needs_sampling():
+    from engine.config import GenerationOptions
+    from engine.errors import ConfigError
+
+    assert GenerationOptions(temperature=1.0, min_p=0.05).min_p == 0.05
+    for bad, says in [(1.5, "must be in"), (-0.1, "must be in"), ("0.1", "must be a number")]:
+        with pytest.raises(ConfigError, match=says) as err:
+            GenerationOptions(temperature=1.0, min_p=bad)
+        assert err.value.field == "generation.min_p"
+    with pytest.raises(ConfigError, match="no effect with temperature 0"):
+        GenerationOptions(min_p=0.1)

@@ -126,6 +126,26 @@ def test_repetition_penalty_equals_transformers():
     assert np.allclose(got, want)
 
 
+@pytest.mark.parametrize("min_p", [0.05, 0.3, 1.0])
+def test_min_p_after_the_temperature_keeps_what_the_hf_sampler_keeps(min_p):
+    """The llama.cpp step's min-p (after its temperature) keeps exactly the tokens HF's warpers keep in the engine's
+    order (temperature, then min-p), and vLLM's rule: p >= min_p * p_max."""
+    import torch
+
+    from engine.backends.hf.sampling import sampling_warpers
+
+    rng = np.random.default_rng(2)
+    scores = (rng.standard_normal(40) * 3).astype(np.float32)
+    got = step_for(temperature=1.7, min_p=min_p)(np.array([1]), scores.copy())
+    want = torch.tensor(scores[None])
+    for warp in sampling_warpers(1.7, 0, 1.0, min_p):
+        want = warp(None, want)
+    assert (np.isfinite(got) == torch.isfinite(want[0]).numpy()).all()
+    probs = torch.softmax(torch.tensor(scores) / 1.7, -1).numpy()
+    assert (np.isfinite(got) == (probs >= min_p * probs.max() * (1 - 1e-6))).all()
+    assert 1 <= np.isfinite(got).sum() < len(scores) and (min_p < 1.0 or np.isfinite(got).sum() == 1)
+
+
 def test_min_new_tokens_bans_every_terminal_id_until_reached():
     step = step_for(terminal_ids=[0, 4], min_new_tokens=2)
     assert np.isinf(step(np.array([1, 2]), np.zeros(6, dtype=np.float32))[[0, 4]]).all()

@@ -42,6 +42,9 @@ class GenerationOptions:
     """Nucleus mass in (0, 1]; 1 disables it. Only with temperature > 0."""
     top_k: int = 0
     """Keep the k most likely tokens, in [0, inf); 0 disables it. Only with temperature > 0."""
+    min_p: float = 0.0
+    """Drop tokens less likely than ``min_p`` times the likeliest one (after the temperature, before top-k and top-p,
+    as vLLM orders them), in [0, 1]; 0 disables it, 1 keeps only the likeliest. Only with temperature > 0."""
     seed: int | None = None
     """Sampling seed in [0, 2**63); reproducible per backend, not across backends. None: unseeded."""
     repetition_penalty: float = 1.0
@@ -66,6 +69,8 @@ class GenerationOptions:
         check_range(f"{p}.top_p", self.top_p, low=0, high=1, low_open=True, fix="use a value such as 0.9")
         check_type(f"{p}.top_k", self.top_k, int, "an integer")
         check_range(f"{p}.top_k", self.top_k, low=0, fix="use 0 to disable top-k")
+        check_type(f"{p}.min_p", self.min_p, (int, float), "a number")
+        check_range(f"{p}.min_p", self.min_p, low=0, high=1, fix="use a value such as 0.05, or 0 to disable min-p")
         if self.seed is not None:
             check_type(f"{p}.seed", self.seed, int, "an integer")
             check_range(f"{p}.seed", self.seed, low=0, high=2**63, high_open=True)
@@ -81,6 +86,9 @@ class GenerationOptions:
         if self.is_greedy and self.top_p != 1.0:
             raise ConfigError(f"{p}.top_p", self.top_p, "has no effect with temperature 0 (greedy)",
                               fix="set generation.temperature > 0 to sample, or leave top_p at 1.0")
+        if self.is_greedy and self.min_p != 0:
+            raise ConfigError(f"{p}.min_p", self.min_p, "has no effect with temperature 0 (greedy)",
+                              fix="set generation.temperature > 0 to sample, or leave min_p at 0")
         if self.is_greedy and self.top_k != 0:
             raise ConfigError(f"{p}.top_k", self.top_k, "has no effect with temperature 0 (greedy)",
                               fix="set generation.temperature > 0 to sample, or leave top_k at 0")

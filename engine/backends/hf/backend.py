@@ -298,7 +298,7 @@ class HfBackend(BackendBase, backend="hf"):
         sampler = []
         if not opts.is_greedy:  # warpers after every other processor, then one draw per row with its own seed
             sampler.append(RowSampler([p.seed for p in prompts], temperature=opts.temperature, top_k=opts.top_k,
-                                      top_p=opts.top_p))
+                                      top_p=opts.top_p, min_p=opts.min_p))
         with torch.inference_mode():
             out = self.model.generate(**inputs, generation_config=self.generation_config(plan),
                                       stopping_criteria=StoppingCriteriaList([recorder]),

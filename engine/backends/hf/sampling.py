@@ -2,8 +2,8 @@
 
 ``generate(do_sample=True)`` draws every row from one ``torch.multinomial`` stream, so identical prompts in one
 seeded call get different samples only by their position, and a row's sample changes with its batch-mates. The
-HF backend therefore runs ``generate`` greedy and samples in its last logits processor: HF's own warpers in HF's
-order (temperature, top-k, top-p, after every other processor: penalties, min-length, row rules, grammar mask),
+HF backend therefore runs ``generate`` greedy and samples in its last logits processor: HF's own warpers in vLLM's
+order (temperature, min-p, top-k, top-p, after every other processor: penalties, min-length, row rules, grammar mask),
 then one draw per row from that row's own ``torch.Generator``; the processor returns scores where only the drawn
 token is finite, so greedy selection picks it. Raw logits (``output_logits``, the logprobs' source) are untouched.
 """
@@ -14,11 +14,14 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def sampling_warpers(temperature: float, top_k: int, top_p: float) -> list[Any]:
-    """HF's own warpers, in HF's (and vLLM's) order: temperature, then top-k, then top-p."""
-    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+def sampling_warpers(temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> list[Any]:
+    """HF's own warpers, in vLLM's order: temperature, min-p, top-k, top-p (HF's ``generate`` would apply min-p
+    last; vLLM's sampler applies it before top-k and top-p, and the kept set differs when top-p is set too)."""
+    from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     warpers: list[Any] = [TemperatureLogitsWarper(temperature)]
+    if min_p:
+        warpers.append(MinPLogitsWarper(min_p))
     if top_k:
         warpers.append(TopKLogitsWarper(top_k))
     if top_p < 1.0:
@@ -38,10 +41,11 @@ class RowSampler:
         (True, 1)
     """
 
-    def __init__(self, seeds: Sequence[int | None], *, temperature: float, top_k: int, top_p: float) -> None:
+    def __init__(self, seeds: Sequence[int | None], *, temperature: float, top_k: int, top_p: float,
+                 min_p: float = 0.0) -> None:
         import torch
 
-        self.warpers = sampling_warpers(temperature, top_k, top_p)
+        self.warpers = sampling_warpers(temperature, top_k, top_p, min_p)
         self.generators = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
 
     def __call__(self, input_ids: Any, scores: Any) -> Any:

@@ -6,10 +6,10 @@ given. At load the GGUF's vocabulary is checked against that tokenizer, token by
 
 Rows run one after another through ``Llama.generate`` (one sequence per llama.cpp context; consecutive rows reuse the
 KV cache of a shared prompt prefix). Per token, :class:`~engine.backends.llamacpp.rules.LlamaCppRowStep` (the
-``logits_processor``) applies min_new_tokens, the repetition penalty, the row rules and the temperature; llama.cpp
-applies top-k, top-p and samples (greedy when the options are). The loop here ends a row on a terminal id, a stop
-string (found on the row's text with the engine's stop rule; the engine still truncates ``text``), a stopping rule,
-``max_new_tokens`` or the context length.
+``logits_processor``) applies min_new_tokens, the repetition penalty, the row rules, the temperature and min-p;
+llama.cpp applies top-k, top-p and samples (greedy when the options are). The loop here ends a row on a terminal
+id, a stop string (found on the row's text with the engine's stop rule; the engine still truncates ``text``), a
+stopping rule, ``max_new_tokens`` or the context length.
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ class LlamaCppBackend(BackendBase, backend="llamacpp"):
         step = LlamaCppRowStep(prompt_len=len(prompt.token_ids), terminal_ids=plan.terminal_token_ids,
                                min_new_tokens=opts.min_new_tokens, rules=rules, eos_id=plan.eos_token_ids[0],
                                repetition_penalty=opts.repetition_penalty,
-                               temperature=None if opts.is_greedy else opts.temperature,
+                               temperature=None if opts.is_greedy else opts.temperature, min_p=opts.min_p,
                                logprobs=opts.logprobs is not None)
         stops = StopStringWatch(plan.stop.strings, text_stream(text_source),
                                 min_new_tokens=opts.min_new_tokens) if plan.stop.strings else None

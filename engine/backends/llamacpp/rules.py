@@ -5,12 +5,14 @@ and one row of logits in token-id order) and samples from what it returns. :clas
 callable for one row. It applies, in HF's order: ``min_new_tokens`` (terminal ids banned until then),
 ``repetition_penalty`` (HF's rule), the row's rules (the shared :class:`~engine.rules.base.RuleSet`, decided and
 applied by :mod:`engine.backends.row_apply` on a zero-copy torch view of the row, exactly as on HF and vLLM), then
-the temperature; llama.cpp's own top-k / top-p and sampler come after, as HF's warpers do. It notes the raw
+the temperature and min-p; llama.cpp's own top-k / top-p and sampler come after (vLLM's order; llama.cpp's
+own min-p, which it would apply after top-p, stays off). It notes the raw
 log-probabilities before any edit when logprobs are asked for (HF's ``output_logits``, vLLM's raw logprobs).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,7 +32,7 @@ class LlamaCppRowStep:
 
     def __init__(self, *, prompt_len: int, terminal_ids: Sequence[int], min_new_tokens: int, rules: RuleSet | None,
                  eos_id: int, repetition_penalty: float = 1.0, temperature: float | None = None,
-                 logprobs: bool = False) -> None:
+                 min_p: float = 0.0, logprobs: bool = False) -> None:
         self.prompt_len = prompt_len
         self.terminal_ids = list(terminal_ids)
         self.min_new_tokens = min_new_tokens
@@ -38,6 +40,7 @@ class LlamaCppRowStep:
         self.eos_id = eos_id
         self.repetition_penalty = repetition_penalty
         self.temperature = temperature
+        self.min_p = min_p
         self.logprobs = logprobs
         self.generated = 0
         self.last_logprobs: Any = None
@@ -70,6 +73,8 @@ class LlamaCppRowStep:
             apply_decisions(row, decide(row, [(0, self.rules, self.eos_id)]))
         if self.temperature is not None and self.temperature != 1.0:
             scores /= self.temperature
+        if self.min_p:  # p < min_p * p_max, in logits: below the top logit by more than -log(min_p)
+            scores[scores < scores.max() + math.log(self.min_p)] = -np.inf
         return scores
 
     def top_logprobs(self, token: int, k: int) -> dict[int, float]:

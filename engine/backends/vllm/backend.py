@@ -217,6 +217,7 @@ def sampling_params(plan: SamplingPlan, **extra: Any) -> Any:
         temperature=opts.temperature,
         top_p=opts.top_p,
         top_k=opts.top_k,
+        min_p=opts.min_p,
         seed=None,  # each row's own seed is set per request (request_params)
         repetition_penalty=opts.repetition_penalty,
         stop=list(plan.stop.strings) or None,
