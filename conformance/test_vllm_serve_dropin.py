@@ -19,8 +19,8 @@ CITY = {"type": "object", "required": ["city", "population"], "additionalPropert
 
 
 def test_vllm_sampling_extras_give_the_engines_answers(client, pool, backend):
-    """``top_k`` (-1: off), ``repetition_penalty``, ``min_tokens``, ``stop_token_ids`` and ``seed`` at the top level,
-    as vLLM takes them, equal the engine's own options and stop token ids."""
+    """``top_k`` (-1: off), ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids`` and ``seed`` at the
+    top level, as vLLM takes them, equal the engine's own options and stop token ids."""
     engine = pool.text_engine(backend)
     model = model_id(client)
     free = engine.generate([PROMPTS[3]], options={"max_new_tokens": 16, "temperature": 0})[0]
@@ -30,7 +30,8 @@ def test_vllm_sampling_extras_give_the_engines_answers(client, pool, backend):
         ({"top_k": -1, "repetition_penalty": 1.3, "min_tokens": 12, "temperature": 0},
          {"top_k": 0, "repetition_penalty": 1.3, "min_new_tokens": 12, "temperature": 0}, None),
         ({"temperature": 0, "stop_token_ids": [stop_id]}, {"temperature": 0}, {"token_ids": [stop_id]}),
-        ({"temperature": 0.9, "top_k": 5, "seed": 77}, {"temperature": 0.9, "top_k": 5, "seed": 77}, None),
+        ({"temperature": 0.9, "top_k": 5, "seed": 77, "min_p": 0.1},
+         {"temperature": 0.9, "top_k": 5, "seed": 77, "min_p": 0.1}, None),
     ]
     for extra, options, stop in cases:
         local = engine.generate([PROMPTS[3]], options={"max_new_tokens": 16, **options}, stop=stop)[0]
@@ -205,3 +206,40 @@ def test_tokenizer_info_names_the_served_tokenizer(client, pool, backend, chat_s
     info = client.get(f"{chat_server(backend).url}/tokenizer_info", cast_to=httpx.Response).json()
     assert info["eos_token"] == engine.tokenizer.eos_token and info["chat_template"] == engine.tokenizer.chat_template
     assert info["model_max_length"] == engine.backend.capabilities.max_model_len
+
+
+def test_openapi_json_describes_every_body_the_openai_client_sends(chat_server):
+    """``/openapi.json`` is truthful: the request bodies the official client sends (its own serialization, caught on
+    the wire) validate against the schema the server publishes for their route, and a body the schema refuses (a
+    misspelled field) is refused by the server too, naming that field. The bodies and the app are the same on every
+    backend: checked once, on HF's server."""
+    import jsonschema
+    import openai
+
+    url = chat_server("hf").url
+    doc = httpx.get(f"{url}/openapi.json", timeout=30).json()
+    sent: list[tuple[str, dict]] = []
+
+    def record(request: httpx.Request) -> None:
+        if request.method == "POST":
+            sent.append((request.url.path, json.loads(request.content)))
+
+    with httpx.Client(event_hooks={"request": [record]}, timeout=120) as http, \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, http_client=http) as c:
+        model = model_id(c)
+        c.chat.completions.create(model=model, messages=FRANCE, max_tokens=2, temperature=0, top_p=1.0, seed=3,
+                                  stop=["\n\n", "###"], logprobs=True, top_logprobs=2, n=1, user="u",
+                                  frequency_penalty=0, presence_penalty=0,
+                                  extra_body={"top_k": -1, "min_tokens": 1, "stop_token_ids": [0]})
+        streamed(c, model=model, messages=FRANCE, max_tokens=2, temperature=0,
+                 stream_options={"include_usage": True})
+        c.completions.create(model=model, prompt=[[1, 2, 3], [4, 5]], max_tokens=2, temperature=0, echo=False,
+                             logprobs=1, stop="\n", best_of=1)
+        with pytest.raises(openai.BadRequestError) as err:
+            c.chat.completions.create(model=model, messages=FRANCE, max_tokens=2, extra_body={"top_kk": 5})
+    assert err.value.body["param"] == "top_kk" and "did you mean 'top_k'" in err.value.body["message"]
+    assert [path for path, _ in sent] == ["/v1/chat/completions"] * 2 + ["/v1/completions", "/v1/chat/completions"]
+    for path, body in sent:
+        ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        valid = jsonschema.Draft202012Validator({**ref, "components": doc["components"]}).is_valid(body)
+        assert valid == ("top_kk" not in body), (path, body)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from engine.config.serve import PatternCConfig
 from engine.errors import ConfigError, RequestError
 from engine.serve import openai_wire, pattern_c_wire
-from engine.serve.openai_wire import FIELDS as COMPLETION_FIELDS
+from engine.serve.bodies import ChatCompletionRequest
 from engine.serve.openai_wire import NEUTRAL, chunk, completion_body, parse_completion
 from engine.serve.pattern_c_wire import parse_pattern_c, pattern_c_body
 from engine.types import GenerationResult
@@ -49,12 +49,12 @@ def test_fields_map_to_engine_options_and_stop():
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "x": 1}}},
      "response_format.json_schema.x"),
-    ({"response_format": {"type": "json_object", "schema": {}}}, "response_format.schema"), ({"min_p": 0.1}, "min_p"),
+    ({"response_format": {"type": "json_object", "schema": {}}}, "response_format.schema"), ({"min_p": "0.1"}, "min_p"),
     ({"engine": {"stop": {"token_ids": [3]}}, "stop_token_ids": [4]}, "engine.stop"), ({"model": None}, "model"),
     ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": "yes"}, "logprobs"), ({"stream": 1}, "stream"), ({"stream_options": {}}, "stream_options"),
     ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
-    ({"stream": True, "stream_options": {"foo": 1}}, "stream_options.foo"), ({"stop": [1]}, "stop"),
+    ({"stream": True, "stream_options": {"foo": 1}}, "stream_options.foo"), ({"stop": [1]}, "stop[0]"),
     ({"engine": {"bogus": 1}}, "engine.bogus"),
     ({"engine": {"options": {"seed": 1}}, "seed": 2}, "engine.options.seed"),
     ({"engine": {"stop": {"strings": ["x"]}}, "stop": "y"}, "engine.stop"), ({"messages": []}, "messages"),
@@ -70,8 +70,8 @@ def test_bad_fields_are_named(fields, field):
 
 def test_vllm_sampling_extras_and_response_format_reach_the_engine():
     call = parse_completion(body(top_k=-1, repetition_penalty=1.2, min_tokens=3, stop_token_ids=[7, 9], stop="x",
-                                 seed=5, min_p=0.0))
-    assert call.options == {"top_k": 0, "repetition_penalty": 1.2, "min_new_tokens": 3, "seed": 5}
+                                 seed=5, min_p=0.05))
+    assert call.options == {"top_k": 0, "repetition_penalty": 1.2, "min_new_tokens": 3, "seed": 5, "min_p": 0.05}
     assert call.stop == {"strings": ["x"], "token_ids": [7, 9]} and call.json_schema is None
     assert parse_completion(body(top_k=40)).options == {"top_k": 40}
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -157,7 +157,7 @@ JSON_JUNK = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(-5, 10**6), st.floats(allow_nan=False), st.text(max_size=5)),
     lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
     max_leaves=6)
-COMPLETION_KEYS = st.sampled_from([*COMPLETION_FIELDS, *NEUTRAL, "messages", "engine", "bogus"])
+COMPLETION_KEYS = st.sampled_from([*ChatCompletionRequest.model_fields, *NEUTRAL, "messages", "engine", "bogus"])
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "x"]),
                                  "content": st.one_of(st.text(max_size=4), JSON_JUNK)})
 

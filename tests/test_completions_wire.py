@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from engine.backends.base import TokenScores
 from engine.errors import EngineError, RequestError
+from engine.serve.bodies import CompletionRequest
 from engine.serve.completions_wire import (
     DEFAULT_MAX_TOKENS,
-    FIELDS,
     NEUTRAL,
     TABLE,
     choice_logprobs,
@@ -64,12 +64,12 @@ def test_fields_reach_the_engine_as_on_the_chat_route():
 
 
 @pytest.mark.parametrize(("fields", "field"), [
-    ({}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": 5}, "prompt"), ({"prompt": [[1], "a", 3]}, "prompt[2]"),
-    ({"prompt": [[1, 300]]}, "prompt[0][1]"), ({"prompt": [1, True]}, "prompt[0]"), ({"prompt": "a", "n": 2}, "n"),
+    ({}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": 5}, "prompt"), ({"prompt": [[1], "a", 3]}, "prompt[1]"),
+    ({"prompt": [[1, 300]]}, "prompt[0][1]"), ({"prompt": [1, True]}, "prompt[1]"), ({"prompt": "a", "n": 2}, "n"),
     ({"prompt": "a", "best_of": 2}, "best_of"), ({"prompt": "a", "suffix": "z"}, "suffix"),
     ({"prompt": "a", "logprobs": True}, "logprobs"), ({"prompt": "a", "echo": "yes"}, "echo"),
     ({"prompt": "a", "max_tokens": 0}, "max_tokens"), ({"prompt": "a", "messages": []}, "messages"),
-    ({"prompt": "a", "top_logprobs": 2}, "top_logprobs"), ({"prompt": "a", "min_p": 0.2}, "min_p"),
+    ({"prompt": "a", "top_logprobs": 2}, "top_logprobs"), ({"prompt": "a", "min_p": [0.2]}, "min_p"),
     ({"prompt": "a", "add_special_tokens": 1}, "add_special_tokens"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
 ])
@@ -124,7 +124,7 @@ def test_scoring_only_and_streamed_halves():
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.dictionaries(st.sampled_from([*FIELDS, *NEUTRAL, "bogus"]),
+@given(st.dictionaries(st.sampled_from([*CompletionRequest.model_fields, *NEUTRAL, "bogus"]),
                        st.one_of(st.none(), st.booleans(), st.integers(-3, 400), st.text(max_size=3),
                                  st.lists(st.integers(0, 400), max_size=3)), max_size=6))
 def test_fuzzed_bodies_parse_or_are_refused_by_field(fields):

@@ -36,18 +36,18 @@ def test_swift_default_body_is_accepted_as_is():
 def test_request_config_maps_onto_engine_options():
     call = protocol.parse_infer({"infer_requests": [SWIFT_ITEM], "request_config": {
         **SWIFT_DEFAULTS, "max_tokens": 9, "temperature": 0.7, "top_k": -1, "top_p": 0.9, "seed": 4,
-        "stop": ["\n\n"], "logprobs": True, "top_logprobs": 3, "return_details": True}})
+        "stop": ["\n\n"], "logprobs": True, "top_logprobs": 3, "return_details": True, "min_p": 0.05}})
     assert call.options == {"max_new_tokens": 9, "temperature": 0.7, "top_p": 0.9, "seed": 4, "top_k": 0,
-                            "logprobs": 3}
+                            "logprobs": 3, "min_p": 0.05}
     assert call.stop == {"strings": ["\n\n"]} and call.return_details and call.top_logprobs == 3
 
 
 @pytest.mark.parametrize(("change", "field"), [
     ({"n": 2}, "request_config.n"), ({"best_of": 3}, "request_config.best_of"),
-    ({"presence_penalty": 0.5}, "request_config.presence_penalty"), ({"min_p": 0.1}, "request_config.min_p"),
+    ({"presence_penalty": 0.5}, "request_config.presence_penalty"), ({"min_p": "0.1"}, "request_config.min_p"),
     ({"structured_outputs_regex": "a+"}, "request_config.structured_outputs_regex"),
     ({"stream": True}, "request_config.stream"), ({"n": True}, "request_config.n"),
-    ({"top_logprobs": 2}, "request_config.top_logprobs"), ({"stop": [1]}, "request_config.stop"),
+    ({"top_logprobs": 2}, "request_config.top_logprobs"), ({"stop": [1]}, "request_config.stop[0]"),
     ({"maxtokens": 3}, "request_config.maxtokens"),
 ])
 def test_unsupported_or_unknown_request_config_is_refused(change, field):

@@ -10,11 +10,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import EngineError
 from engine.serve import (
+    bodies,
     openai_routes,
     pattern_c_routes,
     rollout_routes,
@@ -56,6 +58,14 @@ def create_app(served: ServedEngine, *, close_engine: bool = True) -> FastAPI:
     app.include_router(pattern_c_routes.router(served))
     app.include_router(weights_routes.router(served))
     app.include_router(tokenize_routes.router(served))
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's document with the request bodies the routes read themselves (``engine.serve.bodies``)."""
+        if app.openapi_schema is None:
+            app.openapi_schema = bodies.openapi(get_openapi(title=app.title, version=app.version, routes=app.routes))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.exception_handler(EngineError)
     async def engine_error(request: Request, err: EngineError) -> JSONResponse:

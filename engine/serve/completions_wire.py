@@ -32,16 +32,13 @@ from typing import Any
 
 from engine.backends.base import TokenScores
 from engine.errors import RequestError
-from engine.serve.openai_wire import FIELDS as CHAT_FIELDS
 from engine.serve.openai_wire import TABLE as CHAT_TABLE
 from engine.serve.openai_wire import parse_sampling
-from engine.serve.wire import FieldTable, flag, shown_logprob, unknown_fields
+from engine.serve.wire import FieldTable, flag, shown_logprob
 from engine.types import GenerationResult
 
-SAMPLING = tuple(f for f in CHAT_FIELDS if f not in ("messages", "max_completion_tokens", "logprobs", "top_logprobs"))
-FIELDS = (*SAMPLING, "prompt", "logprobs", "echo", "add_special_tokens")
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "min_p": (0, 0.0),
+    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},),
     "best_of": (1,), "suffix": ("",),
 }
 """Fields accepted only at a value that changes nothing (null too)."""
@@ -124,14 +121,10 @@ def parse_text_completion(body: Any, tokenizer: Any) -> TextCompletionCall:
     engine.errors.RequestError: max_tokens is 0, which only echo allows, got 0. Fix: set echo to true to score \
 the prompt, or ask for at least one token.
     """
-    if not isinstance(body, Mapping):
-        raise RequestError("body", type(body).__name__, "must be a JSON object",
-                           fix='send {"model": ..., "prompt": "..."}')
-    unknown_fields("", body, (*FIELDS, *NEUTRAL))
+    from engine.serve.bodies import CompletionRequest, check
+
+    check(CompletionRequest, body)
     logprobs = body.get("logprobs")
-    if isinstance(logprobs, bool):
-        raise RequestError("logprobs", logprobs, "must be an integer (how many alternatives per token)",
-                           fix="send e.g. 1, or leave it out")
     echo = flag(body, "echo")
     special = flag(body, "add_special_tokens", True)
     zero = body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)

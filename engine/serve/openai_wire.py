@@ -9,9 +9,9 @@ framework is imported here.
 Choices written down (OpenAI's reference leaves them open or this server cannot honour them):
 
 * ``n`` must be 1; sampling parameters OpenAI or vLLM have but the engine does not (``frequency_penalty``,
-  ``presence_penalty``, ``logit_bias``, tools, vLLM's ``min_p``) are accepted only at their neutral value, anything
-  else is a 400 naming the field. ``user`` is accepted and ignored.
-* vLLM's top-level sampling extras are taken as ``vllm serve`` takes them: ``top_k`` (-1 or 0: off),
+  ``presence_penalty``, ``logit_bias``, tools) are accepted only at their neutral value, anything else is a 400
+  naming the field. ``user`` is accepted and ignored.
+* vLLM's top-level sampling extras are taken as ``vllm serve`` takes them: ``top_k`` (-1 or 0: off), ``min_p``,
   ``repetition_penalty``, ``min_tokens`` (the engine's ``min_new_tokens``: EOS and stops held back until then),
   ``stop_token_ids`` (the engine's ``stop.token_ids``), ``seed``.
 * ``response_format``: ``text``; ``json_object`` (any JSON object); ``json_schema`` with ``json_schema.schema``
@@ -42,17 +42,13 @@ from engine.serve.wire import (
     flag,
     logprobs_content,
     stop_strings,
-    unknown_fields,
     usage,
 )
 from engine.types import GenerationResult
 
-FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
-          "logprobs", "top_logprobs", "stream", "stream_options", "n", "user", "engine", "top_k",
-          "repetition_penalty", "min_tokens", "stop_token_ids", "response_format")
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "tools": ([],),
-    "tool_choice": ("none",), "parallel_tool_calls": (False, True), "min_p": (0, 0.0),
+    "tool_choice": ("none",), "parallel_tool_calls": (False, True),
 }
 """Fields accepted only at a value that changes nothing (null too)."""
 TABLE = FieldTable({
@@ -61,6 +57,7 @@ TABLE = FieldTable({
     "top_logprobs": "generation.logprobs", "stop": "stop.strings", "top_k": "generation.top_k",
     "repetition_penalty": "generation.repetition_penalty", "min_tokens": "generation.min_new_tokens",
     "stop_token_ids": "stop.token_ids", "response_format.json_schema.schema": "json_schema",
+    "min_p": "generation.min_p",
 })
 """The fields both ways: top-level fields read into generation options; the engine's errors name them, the one
 request's ``messages[i]`` and the ``engine`` extension's fields."""
@@ -112,18 +109,16 @@ def parse_sampling(body: Mapping[str, Any], fields: FieldTable, neutral: Mapping
         if value is not None and (value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool)):
             raise RequestError(key, value, "is not supported by this server",
                                fix=f"leave it out or send {allowed[0]!r}")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise RequestError("model", model, "is required and must be a string", fix="send the served model's name "
+    model = body["model"]
+    if not model:
+        raise RequestError("model", model, "must name the served model", fix="send the served model's name "
                            "(GET /v1/models lists it)")
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise RequestError("user", body["user"], "must be a string", fix="send a string or leave it out")
     options: dict[str, Any] = {}
     tokens = _max_tokens(body)
     if tokens is not None:
         options["max_new_tokens"] = tokens
     options.update(fields.read_options(body, ("temperature", "top_p", "seed", "top_k", "repetition_penalty",
-                                              "min_tokens")))
+                                              "min_tokens", "min_p")))
     if options.get("top_k") == -1 and not isinstance(options["top_k"], bool):
         options["top_k"] = 0  # vLLM's "off"; the engine's is 0
     if logprobs is not None:
@@ -135,15 +130,11 @@ def parse_sampling(body: Mapping[str, Any], fields: FieldTable, neutral: Mapping
         if not stream:
             raise RequestError("stream_options", stream_options, "is only allowed with stream: true",
                                fix="set stream to true or leave stream_options out")
-        if not isinstance(stream_options, Mapping):
-            raise RequestError("stream_options", stream_options, "must be an object",
-                               fix='e.g. {"include_usage": true}')
-        unknown_fields("stream_options.", stream_options, ("include_usage", "continuous_usage_stats"))
         include_usage = flag(stream_options, "include_usage", where="stream_options.")
         if flag(stream_options, "continuous_usage_stats", where="stream_options."):
             raise RequestError("stream_options.continuous_usage_stats", True, "is not supported",
                                fix="use include_usage for one usage chunk at the end")
-    stop = stop_strings(body.get("stop"), "stop")
+    stop = stop_strings(body.get("stop"))
     if body.get("stop_token_ids") not in (None, []):
         stop = {**(stop or {}), "token_ids": body["stop_token_ids"]}  # checked by the engine, named back by TABLE
     options, stop, plugins = engine_extension(body, options, stop, options_from="by a top-level field",
@@ -169,10 +160,9 @@ times for several samples).
     ...
     engine.errors.RequestError: sedd is not a known field, got 1. Fix: did you mean 'seed'? available: ...
     """
-    if not isinstance(body, Mapping):
-        raise RequestError("body", type(body).__name__, "must be a JSON object",
-                           fix='send {"model": ..., "messages": [...]}')
-    unknown_fields("", body, (*FIELDS, *NEUTRAL))
+    from engine.serve.bodies import ChatCompletionRequest, check
+
+    check(ChatCompletionRequest, body)
     logprobs, top = flag(body, "logprobs"), body.get("top_logprobs")
     if top is not None and not logprobs:
         raise RequestError("top_logprobs", top, "needs logprobs: true", fix="set logprobs to true")
@@ -198,21 +188,15 @@ def response_schema(value: Any) -> Any:
     example = '{"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"}}}'
     if value is None:
         return None
-    if not isinstance(value, Mapping):
-        raise RequestError("response_format", value, "must be an object", fix=f"e.g. {example}")
-    kind = value.get("type")
+    kind, spec = value["type"], value.get("json_schema")
     if kind in ("text", "json_object"):
-        unknown_fields("response_format.", value, ("type",))
+        if spec is not None:
+            raise RequestError("response_format.json_schema", spec, f"applies to type json_schema only, not {kind}",
+                               fix=f"leave it out, or send e.g. {example}")
         return None if kind == "text" else {"type": "object"}
-    if kind != "json_schema":
-        raise RequestError("response_format.type", kind, "must be text, json_object or json_schema",
+    if spec is None:
+        raise RequestError("response_format.json_schema", spec, "is required with type json_schema",
                            fix=f"e.g. {example}")
-    unknown_fields("response_format.", value, ("type", "json_schema"))
-    spec = value.get("json_schema")
-    if not isinstance(spec, Mapping):
-        raise RequestError("response_format.json_schema", spec, "must be an object with a schema",
-                           fix=f"e.g. {example}")
-    unknown_fields("response_format.json_schema.", spec, ("name", "schema", "strict", "description"))
     if spec.get("schema") is None:
         raise RequestError("response_format.json_schema.schema", None, "is required (the engine constrains answers "
                            "to it)", fix=f"e.g. {example}")

@@ -22,7 +22,6 @@ from engine.errors import RequestError
 from engine.serve.wire import FieldTable, chat_messages, usage
 from engine.types import GenerationResult
 
-FIELDS = ("model", "messages", "min_len", "max_len", "stream")
 STRATEGY = "logits_processor"
 """How min-length is enforced: inside generation, on the logits (not by re-prompting or post-hoc padding)."""
 TABLE = FieldTable({"min_len": "plugins[0].min_chars", "max_len": "plugins[0].max_chars"}, extension=False)
@@ -47,8 +46,6 @@ def _length(body: Mapping[str, Any], key: str, default: int, low: int) -> int:
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(key, value, "must be an integer number of characters", fix=f"e.g. {default}")
     if value < low:
         raise RequestError(key, value, f"must be at least {low}", fix=f"e.g. {default}")
     return value
@@ -66,21 +63,10 @@ def parse_pattern_c(body: Any, defaults: Any) -> PatternCCall:
     ...
     engine.errors.RequestError: min_len must not exceed max_len (240), got 300. Fix: send min_len <= max_len.
     """
-    if not isinstance(body, Mapping):
-        raise RequestError("body", type(body).__name__, "must be a JSON object", fix='send {"messages": [...]}')
-    from engine.config.validation import did_you_mean
+    from engine.serve.bodies import PatternCRequest, check
 
-    for key, value in body.items():
-        if key not in FIELDS:
-            raise RequestError(key, value, "is not a known field", fix=did_you_mean(str(key), FIELDS))
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise RequestError("model", model, "must be a string", fix="send the served model's name or leave it out")
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise RequestError("stream", stream, "must be true or false", fix="send a boolean")
+    check(PatternCRequest, body)
+    model, stream = body.get("model"), bool(body.get("stream"))
     min_len = _length(body, "min_len", defaults.min_len, 0)
     max_len = _length(body, "max_len", defaults.max_len, 1)
     if min_len > max_len:

@@ -22,27 +22,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import RequestError
-from engine.serve.wire import FieldTable, engine_extension, logprobs_content, stop_strings, unknown_fields, usage
+from engine.serve.wire import FieldTable, engine_extension, logprobs_content, stop_strings, usage
 from engine.types import GenerationResult
 
 # request_config keys swift's RequestConfig sends, and the value each must keep when we cannot honour another.
 REQUIRED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "num_beams": (1,), "stream": (False,), "prompt_logprobs": (None,), "n": (1,), "best_of": (None, 1),
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "length_penalty": (1, 1.0),
-    "structured_outputs_regex": (None,), "min_p": (None, 0, 0.0),
+    "structured_outputs_regex": (None,),
 }
-MAPPED = ("max_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop", "logprobs",
-          "top_logprobs", "return_details")
-TOP_LEVEL = ("infer_requests", "request_config", "metrics", "use_tqdm", "adapter_request", "engine")
-ITEM_KEYS = ("messages", "images", "audios", "videos", "tools", "objects", "chat_template_kwargs", "data_dict",
-             "uuid", "add_eos")
 ITEM_EMPTY = {"images": "image requests", "audios": "audio", "videos": "video", "tools": "tool calling",
               "objects": "multimodal objects", "chat_template_kwargs": "template arguments (thinking is always off)"}
 FIELDS = FieldTable({
     "request_config.max_tokens": "generation.max_new_tokens", "request_config.temperature": "generation.temperature",
     "request_config.top_p": "generation.top_p", "request_config.top_k": "generation.top_k",
     "request_config.seed": "generation.seed", "request_config.repetition_penalty": "generation.repetition_penalty",
-    "request_config.top_logprobs": "generation.logprobs",
+    "request_config.top_logprobs": "generation.logprobs", "request_config.min_p": "generation.min_p",
 }, requests="infer_requests")
 """``/infer/``'s fields both ways: ``request_config`` reads into generation options, and the engine's errors name
 ``request_config.*``, ``infer_requests[i]`` and the ``engine`` extension's fields."""
@@ -74,10 +69,9 @@ def parse_infer(body: Any) -> InferCall:
     engine.errors.RequestError: request_config.n is not supported by this server, got 2. Fix: use 1 (send \
 the prompt several times for several samples).
     """
-    if not isinstance(body, Mapping):
-        raise RequestError("body", type(body).__name__, "must be a JSON object",
-                           fix='send {"infer_requests": [...], "request_config": {...}}')
-    unknown_fields("", body, TOP_LEVEL)
+    from engine.serve.bodies import InferRequest, check
+
+    check(InferRequest, body)
     if body.get("metrics"):
         raise RequestError("metrics", body["metrics"], "is not supported by this server",
                            fix="leave it null; compute metrics on the learner")
@@ -85,49 +79,35 @@ the prompt several times for several samples).
         raise RequestError("adapter_request", body["adapter_request"], "is not supported (no LoRA serving)",
                            fix="leave it null")
     config = body.get("request_config") or {}
-    if not isinstance(config, Mapping):
-        raise RequestError("request_config", config, "must be an object or null", fix="send a JSON object")
-    unknown_fields("request_config.", config, (*REQUIRED_DEFAULTS, *MAPPED))
     for key, allowed in REQUIRED_DEFAULTS.items():
         value = config.get(key, allowed[0])
         if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
             fix = "use 1 (send the prompt several times for several samples)" if key == "n" else \
                 f"leave it at {allowed[0]!r}"
             raise RequestError(f"request_config.{key}", value, "is not supported by this server", fix=fix)
-    options = FIELDS.read_options(config, ("max_tokens", "temperature", "top_p", "repetition_penalty", "seed"),
+    options = FIELDS.read_options(config, ("max_tokens", "temperature", "top_p", "repetition_penalty", "seed",
+                                          "min_p"),
                                   path="request_config.")
     top_k = config.get("top_k")
     if top_k is not None:
         options["top_k"] = 0 if top_k == -1 else top_k  # -1 is "off" in swift and vLLM, 0 in the engine
-    logprobs, top = config.get("logprobs", False), config.get("top_logprobs")
-    if not isinstance(logprobs, bool):
-        raise RequestError("request_config.logprobs", logprobs, "must be true or false", fix="send a boolean")
+    logprobs, top = bool(config.get("logprobs")), config.get("top_logprobs")
     if top is not None and not logprobs:
         raise RequestError("request_config.top_logprobs", top, "needs logprobs: true", fix="set logprobs to true")
     if logprobs:
         options["logprobs"] = 0 if top is None else top
-    details = config.get("return_details", False)
-    if not isinstance(details, bool):
-        raise RequestError("request_config.return_details", details, "must be true or false", fix="send a boolean")
-    options, stop, plugins = engine_extension(body, options, stop_strings(config.get("stop"), "request_config.stop"),
+    details = bool(config.get("return_details"))
+    options, stop, plugins = engine_extension(body, options, stop_strings(config.get("stop")),
                                               options_from="through request_config", stop_field="request_config.stop")
     requests = _requests(body.get("infer_requests"))
     return InferCall(requests=requests, options=options, stop=stop, plugins=plugins,
                      return_details=details, top_logprobs=top, logprobs=logprobs)
 
 
-def _requests(items: Any) -> list[list[dict[str, Any]]]:
-    if not isinstance(items, list):
-        raise RequestError("infer_requests", items, "must be a list of {messages: [...]} objects",
-                           fix='send [{"messages": [{"role": "user", "content": "..."}]}]')
+def _requests(items: list[Mapping[str, Any]]) -> list[list[dict[str, Any]]]:
     out = []
     for i, item in enumerate(items):
         where = f"infer_requests[{i}]"
-        if not isinstance(item, Mapping):
-            raise RequestError(where, item, "must be an object with messages", fix='send {"messages": [...]}')
-        unknown_fields(f"{where}.", item, ITEM_KEYS)
-        if "messages" not in item:
-            raise RequestError(f"{where}.messages", None, "is required", fix="add the conversation")
         for key, what in ITEM_EMPTY.items():
             if item.get(key):
                 raise RequestError(f"{where}.{key}", item[key], f"is not supported here ({what})",

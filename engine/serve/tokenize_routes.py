@@ -29,12 +29,11 @@ from fastapi import APIRouter, Request
 
 from engine.errors import EngineError, RequestError
 from engine.serve.answering import Answering, unknown_model
+from engine.serve.bodies import DetokenizeRequest, TokenizeRequest, check
 from engine.serve.limits import read_json
 from engine.serve.service import ServedEngine
-from engine.serve.wire import FieldTable, chat_messages, flag, unknown_fields
+from engine.serve.wire import FieldTable, chat_messages, flag
 
-TOKENIZE_FIELDS = ("model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs")
-DETOKENIZE_FIELDS = ("model", "tokens")
 TABLE = FieldTable(extension=False)
 
 
@@ -52,9 +51,7 @@ def tokenize(body: Any, tokenizer: Any) -> tuple[list[int], bool]:
     """
     from engine.templates import render_prompt
 
-    if not isinstance(body, Mapping):
-        raise RequestError("body", type(body).__name__, "must be a JSON object", fix='send {"prompt": "..."}')
-    unknown_fields("", body, TOKENIZE_FIELDS)
+    check(TokenizeRequest, body)
     strs = flag(body, "return_token_strs", False)
     if "messages" in body:
         if "prompt" in body:
@@ -87,14 +84,10 @@ def detokenize(body: Any, vocab: int) -> list[int]:
     engine.errors.RequestError: tokens[1] is not a token id of this model (its tokenizer has 10), got 60. \
 Fix: give ids in [0, 10).
     """
-    if not isinstance(body, Mapping):
-        raise RequestError("body", type(body).__name__, "must be a JSON object", fix='send {"tokens": [...]}')
-    unknown_fields("", body, DETOKENIZE_FIELDS)
-    tokens = body.get("tokens")
-    if not isinstance(tokens, list):
-        raise RequestError("tokens", tokens, "is required and must be a list of token ids", fix='e.g. {"tokens": [1]}')
+    check(DetokenizeRequest, body)
+    tokens = body["tokens"]
     for i, t in enumerate(tokens):
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+        if not 0 <= t < vocab:
             raise RequestError(f"tokens[{i}]", t, f"is not a token id of this model (its tokenizer has {vocab})",
                                fix=f"give ids in [0, {vocab})")
     return tokens

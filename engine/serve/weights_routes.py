@@ -28,9 +28,16 @@ from fastapi.responses import JSONResponse
 from engine.backends import AsyncGenerating, WeightLoading
 from engine.errors import EngineError, RequestError, UnsupportedCapabilityError
 from engine.serve.answering import refuse
+from engine.serve.bodies import (
+    Body,
+    InitCommunicatorRequest,
+    UpdateFlattenedParamsRequest,
+    UpdateNamedParamRequest,
+    check,
+)
 from engine.serve.limits import read_json
 from engine.serve.service import ServedEngine
-from engine.serve.wire import FieldTable, error_body, unknown_fields
+from engine.serve.wire import FieldTable, error_body
 from engine.weight_sync import check_metadatas, check_transport, torch_dtype
 
 log = logging.getLogger(__name__)
@@ -102,11 +109,9 @@ def router(served: ServedEngine) -> APIRouter:
     calls = WeightCalls(served)
     served.gates.append(calls.finish)
 
-    async def body_of(request: Request, known: tuple[str, ...]) -> dict[str, Any]:
+    async def body_of(request: Request, model: type[Body]) -> dict[str, Any]:
         body = await read_json(request, served.serve.max_body_bytes)
-        if not isinstance(body, dict):
-            raise RequestError("body", type(body).__name__, "must be a JSON object", fix="send a JSON object")
-        unknown_fields("", body, known)
+        check(model, body)
         return body
 
     async def answer(work: Callable[[], Any]) -> Any:
@@ -122,7 +127,7 @@ def router(served: ServedEngine) -> APIRouter:
     @api.post("/init_communicator/")
     async def init_communicator(request: Request) -> Any:
         async def work() -> Any:
-            body = await body_of(request, ("host", "port", "world_size", "transport", "client_device_uuid"))
+            body = await body_of(request, InitCommunicatorRequest)
             backend = calls.backend
             host = body.get("host")
             if not isinstance(host, str) or not host:
@@ -141,7 +146,7 @@ def router(served: ServedEngine) -> APIRouter:
     @api.post("/update_named_param/")
     async def update_named_param(request: Request) -> Any:
         async def work() -> Any:
-            body = await body_of(request, ("name", "dtype", "shape"))
+            body = await body_of(request, UpdateNamedParamRequest)
             backend = calls.backend
             if not isinstance(body.get("name"), str) or not body["name"]:
                 raise RequestError("name", body.get("name"), "must be a parameter name", fix="e.g. lm_head.weight")
@@ -158,7 +163,7 @@ def router(served: ServedEngine) -> APIRouter:
     @api.post("/update_flattened_params/")
     async def update_flattened_params(request: Request) -> Any:
         async def work() -> Any:
-            body = await body_of(request, ("metadatas",))
+            body = await body_of(request, UpdateFlattenedParamsRequest)
             backend = calls.backend
             announced = {"metadatas": check_metadatas(body.get("metadatas"))}
             await calls.start(lambda: backend.load_weights(announced))

@@ -16,8 +16,6 @@ from typing import Any
 from engine.errors import ConfigError, EngineError, RequestError
 from engine.types import GenerationResult
 
-EXTENSION_KEYS = ("options", "stop", "plugins")
-
 
 @dataclass(frozen=True)
 class FieldTable:
@@ -95,15 +93,6 @@ class FieldTable:
         return err if name == err.field else type(err)(name, err.value, err.problem, fix=err.fix)
 
 
-def unknown_fields(where: str, body: Mapping[str, Any], known: tuple[str, ...]) -> None:
-    """Refuse the first key of ``body`` not in ``known``, naming it (``where`` prefixes the field path)."""
-    from engine.config.validation import did_you_mean
-
-    for key, value in body.items():
-        if key not in known:
-            raise RequestError(f"{where}{key}", value, "is not a known field", fix=did_you_mean(str(key), known))
-
-
 def flag(body: Mapping[str, Any], key: str, default: bool = False, where: str = "") -> bool:
     """A boolean field of ``body`` (absent or null: ``default``); anything but true or false is refused by name
     (``where`` prefixes the field path).
@@ -123,28 +112,20 @@ def flag(body: Mapping[str, Any], key: str, default: bool = False, where: str = 
     return value
 
 
-def stop_strings(value: Any, field: str) -> dict[str, Any] | None:
-    """A wire ``stop`` (a string or a list of strings; None or [] for none) as an engine stop policy."""
+def stop_strings(value: Any) -> dict[str, Any] | None:
+    """A wire ``stop`` (a string or a list of strings, as the body model checked; None or [] for none) as an engine
+    stop policy."""
     if value is None or value == []:
         return None
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise RequestError(field, value, "must be a string or a list of strings", fix='e.g. ["\\n\\n"]')
-    return {"strings": value}
+    return {"strings": [value] if isinstance(value, str) else list(value)}
 
 
 def engine_extension(body: Mapping[str, Any], options: dict[str, Any], stop: dict[str, Any] | None, *,
                      options_from: str, stop_field: str) -> tuple[dict[str, Any], Any, Any]:
     """Merge the additive ``engine: {options, stop, plugins}`` envelope into what the wire's own fields set
     (``options``, ``stop``); a field set in both places is refused. Returns (options, stop, plugins)."""
-    extension = body.get("engine") or {}
-    if not isinstance(extension, Mapping):
-        raise RequestError("engine", extension, "must be an object", fix="send {options, stop, plugins}")
-    unknown_fields("engine.", extension, EXTENSION_KEYS)
+    extension = body.get("engine") or {}  # its shape is checked by the surface's body model (bodies.py)
     extra = extension.get("options") or {}
-    if not isinstance(extra, Mapping):
-        raise RequestError("engine.options", extra, "must be an object", fix="send generation option fields")
     clash = sorted(set(extra) & set(options))
     if clash:
         raise RequestError(f"engine.options.{clash[0]}", extra[clash[0]], f"is also set {options_from}",
@@ -154,7 +135,7 @@ def engine_extension(body: Mapping[str, Any], options: dict[str, Any], stop: dic
         if stop is not None:
             raise RequestError("engine.stop", extension["stop"], f"conflicts with {stop_field}",
                                fix="give stop strings in one place")
-        stop = dict(extension["stop"]) if isinstance(extension["stop"], Mapping) else extension["stop"]
+        stop = dict(extension["stop"])
     return options, stop, extension.get("plugins")
 
 
