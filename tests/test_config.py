@@ -51,6 +51,16 @@ def test_greedy_conflicts_are_errors():
     GenerationOptions(temperature=0.7, top_k=5, top_p=0.9)  # fine when sampling
 
 
+def test_temperature_above_vllms_bound_is_refused_on_every_backend():
+    """vLLM's ``SamplingParams`` refuses a temperature above 2 mid-request; the engine refuses it at the option, so
+    no backend samples a request another backend cannot run."""
+    assert GenerationOptions(temperature=2).temperature == 2
+    for backend in ("hf", "vllm", "llamacpp"):
+        with pytest.raises(ConfigError, match=r"must be in \[0, 2\], got 2.5") as info:
+            EngineConfig.from_dict({"backend": backend, "model": "/m", "generation": {"temperature": 2.5}})
+        assert info.value.field == "generation.temperature"
+
+
 def test_model_shorthand_and_defaults():
     c = EngineConfig.from_dict({"backend": "vllm", "model": "/m"})
     assert c.model.path == "/m" and c.generation.max_new_tokens == 256 and c.stop == StopPolicy()

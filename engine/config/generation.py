@@ -14,6 +14,10 @@ MIN_TEMPERATURE = 0.01
 """The smallest sampling temperature. vLLM raises anything in (0, 0.01) to 0.01 with a warning (below it logits
 overflow to inf and sampling returns NaN); the engine refuses such values instead, so that no backend samples
 another distribution than the one asked for."""
+MAX_TEMPERATURE = 2.0
+"""The largest sampling temperature, on every backend: vLLM's ``SamplingParams`` refuses anything above 2 (as the
+OpenAI API does), so the engine refuses it before generation everywhere instead of letting one backend fail
+mid-request and the others sample."""
 MIN_REPETITION_PENALTY = 0.01
 """The smallest repetition penalty: below it the penalised logits overflow float32 (inf, then NaN when sampling)."""
 
@@ -37,7 +41,7 @@ class GenerationOptions:
     max_new_tokens: int = 256
     """Most tokens generated per request, in [1, inf)."""
     temperature: float = 0.0
-    """Sampling temperature: 0 (greedy decoding) or in [0.01, inf) (:data:`MIN_TEMPERATURE`)."""
+    """Sampling temperature: 0 (greedy decoding) or in [0.01, 2] (:data:`MIN_TEMPERATURE`, :data:`MAX_TEMPERATURE`)."""
     top_p: float = 1.0
     """Nucleus mass in (0, 1]; 1 disables it. Only with temperature > 0."""
     top_k: int = 0
@@ -60,7 +64,9 @@ class GenerationOptions:
         check_type(f"{p}.max_new_tokens", self.max_new_tokens, int, "an integer")
         check_range(f"{p}.max_new_tokens", self.max_new_tokens, low=1, fix="ask for at least one token")
         check_type(f"{p}.temperature", self.temperature, (int, float), "a number")
-        check_range(f"{p}.temperature", self.temperature, low=0, fix="use 0 for greedy or a positive value")
+        check_range(f"{p}.temperature", self.temperature, low=0, high=MAX_TEMPERATURE,
+                    fix=f"use 0 for greedy decoding, or a value in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}] to sample "
+                        "(vLLM and the OpenAI API refuse more)")
         if 0 < self.temperature < MIN_TEMPERATURE:
             raise ConfigError(f"{p}.temperature", self.temperature, f"must be 0 (greedy) or at least "
                               f"{MIN_TEMPERATURE} (smaller ones overflow the logits; vLLM would raise it to "
