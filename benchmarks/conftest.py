@@ -248,9 +248,10 @@ class BenchSession:
             writer.flush()
 
     def measure(self, benchmark: Any, label: str, variants: Sequence[Variant], *, gated: bool = True,
-                gates: Mapping[str, tuple[str, str]] | None = None) -> Rounds:
+                gates: Mapping[str, tuple[str, str]] | None = None, rounds_compared: bool = False) -> Rounds:
         """Run the variants interleaved through pytest-benchmark's pedantic mode (warm-up rounds dropped);
-        ``gated`` False: a case whose ratios are reported only gets the size's ``ungated_rounds``.
+        ``gated`` False: a case whose ratios are reported only gets the size's ``ungated_rounds`` after its
+        ``ungated_warmup``, and at least two calls in all when ``rounds_compared`` (its assertion compares rounds).
 
         ``gates``: the case's ratios the release gate checks, ``{ratio: (subject, reference)}``. When one is below
         its minimum (``engine.report.gate.DEFAULT_MINIMUMS``) after the size's rounds, the case measures the size's
@@ -260,10 +261,13 @@ class BenchSession:
         from engine.report.gate import DEFAULT_MINIMUMS
 
         total = self.size.rounds if gated else self.size.ungated_rounds
-        rounds = Rounds(variants, warmup=self.size.warmup, total=total, progress=self.progress, label=label)
-        benchmark.pedantic(rounds, rounds=total, warmup_rounds=self.size.warmup, iterations=1)
-        if rounds.calls != self.size.warmup + total:
-            pytest.fail(f"{label}: pytest-benchmark ran {rounds.calls} rounds, expected {self.size.warmup} warm-up + "
+        warmup = self.size.warmup if gated else self.size.ungated_warmup
+        if rounds_compared:
+            warmup = max(warmup, 2 - total)
+        rounds = Rounds(variants, warmup=warmup, total=total, progress=self.progress, label=label)
+        benchmark.pedantic(rounds, rounds=total, warmup_rounds=warmup, iterations=1)
+        if rounds.calls != warmup + total:
+            pytest.fail(f"{label}: pytest-benchmark ran {rounds.calls} rounds, expected {warmup} warm-up + "
                         f"{total} measured; drop --benchmark-disable (the report needs every round)")
         missed = rounds.missed(gates or {}, DEFAULT_MINIMUMS) if gated else []
         if missed:

@@ -72,10 +72,12 @@ def test_rollout_vs_trainer(bench, benchmark, rollout_case: tuple[str, str]) -> 
         return seen["mismatch"].tokens
 
     label = f"rollout_vs_trainer[{backend}-{dtype}-b{BATCH}]"
-    # The warm-up round runs the variants in the listed order, so a rescore always has a rollout to score, also in
-    # the later rounds that run them the other way round.
+    # The first round (a warm-up where there is one) runs the variants in the listed order, so a rescore always has a
+    # rollout to score, also in the later rounds that run them the other way round. Two calls at least, warm-up
+    # included, so that the reproducibility assertion below compares two draws.
     rounds = bench.measure(benchmark, label, [Variant("rollout", "subject", rollout),
-                                              Variant("rescore", "reference", rescore)], gated=False)
+                                              Variant("rescore", "reference", rescore)], gated=False,
+                           rounds_compared=True)
     drawn = [[r.token_ids for r in results] for results in seen["rollouts"]]
     assert all(d == drawn[0] for d in drawn), f"{label}: one seed must draw the same tokens every round"
     got = seen["mismatch"]

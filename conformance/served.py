@@ -12,8 +12,9 @@ checks that travel are marked ``servable``.
 
 The in-process answer a served call is compared with is the one the check's in-process variant got for the same
 call (remembered per engine, keyed by the call's JSON); a call not seen in-process is generated in-process then.
-References (``pool.reference``: engines a check derives expectations from, never served) answer a served twin's
-call the same way.
+References (``pool.reference``: engines a check derives expectations from, never served) answer each distinct call
+once per session, whatever the reach, and repeat that answer afterwards: an expectation is derived once (the real-loop
+check's two guards, for example, read the same unguarded rows), never re-generated per check or per variant.
 The servable checks make deterministic calls only (greedy, or sampled with a seed, which ``test_sampling.py``
 shows reproduces), so this compares the same two answers as generating both at once, at half the cost.
 """
@@ -66,15 +67,17 @@ class ServedTwin:
         extension = {k: _plain(v) for k, v in (("options", options), ("stop", stop), ("plugins", plugins))
                      if v is not None}
         call = json.dumps([requests, extension], sort_keys=True) if _jsonable([requests, extension]) else None
+        if self._server is None and call in self._answers:  # a reference answers each call once per session
+            return copy.deepcopy(self._answers[call])
         if self._pool.reach != SERVED or call is None:
             results = self.local.generate(requests, options=options, stop=stop, plugins=plugins)
             if call is not None:
                 self._answers[call] = copy.deepcopy(results)
             return results
-        if self._server is None:  # a reference: what the check's in-process variant got for this call
-            known = self._answers.get(call)
-            return copy.deepcopy(known) if known else self.local.generate(requests, options=options, stop=stop,
-                                                                          plugins=plugins)
+        if self._server is None:  # a reference's first sight of this call, under the served reach
+            results = self.local.generate(requests, options=options, stop=stop, plugins=plugins)
+            self._answers[call] = copy.deepcopy(results)
+            return results
         client = RolloutClient(self._server().url, repeat_terminate=self.local.config.repeat_terminate,
                                batch_size=10_000, health_timeout=30)
         with client:

@@ -64,7 +64,8 @@ def test_smoke_measures_engine_vs_raw_at_every_batch_and_full_adds_lengths():
 def test_smoke_trims_only_what_no_gate_reads_and_full_keeps_every_round():
     smoke, full = SIZES["smoke"], SIZES["full"]
     assert 1 <= smoke.ungated_rounds < smoke.rounds and smoke.rounds >= 3, "gated ratios keep a median of rounds"
-    assert full.ungated_rounds == full.rounds and full.warmup >= 1
+    assert smoke.warmup >= 1 and smoke.ungated_warmup == 0, "only the reported-only groups skip the warm-up"
+    assert full.ungated_rounds == full.rounds and full.warmup >= 1 and full.ungated_warmup == full.warmup
 
 
 def test_batches_cycle_prompts_and_long_prompts_carry_the_context():
