@@ -36,19 +36,21 @@ SIZES = {
     # the guards at batch 8; served vs in-process at 1, 8 and 64 concurrent clients. The gated ratios get 3 rounds
     # after a warm-up; the reported-only groups one round and no warm-up: on CPU CI they prove that every group runs,
     # asserts its fixed lengths and writes its rows (their warm-ups took 162 s of a 648 s run), and their
-    # figures are indicative only; GPU runners measure them at full size. vLLM runs eager with torch.compile off: each of the run's
-    # four vLLM engines (engine, raw LLM, server, bfloat16 engine) compiled for 40-100 s on this CPU, and the
-    # gated ratios do not depend on it (eager, one run: engine_over_raw 0.986 / 0.982 / 1.019 at batch 1 / 8 / 64,
-    # guard_on_over_off 0.992 and 1.037).
+    # figures are indicative only; GPU runners measure them at full size. vLLM runs eager with torch.compile off:
+    # each of the run's four vLLM engines (engine, raw LLM, server, bfloat16 engine) compiled for 40-100 s on this
+    # CPU, and the gated ratios do not depend on it (eager, one run: engine_over_raw 0.986 / 0.982 / 1.019 at
+    # batch 1 / 8 / 64, guard_on_over_off 0.992 and 1.037).
     "smoke": Size(batches=(1, 8, 64), prompt_lens=("short",), new_tokens=(16,),
                   guard_sets=("none", "repeat", "min_length"), guard_batches=(8,), native_budget=96,
                   served_concurrency=(1, 8, 64), served_requests=8, chat_concurrency=(1, 16), chat_requests=8,
-                  rounds=3, warmup=1, ungated_rounds=1, ungated_warmup=0, confirm_rounds=6, rollout_tokens=32, vllm_compiled=False),
+                  rounds=3, warmup=1, ungated_rounds=1, ungated_warmup=0, confirm_rounds=6, rollout_tokens=32,
+                  vllm_compiled=False),
     # For GPU runners: both prompt lengths, short and long outputs, batch 256 too, more rounds.
     "full": Size(batches=(1, 8, 64, 256), prompt_lens=("short", "long"), new_tokens=(64, 256),
                  guard_sets=("none", "repeat", "min_length"), guard_batches=(1, 8, 64, 256), native_budget=256,
                  served_concurrency=(1, 8, 64), served_requests=128, chat_concurrency=(1, 16), chat_requests=64,
-                 rounds=5, warmup=1, ungated_rounds=5, ungated_warmup=1, confirm_rounds=10, rollout_tokens=128, vllm_compiled=True),
+                 rounds=5, warmup=1, ungated_rounds=5, ungated_warmup=1, confirm_rounds=10, rollout_tokens=128,
+                 vllm_compiled=True),
 }
 
 # The repeat guard under test; thresholds that never fire on the healthy prompts, and catch SmolLM2's
