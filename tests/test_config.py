@@ -59,6 +59,10 @@ def test_temperature_above_vllms_bound_is_refused_on_every_backend():
         with pytest.raises(ConfigError, match=r"must be in \[0, 2\], got 2.5") as info:
             EngineConfig.from_dict({"backend": backend, "model": "/m", "generation": {"temperature": 2.5}})
         assert info.value.field == "generation.temperature"
+    for bad in (2.5, 0.001):  # Pattern C's default is held to the same bounds at load, not at every /chat request
+        with pytest.raises(ConfigError) as info:
+            EngineConfig.from_dict({"backend": "hf", "model": "/m", "serve": {"chat": {"temperature": bad}}})
+        assert info.value.field == "serve.chat.temperature"
 
 
 def test_model_shorthand_and_defaults():

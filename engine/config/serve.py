@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from engine.config.generation import MAX_TEMPERATURE, MIN_TEMPERATURE
 from engine.config.validation import check_range, check_type
 from engine.errors import ConfigError
 
@@ -35,7 +36,7 @@ class PatternCConfig:
     """Logit bias on sentence-ending tokens (``.!?``, CJK full stop/question/exclamation marks, newline) once
     ``min_len`` is reached, in [0, inf)."""
     temperature: float = 0.7
-    """Sampling temperature, in [0, inf); 0 is greedy."""
+    """Sampling temperature: 0 (greedy) or in [0.01, 2], the range every request is held to."""
     top_p: float = 0.95
     """Nucleus sampling mass, in (0, 1]."""
     max_new_tokens: int = 512
@@ -55,7 +56,12 @@ class PatternCConfig:
         for name in ("punctuation_bias", "temperature", "top_p"):
             check_type(f"{w}.{name}", getattr(self, name), (int, float), "a number")
         check_range(f"{w}.punctuation_bias", self.punctuation_bias, low=0, fix="use 0 to disable the bias")
-        check_range(f"{w}.temperature", self.temperature, low=0)
+        # The bounds every request is held to (GenerationOptions): a default outside them would refuse every /chat.
+        check_range(f"{w}.temperature", self.temperature, low=0, high=MAX_TEMPERATURE,
+                    fix=f"use 0 for greedy answers, or a value in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}]")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ConfigError(f"{w}.temperature", self.temperature, f"must be 0 (greedy) or at least {MIN_TEMPERATURE}",
+                              fix=f"use 0 for greedy answers, or a value in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}]")
         check_range(f"{w}.top_p", self.top_p, low=0, high=1, low_open=True)
         if self.temperature == 0 and self.top_p != 1.0:  # the engine refuses the pair on every request
             raise ConfigError(f"{w}.top_p", self.top_p, "has no effect with temperature 0 (greedy)",
