@@ -22,6 +22,24 @@ MIN_REPETITION_PENALTY = 0.01
 """The smallest repetition penalty: below it the penalised logits overflow float32 (inf, then NaN when sampling)."""
 
 
+def check_temperature(path: str, value: Any) -> None:
+    """The one temperature rule: a number, 0 (greedy) or in [:data:`MIN_TEMPERATURE`, :data:`MAX_TEMPERATURE`].
+
+    >>> check_temperature("serve.chat.temperature", 2.5)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    engine.errors.ConfigError: serve.chat.temperature must be in [0, 2], got 2.5. Fix: use 0 for greedy decoding, ...
+    """
+    check_type(path, value, (int, float), "a number")
+    check_range(path, value, low=0, high=MAX_TEMPERATURE,
+                fix=f"use 0 for greedy decoding, or a value in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}] to sample "
+                    "(vLLM and the OpenAI API refuse more)")
+    if 0 < value < MIN_TEMPERATURE:
+        raise ConfigError(path, value, f"must be 0 (greedy) or at least {MIN_TEMPERATURE} (smaller ones overflow the "
+                          f"logits; vLLM would raise it to {MIN_TEMPERATURE})",
+                          fix=f"use 0 for greedy decoding, or {MIN_TEMPERATURE} or more")
+
+
 @dataclass(frozen=True)
 class GenerationOptions:
     """Sampling and length options, mapped identically onto every backend.
@@ -63,14 +81,7 @@ class GenerationOptions:
         p = "generation"
         check_type(f"{p}.max_new_tokens", self.max_new_tokens, int, "an integer")
         check_range(f"{p}.max_new_tokens", self.max_new_tokens, low=1, fix="ask for at least one token")
-        check_type(f"{p}.temperature", self.temperature, (int, float), "a number")
-        check_range(f"{p}.temperature", self.temperature, low=0, high=MAX_TEMPERATURE,
-                    fix=f"use 0 for greedy decoding, or a value in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}] to sample "
-                        "(vLLM and the OpenAI API refuse more)")
-        if 0 < self.temperature < MIN_TEMPERATURE:
-            raise ConfigError(f"{p}.temperature", self.temperature, f"must be 0 (greedy) or at least "
-                              f"{MIN_TEMPERATURE} (smaller ones overflow the logits; vLLM would raise it to "
-                              f"{MIN_TEMPERATURE})", fix=f"use 0 for greedy decoding, or {MIN_TEMPERATURE} or more")
+        check_temperature(f"{p}.temperature", self.temperature)
         check_type(f"{p}.top_p", self.top_p, (int, float), "a number")
         check_range(f"{p}.top_p", self.top_p, low=0, high=1, low_open=True, fix="use a value such as 0.9")
         check_type(f"{p}.top_k", self.top_k, int, "an integer")

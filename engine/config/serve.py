@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from engine.config.generation import MAX_TEMPERATURE, MIN_TEMPERATURE
+from engine.config.generation import check_temperature
 from engine.config.validation import check_range, check_type
 from engine.errors import ConfigError
 
@@ -56,12 +56,8 @@ class PatternCConfig:
         for name in ("punctuation_bias", "temperature", "top_p"):
             check_type(f"{w}.{name}", getattr(self, name), (int, float), "a number")
         check_range(f"{w}.punctuation_bias", self.punctuation_bias, low=0, fix="use 0 to disable the bias")
-        # The bounds every request is held to (GenerationOptions): a default outside them would refuse every /chat.
-        check_range(f"{w}.temperature", self.temperature, low=0, high=MAX_TEMPERATURE,
-                    fix=f"use 0 for greedy answers, or a value in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}]")
-        if 0 < self.temperature < MIN_TEMPERATURE:
-            raise ConfigError(f"{w}.temperature", self.temperature, f"must be 0 (greedy) or at least {MIN_TEMPERATURE}",
-                              fix=f"use 0 for greedy answers, or a value in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}]")
+        check_temperature(f"{w}.temperature", self.temperature)  # every request's rule: a default outside it
+        # would refuse every /chat request
         check_range(f"{w}.top_p", self.top_p, low=0, high=1, low_open=True)
         if self.temperature == 0 and self.top_p != 1.0:  # the engine refuses the pair on every request
             raise ConfigError(f"{w}.top_p", self.top_p, "has no effect with temperature 0 (greedy)",
