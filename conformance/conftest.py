@@ -10,8 +10,9 @@ table is written to ``reports/conformance-summary.md`` (and ``.parquet`` when pa
 
 Checks marked ``servable`` run twice, as the ``reach`` parameter says: ``in-process``, and ``served`` (marked
 ``served``), where every engine they compare is reached through ``python -m engine.serve`` too and must answer the
-same (see ``conformance/served.py``). Served twins run last, grouped by module and backend, so each server is
-started about once. ``-m "not served"`` leaves them out; ``-m served`` runs only them.
+same (see ``conformance/served.py``). Served twins run last, grouped by module, then backend after backend per
+check, so each server is started about once (and the other backends' twins of it start ahead, in the
+background). ``-m "not served"`` leaves them out; ``-m served`` runs only them.
 """
 
 from __future__ import annotations
@@ -115,20 +116,38 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(trylast=True)  # after pytest's own grouping by backend, which it keeps for in-process checks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Served twins after every in-process check, grouped by module and then backend (cross-backend ones first),
-    so that the checks on the same servers run together and each server starts about once."""
+    """Served twins after every in-process check, grouped by module, cross-backend ones first; then each check's
+    variants backend after backend (hf, llamacpp, vllm on one guard, then the next guard). Each server then
+    starts once, and the pool can start the other backends' twin of a server ahead while one backend works (a
+    cross-backend check compares all of them at once)."""
     order = {item: i for i, item in enumerate(items)}
+    first: dict[tuple[str, ...], int] = {}
+
+    def params(item: pytest.Item) -> dict[str, Any]:
+        spec = getattr(item, "callspec", None)
+        return spec.params if spec else {}
+
+    def variant(item: pytest.Item) -> tuple[str, ...]:  # the check and its parameters other than the backend
+        rest = sorted((k, repr(v)) for k, v in params(item).items() if k not in ("backend", "reach"))
+        return (item.nodeid.split("::")[0], getattr(item, "originalname", item.name), repr(rest))
+
+    for item in items:
+        first.setdefault(variant(item), order[item])
 
     def rank(item: pytest.Item) -> tuple[Any, ...]:
-        params = getattr(item, "callspec", None)
-        reach = params.params.get("reach", IN_PROCESS) if params else IN_PROCESS
-        if reach != SERVED:
+        if params(item).get("reach", IN_PROCESS) != SERVED:
             return (0, order[item])
         module = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
         group = SERVED_ORDER.index(module) if module in SERVED_ORDER else len(SERVED_ORDER)
-        return (1, group, module, params.params.get("backend", ""), order[item])
+        per_backend = "backend" in params(item)
+        return (1, group, module, per_backend, first[variant(item)], params(item).get("backend", ""), order[item])
 
     items.sort(key=rank)
+    pool = config.stash[POOL_KEY]
+    cross = any({"backend_names", "engines"} & set(getattr(item, "fixturenames", ())) for item in items)
+    reached = {params(item)["backend"] for item in items if "backend" in params(item)}
+    pool.ahead_backends = frozenset(b for b in pool.options.backends if (cross or b in reached)
+                                    and unavailable_reason(b) is None)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -13,6 +13,8 @@ once (the suite orders served checks so that those on the same servers run toget
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import resource
 import time
@@ -110,6 +112,14 @@ class EnginePool:
     served_calls: int = 0
     """Calls the served twins answered through a server (or refused there, as in-process): the ``reach`` fixture
     checks that a served twin really reached one."""
+    ahead_backends: frozenset[str] = frozenset()
+    """Backends whose servers may be started ahead (see :meth:`server`): those the collected checks reach (the
+    conftest sets it); empty, every server starts when a check first needs it."""
+    _ahead: dict[tuple[str, str], Any] = field(default_factory=dict)
+    _executor: Any = None
+    """Servers starting ahead in the background, by key: (future of the running server, its config)."""
+    _recipes: dict[tuple[str, str], tuple[str, dict[str, Any]]] = field(default_factory=dict)
+    """Server key -> (model, sections) of the engine it serves: what the same server is on another backend."""
 
     def __post_init__(self) -> None:
         self.twins.update(dict(self.options.gguf_models))
@@ -170,7 +180,9 @@ class EnginePool:
         # vllm.multiprocessing says: engines that differ only there share one server.
         config["vllm"] = {k: v for k, v in config["vllm"].items() if k != "multiprocessing"}
         config["serve"] = {"chat": dict(SERVED_CHAT), **config.get("serve", {}), "port": 0}
-        return (backend, json.dumps(config, sort_keys=True)), config
+        key = (backend, json.dumps(config, sort_keys=True))
+        self._recipes.setdefault(key, (model, copy.deepcopy(sections)))
+        return key, config
 
     def text_server(self, backend: str) -> Any:
         """The running server of ``backend``'s text engine: the one its served twins reach, and the chat checks'
@@ -248,18 +260,74 @@ class EnginePool:
 
     def server(self, key: tuple[str, str], config: dict[str, Any]) -> Any:
         """The running server for ``key`` ((backend, the served config)): started on first need; beyond
-        ``servers_per_backend`` of its backend, the least recently used one stops first, to bound memory."""
+        ``servers_per_backend`` of its backend, the least recently used one stops first, to bound memory.
+
+        Starting one also starts the same server of every other backend in ``ahead_backends`` in the background
+        (a cross-backend check needs them now, and served twins run backend after backend on one config, see the
+        conftest's order): a vLLM server spends about 20 s importing in two processes, which then overlaps the
+        other backends' work instead of adding to it."""
         from engine.client import launch_server
 
         if key in self._servers:
             self._servers[key] = self._servers.pop(key)  # most recently used last
             return self._servers[key]
-        while sum(k[0] == key[0] for k in self._servers) >= self.options.servers_per_backend:
-            # Stopped before the next one starts: two vLLM servers at once would hold ~8 GB.
-            self._servers.pop(next(k for k in self._servers if k[0] == key[0])).stop()
+        if key in self._ahead:
+            return self._settle(key)
+        for other in [k for k in self._ahead if k[0] == key[0]]:  # this backend's guess was wrong: free its place
+            self._settle(other)
+        self._make_server_room(key[0])
+        self._start_ahead(key)
         with self.timed("server", (key[0], self._chosen(config))):
             self._servers[key] = launch_server(config)
         return self._servers[key]
+
+    def _make_server_room(self, backend: str) -> None:
+        while sum(k[0] == backend for k in self._servers) >= self.options.servers_per_backend:
+            # Stopped before the next one starts: two vLLM servers at once would hold ~8 GB.
+            self._servers.pop(next(k for k in self._servers if k[0] == backend)).stop()
+
+    def _start_ahead(self, key: tuple[str, str]) -> None:
+        """Start, in the background, the server of every other backend in ``ahead_backends`` that serves the same
+        (model, sections) as ``key``, unless one of that backend is already starting."""
+        import pytest
+
+        if key not in self._recipes:
+            return
+        model, sections = self._recipes[key]
+        for backend in sorted(self.ahead_backends - {key[0]}):
+            if any(k[0] == backend for k in self._ahead):
+                continue
+            try:
+                other, config = self.served_config(backend, model, **copy.deepcopy(sections))
+            except pytest.skip.Exception:  # no model for it there (e.g. no GGUF twin): nothing to start
+                continue
+            if other in self._servers:
+                continue
+            self._make_server_room(backend)
+            self._ahead[other] = (self._background().submit(self._launch_timed, other, config), config)
+
+    def _launch_timed(self, key: tuple[str, str], config: dict[str, Any]) -> Any:
+        from engine.client import launch_server
+
+        with self.timed("server ahead", (key[0], self._chosen(config))):
+            return launch_server(config)
+
+    def _settle(self, key: tuple[str, str]) -> Any:
+        """Wait for a server started ahead and keep it as a running one."""
+        future, config = self._ahead.pop(key)
+        began = time.monotonic()
+        server = future.result()  # its own start error, raised where the check needs it
+        self.starts.append(("waited for", f"{key[0]} {self._chosen(config)}", time.monotonic() - began))
+        self._make_server_room(key[0])
+        self._servers[key] = server
+        return server
+
+    def _background(self) -> Any:
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=len(SPECS), thread_name_prefix="server-ahead")
+        return self._executor
 
     def _chosen(self, config: dict[str, Any]) -> str:
         """A served config in a report line: the model folder's name and every section that differs from the pool's
@@ -303,6 +371,11 @@ class EnginePool:
                         f"memory of this process {peak:.1f} GiB"]
 
     def close(self) -> None:
+        for key in list(self._ahead):  # started ahead and never needed: stopped with the rest
+            with contextlib.suppress(Exception):  # no check needed it, so its start error fails nothing
+                self._settle(key)
+        if self._executor is not None:
+            self._executor.shutdown()
         servers = list(self._servers.values())
         for server in servers:  # all drain at once
             if server.process.poll() is None:
