@@ -263,31 +263,42 @@ def test_lm_eval_local_completions_over_the_server_scores_as_the_engine_model(ru
     if pool.options.dtype != "float32":
         pytest.skip("exact agreement is the fp32 contract; other dtypes follow vLLM's close-logprobs rule")
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    for backend, run in runs.items():
-        server = chat_server(backend)
-        model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
-        # lm-eval's API models keep one token for generation and one for the window's context: max_length 66 gives
-        # the 64-token windows of the engine model's max_length 64.
-        args = {"base_url": f"{server.url}/v1/completions", "model": model, "max_length": WINDOW + 2,
-                "num_concurrent": 1, "max_retries": 1}
-        out = tmp_path / backend
-        command = [sys.executable, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args",
-                   json.dumps(args), "--tasks", *SCORING, "--include_path", str(TASKS), "--output_path", str(out),
-                   "--log_samples", "--batch_size", "16"]  # 16 prompts per request
-        tokenized = scrape(server.url, "engine_requests_total", endpoint="tokenize", status="200")
-        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert scrape(server.url, "engine_requests_total", endpoint="tokenize", status="200") > tokenized, \
-            "lm-eval did not tokenize through the server (its /tokenizer_info and /tokenize)"
-        served = {"results": json.loads(next(out.rglob("results_*.json")).read_text())["results"], "samples": {}}
-        for task in SCORING:
-            lines = next(out.rglob(f"samples_{task}_*.jsonl")).read_text().splitlines()
-            served["samples"][task] = [json.loads(line) for line in lines]
-            got, want = metrics(served, task), metrics(run["scoring"], task)
-            assert got.keys() == want.keys(), task
-            assert_close([got[k] for k in want], list(want.values()), f"{backend} {task} metrics over HTTP")
-            assert_close(sample_values(served, task), sample_values(run["scoring"], task),
-                         f"{backend} {task} per-document log-likelihoods over HTTP")
+    started = {}  # one CLI per backend, all at once (each on its own server): their start-ups overlap
+    try:
+        for backend in runs:
+            server = chat_server(backend)
+            model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
+            # lm-eval's API models keep one token for generation and one for the window's context: max_length 66 gives
+            # the 64-token windows of the engine model's max_length 64.
+            args = {"base_url": f"{server.url}/v1/completions", "model": model, "max_length": WINDOW + 2,
+                    "num_concurrent": 1, "max_retries": 1}
+            out = tmp_path / backend
+            command = [sys.executable, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args",
+                       json.dumps(args), "--tasks", *SCORING, "--include_path", str(TASKS), "--output_path", str(out),
+                       "--log_samples", "--batch_size", "16"]  # 16 prompts per request
+            tokenized = scrape(server.url, "engine_requests_total", endpoint="tokenize", status="200")
+            log = (tmp_path / f"{backend}.log").open("w+")
+            process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+            started[backend] = (server, out, tokenized, process, log)
+        for backend, (server, out, tokenized, process, log) in started.items():
+            code = process.wait(timeout=600)
+            log.seek(0)
+            assert code == 0, log.read()[-3000:]
+            assert scrape(server.url, "engine_requests_total", endpoint="tokenize", status="200") > tokenized, \
+                "lm-eval did not tokenize through the server (its /tokenizer_info and /tokenize)"
+            served = {"results": json.loads(next(out.rglob("results_*.json")).read_text())["results"], "samples": {}}
+            for task in SCORING:
+                lines = next(out.rglob(f"samples_{task}_*.jsonl")).read_text().splitlines()
+                served["samples"][task] = [json.loads(line) for line in lines]
+                got, want = metrics(served, task), metrics(runs[backend]["scoring"], task)
+                assert got.keys() == want.keys(), task
+                assert_close([got[k] for k in want], list(want.values()), f"{backend} {task} metrics over HTTP")
+                assert_close(sample_values(served, task), sample_values(runs[backend]["scoring"], task),
+                             f"{backend} {task} per-document log-likelihoods over HTTP")
+    finally:  # a failure leaves no CLI running
+        for *_, process, log in started.values():
+            process.kill()
+            log.close()
 
 
 def test_a_backend_without_scoring_is_refused(pool, backend_names):
