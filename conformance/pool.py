@@ -116,8 +116,9 @@ class EnginePool:
     """Backends whose servers may be started ahead (see :meth:`server`): those the collected checks reach (the
     conftest sets it); empty, every server starts when a check first needs it."""
     _ahead: dict[tuple[str, str], Any] = field(default_factory=dict)
-    _executor: Any = None
     """Servers starting ahead in the background, by key: (future of the running server, its config)."""
+    _executor: Any = None
+    """The threads that start them (made on first need, shut down by :meth:`close`)."""
     _recipes: dict[tuple[str, str], tuple[str, dict[str, Any]]] = field(default_factory=dict)
     """Server key -> (model, sections) of the engine it serves: what the same server is on another backend."""
 
