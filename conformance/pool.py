@@ -203,6 +203,11 @@ class EnginePool:
     def text_engine(self, backend: str) -> Any:
         return self.engine(backend, self.options.model)
 
+    def float32_reference(self, backend: str) -> Any:
+        """``backend`` on ``--engine-model`` in float32 whatever the session's dtype: what a low-precision check
+        calibrates each backend's own error against (``conformance.precision``)."""
+        return self.reference(backend, self.options.model, model={"dtype": "float32"})
+
     @staticmethod
     def _key(backend: str, model: str, shared: bool, sections: dict[str, Any]) -> tuple[str, ...]:
         return (backend, model, repr(sorted(sections.items())), "" if shared else "own backend")

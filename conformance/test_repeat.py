@@ -75,6 +75,14 @@ def check_own_tokens(g, guard, eos, decode, *, row):
     return 1
 
 
+def mixes(fired: int, pool) -> bool:
+    """Whether a guarded batch of ``MIXED`` proves something: some rows fired and, in float32, some did not. The
+    looper is a random model whose healthy rows are near-ties away from looping: in lower precision the kernels of
+    some machines (vLLM's AMX attention in bfloat16) send every row into its loop, and each row is still held to the
+    rule on its own tokens."""
+    return fired > 0 and (fired < len(MIXED) or pool.options.dtype != "float32")
+
+
 @pytest.mark.servable
 def test_looping_rows_end_at_the_same_index_on_every_backend(pool, backend_names, looper):
     guarded = {}
@@ -83,7 +91,7 @@ def test_looping_rows_end_at_the_same_index_on_every_backend(pool, backend_names
         guarded[b] = pool.engine(b, looper, repeat_terminate=LOOP_GUARD).generate(MIXED, options=BUDGET)
         eos = pool.reference(b, looper).tokenizer.eos_token_id
         fired = check_against_reference(free, guarded[b], LOOP_GUARD, eos, dtype=pool.options.dtype)
-        assert 0 < fired < len(MIXED), f"{b}: the batch must mix looping ({fired}) and healthy rows"
+        assert mixes(fired, pool), f"{b}: the batch must mix looping ({fired}) and healthy rows"
     assert_same_results(guarded, what="repeat guard", dtype=pool.options.dtype)
 
 
@@ -96,7 +104,8 @@ def test_the_config_path_guard_equals_the_derived_one(pool, backend, looper):
     derived = pool.engine(backend, looper, repeat_terminate=LOOP_GUARD)
     assert derived.backend is pool.reference(backend, looper).backend and own.backend is not derived.backend
     want = own.generate(MIXED, options=BUDGET)
-    assert 0 < sum(r.meta["repeat_terminate_triggered"] for r in want) < len(MIXED)
+    fired = sum(r.meta["repeat_terminate_triggered"] for r in want)
+    assert mixes(fired, pool), f"{backend}: the batch must mix looping ({fired}) and healthy rows"
     assert_same_results({"config path": want, "derived": derived.generate(MIXED, options=BUDGET)},
                         what="repeat guard from the config vs derived", dtype=pool.options.dtype)
 

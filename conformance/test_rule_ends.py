@@ -46,6 +46,11 @@ def test_json_boundary_rows_end_alike_with_the_rule_named(engines, pool):
         free = e.generate(JSON, options=opts)
         cut = e.generate(JSON, options=opts, plugins=JSON_BOUNDARY)
         for i, (f, c) in enumerate(zip(free, cut, strict=True)):
+            if c.stop_reason is None and pool.options.dtype != "float32":
+                # below float32 a model may not close its JSON within the budget on some machines' kernels: the
+                # rule must then leave the row alone (in float32 every row closes, which this check demands)
+                assert stdlib_json_end(c.text) is None and c.finish_reason == "length", f"{b} row {i}: {c.text!r}"
+                continue
             assert (c.finish_reason, c.stop_reason) == ("stop", "json_boundary"), f"{b} row {i}"
             assert c.token_ids[-1] == eos and c.raw_text.endswith(e.tokenizer.eos_token), f"{b} row {i}"
             assert c.token_ids[:-1] == f.token_ids[: len(c.token_ids) - 1], f"{b} row {i}: not the free row's prefix"
@@ -54,7 +59,8 @@ def test_json_boundary_rows_end_alike_with_the_rule_named(engines, pool):
                 assert c.text == f.text[:end], f"{b} row {i}: {c.text!r} vs stdlib end {f.text[:end]!r}"
                 checked += 1
         metrics = rollout_metrics(cut, guard_active=False)
-        assert metrics[TRUNCATED_RATE] == 0.0, f"{b}: rule-ended rows counted as truncated"
+        ran_out = sum(c.finish_reason == "length" for c in cut) / len(cut)  # 0 in float32: every row closes
+        assert metrics[TRUNCATED_RATE] == ran_out, f"{b}: rule-ended rows counted as truncated"
         got[b] = cut
     assert checked >= len(engines), "no row had stdlib-parseable JSON; the boundary was never checked"
     assert_same_results(got, what="json_boundary", dtype=pool.options.dtype)
@@ -102,16 +108,27 @@ def test_min_length_cap_ends_rows_alike_right_after_crossing(engines, pool):
     assert_same_results(got, what="min_length cap", dtype=pool.options.dtype)
 
 
+def ending_prompt(engines, budget: int):
+    """The first chat prompt every backend answers with its own EOS within ``budget`` tokens, alone in its batch,
+    and those answers (the first prompt in float32; in lower precision a near-tie may send an answer elsewhere on
+    some machines' kernels)."""
+    for prompt in CHAT:
+        answers = {b: e.generate([prompt], options={"max_new_tokens": budget})[0] for b, e in engines.items()}
+        if all(r.token_ids[-1] == engines[b].tokenizer.eos_token_id for b, r in answers.items()):
+            return prompt, answers
+    raise AssertionError(f"no chat prompt ends by itself within {budget} tokens on every backend")
+
+
 def test_eos_as_the_last_allowed_token_is_a_stop(engines, pool):
     """A row whose EOS is its max_new_tokens-th token ends with "stop"; one token less of budget is "length"."""
     got = {}
+    prompt, answers = ending_prompt(engines, 64)
     for b, e in engines.items():
         eos = e.tokenizer.eos_token_id
-        free = e.generate(CHAT[:1], options={"max_new_tokens": 64})[0]
-        assert free.token_ids[-1] == eos, f"{b}: the prompt must end by itself within 64 tokens"
+        free = answers[b]
         n = len(free.token_ids)
-        exact = e.generate(CHAT[:1], options={"max_new_tokens": n})[0]
-        short = e.generate(CHAT[:1], options={"max_new_tokens": n - 1})[0]
+        exact = e.generate([prompt], options={"max_new_tokens": n})[0]
+        short = e.generate([prompt], options={"max_new_tokens": n - 1})[0]
         assert (exact.token_ids, exact.finish_reason, exact.stop_reason) == (free.token_ids, "stop", eos), b
         assert (short.token_ids, short.finish_reason, short.stop_reason) == (free.token_ids[:-1], "length", None), b
         got[b] = [exact, short]

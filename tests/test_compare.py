@@ -83,3 +83,10 @@ def test_a_guarded_row_with_the_same_tokens_up_to_the_cut_must_end_there():
     no_eos = guarded((7, 4, 4, 4, 8), None)
     with pytest.raises(AssertionError, match="same tokens up to 4, but no EOS there"):
         check_against_reference([free], [no_eos], GUARD, EOS, dtype="bfloat16")
+
+
+def test_a_token_outside_the_other_sides_top_k_fails_below_float32_in_either_direction():
+    a = row((5,), [top(5, 6)])
+    b = row((6,), [top(6, 8)])
+    with pytest.raises(AssertionError, match="a token 5 not in b top-k"):
+        assert_same_results({"a": [a], "b": [b]}, what="t", dtype="bfloat16")
