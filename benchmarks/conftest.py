@@ -85,6 +85,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if SESSION_KEY in item.config.stash:
         item.config.stash[SESSION_KEY].started += 1
+        item.config.stash[SESSION_KEY].item = item
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -127,6 +128,8 @@ class BenchSession:
         self.writer = ReportWriter(run_metadata(size, root=Path(config.rootpath)))
         self.total = 0
         self.started = 0
+        self.item: pytest.Item | None = None
+        """The benchmark running now (a gated one must carry the ``gated`` marker, which the quick tier selects)."""
         self._objects: dict[tuple[Any, ...], Any] = {}
         if not self.size.vllm_compiled:  # before any engine or server starts: they inherit it
             from engine.backends.vllm.backend import turn_torch_compile_off
@@ -260,6 +263,10 @@ class BenchSession:
         cannot fail a release, while a real regression misses in every round and still fails the gate."""
         from engine.report.gate import DEFAULT_MINIMUMS
 
+        if gated and self.item is not None and self.item.get_closest_marker("gated") is None:
+            pytest.fail(f"{label} is gated (its ratios are read by the release gate) but {self.item.nodeid} has no "
+                        "'gated' marker, so ENGINE_TIER=quick (CI) would leave it out; fix: pytestmark = "
+                        "pytest.mark.gated in its module, or measure(..., gated=False)")
         total = self.size.rounds if gated else self.size.ungated_rounds
         warmup = self.size.warmup if gated else self.size.ungated_warmup
         if rounds_compared:

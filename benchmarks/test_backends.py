@@ -24,6 +24,8 @@ from benchmarks.conftest import SESSION_KEY
 from benchmarks.harness import Variant
 from benchmarks.workload import batch_messages, fixed_length
 
+pytestmark = pytest.mark.gated  # the release gate reads its ratios: ENGINE_TIER=quick (CI) runs it
+
 BATCHES = (1, 8)
 
 

@@ -24,13 +24,16 @@ from typing import Any
 
 import pytest
 
+from conformance.isa import follow_aten_capability
 from conformance.pool import EnginePool, PoolOptions
 from conformance.report import SummaryCollector
 from conformance.served import IN_PROCESS, SERVED
+from conformance.tiers import QuickTier
 from engine.backends.registry import SPECS
 from engine.config import BACKENDS, DTYPES
 
 POOL_KEY = pytest.StashKey[EnginePool]()
+FORCED_PROBES = pytest.StashKey[list[str]]()
 CALL_PASSED = pytest.StashKey[bool]()
 SERVED_ORDER = ("test_parity.py", "test_divergences.py", "test_plugins.py", "test_stop.py",
                 "test_engine_core_process.py", "test_repeat.py")
@@ -81,6 +84,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.stash[FORCED_PROBES] = follow_aten_capability()  # before anything imports vLLM (conformance/isa.py)
     backends = [b.strip() for b in config.getoption("--engine-backends").split(",") if b.strip()]
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
@@ -111,6 +115,7 @@ def pytest_configure(config: pytest.Config) -> None:
     context = lambda: {"vllm_runner": ",".join(sorted(pool.runners)) or "none started",  # noqa: E731
                        "vllm_engine_core": pool.vllm_mode, "served_calls": pool.served_calls}
     stem = "conformance-summary" + ("" if options.dtype == "float32" else f"-{options.dtype}")
+    config.pluginmanager.register(QuickTier(), "engine-quick-tier")
     config.pluginmanager.register(SummaryCollector(Path(config.rootpath) / "reports", context, stem), "engine-summary")
 
 
@@ -182,8 +187,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     pool = config.stash[POOL_KEY]
+    lines = []
+    if config.stash[FORCED_PROBES]:
+        lines.append(f"cpu kernels: forced below AVX-512 (ATEN_CPU_CAPABILITY); torch.cpu probes answering False in "
+                     f"this process: {', '.join(config.stash[FORCED_PROBES])} (conformance/isa.py)")
     if "vllm" not in pool.options.backends or unavailable_reason("vllm"):
-        return []
+        return lines
     try:
         from engine.backends.vllm.backend import import_vllm, llm_kwargs, prepare_environment
         from engine.backends.vllm.runner import plan_runner
@@ -197,7 +206,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     except Exception as err:  # the header must not hide the run; the engines will report the real error
         runner = f"undecided ({type(err).__name__}: {err})"
     compile_state = "; torch.compile off (CPU host)" if pool.compile_off else ""
-    return [f"vllm: model runner {runner}; engine core {pool.vllm_mode}{compile_state}"]
+    return [*lines, f"vllm: model runner {runner}; engine core {pool.vllm_mode}{compile_state}"]
 
 
 def check_required(option: str, backends: list[str]) -> None:

@@ -42,6 +42,9 @@ class SummaryCollector:
         self.skip_reasons: dict[tuple[str, str], str] = {}
         self.notes: list[tuple[str, str]] = []
         """(check node id, text): measured facts checks report (e.g. how many prompts matched exactly)."""
+        self.seconds: Counter[str] = Counter()
+        """Wall seconds per check module, setup (the engines and servers it first needed) and teardown included."""
+        self.ran: Counter[str] = Counter()
 
     def note(self, check: str, text: str) -> None:
         self.notes.append((check, text))
@@ -54,6 +57,8 @@ class SummaryCollector:
                  "skip_reason": self.skip_reasons.get((b, c), ""), **context} for b, c in keys]
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.seconds[check_of(report.nodeid)] += report.duration
+        self.ran[check_of(report.nodeid)] += report.when == "call"
         if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
             outcome = "failed" if report.outcome == "failed" else report.outcome
             key = (backend_of(report.nodeid), check_of(report.nodeid))
@@ -70,6 +75,26 @@ class SummaryCollector:
         writer.line("run context: " + ", ".join(f"{k}={v}" for k, v in self.context().items()))
         for check, text in self.notes:
             writer.line(f"note ({check}): {text}")
+        for line in self.time_table():
+            writer.line(line)
+
+    def time_table(self) -> list[str]:
+        """Seconds per check module, slowest first, with its share of the run: where the suite's time goes.
+
+        >>> c = SummaryCollector(Path("."))
+        >>> c.seconds.update({"stop": 30.0, "repeat": 90.0}); c.ran.update({"stop": 4, "repeat": 6})
+        >>> print("\\n".join(c.time_table()))
+        time by module (setup and teardown included): 120 s in 10 checks
+           90.0 s  75%    6 checks  repeat
+           30.0 s  25%    4 checks  stop
+        """
+        total = sum(self.seconds.values())
+        if not total:
+            return []
+        lines = [f"time by module (setup and teardown included): {total:.0f} s in {sum(self.ran.values())} checks"]
+        for module, seconds in self.seconds.most_common():
+            lines.append(f"{seconds:7.1f} s {100 * seconds / total:3.0f}% {self.ran[module]:4d} checks  {module}")
+        return lines
 
     def write(self) -> list[Path]:
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -80,6 +105,8 @@ class SummaryCollector:
                   f"{r['skip_reason']} |" for r in rows]
         if self.notes:
             lines += ["", "## Notes", ""] + [f"- `{check}`: {text}" for check, text in self.notes]
+        if self.time_table():
+            lines += ["", "## Time by module", "", "```", *self.time_table(), "```"]
         md = self.out_dir / f"{self.stem}.md"
         md.write_text("\n".join(lines) + "\n")
         written = [md]

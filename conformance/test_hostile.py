@@ -69,6 +69,18 @@ HOSTILE = {  # id: (path, raw body, status, the field the error names, a phrase 
 }
 
 
+KINDS = {  # one representative of each kind of hostile request runs in the quick tier (-m quick); all in the full gate
+    "body-17MiB": "a body past the transport limit (413)",
+    "100k-prompts": "a count past a serve limit",
+    "nested-1e5": "JSON the parser must refuse",
+    "lone-surrogate": "text that cannot be encoded",
+    "plugin-name-list": "a value of the wrong type",
+    "temperature-2.5": "a number out of its range",
+    "stop-id-1e30": "a value the model cannot have",
+    "unknown-1MB-field": "a field no surface reads",
+}
+
+
 @pytest.fixture
 def server(pool, backend):
     return pool.text_server(backend)
@@ -98,7 +110,8 @@ def resident_gb(pid: int) -> float:
     return total / 2**30
 
 
-@pytest.mark.parametrize("case", list(HOSTILE), ids=list(HOSTILE))
+@pytest.mark.parametrize("case", [pytest.param(c, id=c, marks=[pytest.mark.quick] if c in KINDS else [])
+                                  for c in HOSTILE])
 def test_a_hostile_request_is_refused_by_name_and_the_next_one_answered(server, backend, case, summary_note):
     import httpx
 

@@ -1,0 +1,18 @@
+"""The quick tier over this session's own collection: every check function, on each backend and reach it has, keeps
+at least one parametrization in ``-m quick`` (``conformance.tiers``). ``tests/test_tiers.py`` runs pytest's real
+``-m quick`` collection; this check sees the modules only the conformance venv can import (vLLM's own)."""
+
+from __future__ import annotations
+
+from conformance.tiers import missing_from_quick
+
+
+def test_every_collected_check_function_runs_in_the_quick_tier(pytestconfig, summary_note):
+    tier = pytestconfig.pluginmanager.get_plugin("engine-quick-tier")
+    full = [(c.function, c.spread()) for c in tier.checks]
+    quick = [(c.function, c.spread()) for c in tier.quick]
+    assert full, "the tier plugin saw no collection"
+    assert missing_from_quick(full, quick) == []
+    functions = {f for f, _ in full}
+    summary_note(f"quick tier: {len(quick)} of {len(full)} collected checks, {len(functions)} check functions, "
+                 "each at least once per backend and reach")

@@ -1,0 +1,97 @@
+"""The suite's two tiers: ``-m quick`` runs every check function at least once, the full gate every parametrization.
+
+The quick tier is chosen by one rule at collection, so a new check joins it without a list to keep: for every check
+function, its first in-process parametrization on each backend it has, i.e. a cross-backend check once with all its
+backends, a per-backend check once on each backend. A function may name its own representatives instead, by marking
+parametrizations ``quick`` (``pytest.param(..., marks=pytest.mark.quick)``: the hostile requests mark one of each
+kind); the rule still adds the first in-process parametrization of any backend its marks leave uncovered. Served
+twins join the quick tier only where marked: every twin reaches its servers through ``/infer/``, so the cross-backend
+parity and stop checks carry ``@pytest.mark.quick`` and their twins reach every backend's server (the other surfaces,
+``/v1/chat/completions``, ``/v1/completions``, Pattern C ``/chat``, have check functions of their own). Everything else
+(more guard settings, prompts, served twins and configs, hostile cases) stays in the full gate, ``nox -s conformance``.
+
+>>> items = [Check("m::f", {"backend": b, "x": x}) for x in (1, 2) for b in ("hf", "vllm")]
+>>> [(c.params["backend"], c.params["x"]) for c in quick_checks(items)]
+[('hf', 1), ('vllm', 1)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+MARK = "quick"
+SPREAD = ("backend",)
+"""The parameters the quick tier covers every value of, per check function."""
+SERVED = "served"
+"""The ``reach`` of a served twin: never picked by the rule, only by a mark."""
+
+
+@dataclass(frozen=True)
+class Check:
+    """One collected parametrization: its function (``module::name``), its parameters, and whether it carries an
+    explicit ``quick`` mark."""
+
+    function: str
+    params: dict[str, Any] = field(default_factory=dict)
+    marked: bool = False
+
+    def spread(self) -> tuple[str, ...]:
+        return tuple(str(self.params.get(name, "")) for name in SPREAD)
+
+
+def quick_checks(checks: Sequence[Check]) -> list[Check]:
+    """The quick tier of ``checks``, in their order (see the module's rule)."""
+    by_function: dict[str, list[Check]] = {}
+    for check in checks:
+        by_function.setdefault(check.function, []).append(check)
+    chosen: set[int] = set()
+    for group in by_function.values():
+        marked = [c for c in group if c.marked]
+        covered = {c.spread() for c in marked}
+        chosen.update(id(c) for c in marked)
+        for check in group:
+            if check.spread() not in covered and check.params.get("reach") != SERVED:
+                covered.add(check.spread())
+                chosen.add(id(check))
+    return [c for c in checks if id(c) in chosen]
+
+
+def missing_from_quick(full: Sequence[tuple[str, tuple[str, ...]]],
+                       quick: Sequence[tuple[str, tuple[str, ...]]]) -> list[tuple[str, tuple[str, ...]]]:
+    """(function, spread) pairs of the full gate that the quick tier never runs: what the tier rule promises is
+    empty (the unit test over the collected ids asserts it).
+
+    >>> missing_from_quick([("m::f", ("hf",)), ("m::f", ("vllm",))], [("m::f", ("hf",))])
+    [('m::f', ('vllm',))]
+    """
+    ran = set(quick)
+    return sorted({pair for pair in full if pair not in ran})
+
+
+class QuickTier:
+    """The pytest plugin that marks the quick tier at collection (the conformance conftest registers it), and
+    keeps what it saw: every collected check and the quick ones, before ``-m`` deselects anything."""
+
+    def __init__(self) -> None:
+        self.checks: list[Check] = []
+        self.quick: list[Check] = []
+
+    @pytest.hookimpl(tryfirst=True)  # before pytest's own -m deselects anything
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        self.checks = [check_of(item) for item in items]
+        self.quick = quick_checks(self.checks)
+        chosen = {id(c) for c in self.quick}
+        for item, check in zip(items, self.checks, strict=True):
+            if id(check) in chosen and not check.marked:
+                item.add_marker(MARK)
+
+
+def check_of(item: pytest.Item) -> Check:
+    """The tier rule's view of a collected item."""
+    spec = getattr(item, "callspec", None)
+    return Check(item.nodeid.split("[", 1)[0], dict(spec.params) if spec else {},
+                 item.get_closest_marker(MARK) is not None)

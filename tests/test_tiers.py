@@ -1,0 +1,80 @@
+"""The conformance suite's quick tier (``conformance.tiers``): the pure rule on synthetic checks, and the real
+collection of the suite, full and ``-m quick``, compared id by id."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conformance.tiers import Check, missing_from_quick, quick_checks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def picked(checks):
+    return [(c.function, c.params.get("backend"), c.params.get("reach"), c.params.get("x")) for c in
+            quick_checks(checks)]
+
+
+def test_every_backend_of_a_function_gets_its_first_in_process_parametrization():
+    checks = [Check("m::f", {"backend": b, "reach": r, "x": x})
+              for r in ("served", "in-process") for x in (1, 2) for b in ("hf", "vllm")]
+    assert picked(checks) == [("m::f", "hf", "in-process", 1), ("m::f", "vllm", "in-process", 1)]
+
+
+def test_a_served_twin_is_quick_only_where_marked():
+    checks = [Check("m::f", {"reach": "in-process"}), Check("m::f", {"reach": "served"}),
+              Check("m::g", {"reach": "in-process"}, marked=True), Check("m::g", {"reach": "served"}, marked=True)]
+    assert picked(checks) == [("m::f", None, "in-process", None), ("m::g", None, "in-process", None),
+                              ("m::g", None, "served", None)]
+
+
+def test_a_cross_backend_check_runs_once_and_each_function_is_its_own_group():
+    checks = [Check("m::f", {"x": 1}), Check("m::f", {"x": 2}), Check("m::g", {"x": 1}), Check("n::f")]
+    assert picked(checks) == [("m::f", None, None, 1), ("m::g", None, None, 1), ("n::f", None, None, None)]
+
+
+def test_marked_representatives_replace_the_first_and_uncovered_backends_still_get_one():
+    checks = [Check("m::f", {"backend": "hf", "x": 1}), Check("m::f", {"backend": "hf", "x": 2}, marked=True),
+              Check("m::f", {"backend": "hf", "x": 3}, marked=True), Check("m::f", {"backend": "vllm", "x": 1})]
+    assert picked(checks) == [("m::f", "hf", None, 2), ("m::f", "hf", None, 3), ("m::f", "vllm", None, 1)]
+
+
+def test_what_the_quick_tier_leaves_out_is_named():
+    full = [("m::f", ("hf",)), ("m::f", ("vllm",)), ("m::g", ("",))]
+    assert missing_from_quick(full, full) == []
+    assert missing_from_quick(full, full[:1]) == [("m::f", ("vllm",)), ("m::g", ("",))]
+
+
+PROBE = """
+import json, sys, pytest
+from conformance.tiers import check_of
+class Probe:
+    def pytest_collection_finish(self, session):
+        self.ids = [(c.function, list(c.spread())) for c in map(check_of, session.items)]
+probe = Probe()
+code = pytest.main(["conformance", "--collect-only", "-q", "-p", "no:cacheprovider", *sys.argv[1:]], plugins=[probe])
+print("PROBE " + json.dumps(probe.ids))
+sys.exit(0 if code == 0 else code)
+"""
+
+
+def collected(*args: str) -> list[tuple[str, tuple[str, ...]]]:
+    done = subprocess.run([sys.executable, "-c", PROBE, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("PROBE ")), None)
+    assert done.returncode == 0 and line, f"collection failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr}"
+    return [(f, tuple(s)) for f, s in json.loads(line.removeprefix("PROBE "))]
+
+
+def test_the_collected_quick_tier_runs_every_check_function_on_each_backend():
+    """The suite as pytest collects it here (modules that need vLLM itself are collected by the conformance
+    session's own check, ``conformance/test_tiers.py``): ``-m quick`` keeps every (function, backend) of the full
+    gate, and leaves parametrizations out."""
+    full = collected()
+    quick = collected("-m", "quick")
+    assert len({f for f, _ in full}) >= 100, f"only {len(full)} checks collected: the probe saw too little"
+    assert missing_from_quick(full, quick) == []
+    assert len(quick) < len(full), f"the quick tier holds all {len(full)} checks: it leaves nothing to the full gate"
