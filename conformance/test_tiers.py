@@ -15,4 +15,4 @@ def test_every_collected_check_function_runs_in_the_quick_tier(pytestconfig, sum
     assert missing_from_quick(full, quick) == []
     functions = {f for f, _ in full}
     summary_note(f"quick tier: {len(quick)} of {len(full)} collected checks, {len(functions)} check functions, "
-                 "each at least once per backend and reach")
+                 "each at least once per backend (served twins where marked)")

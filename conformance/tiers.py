@@ -95,3 +95,50 @@ def check_of(item: pytest.Item) -> Check:
     spec = getattr(item, "callspec", None)
     return Check(item.nodeid.split("[", 1)[0], dict(spec.params) if spec else {},
                  item.get_closest_marker(MARK) is not None)
+
+
+def table(checks: Sequence[Check], quick: Sequence[Check]) -> list[str]:
+    """A markdown table: every check function, its parametrizations in the quick tier and in the full gate.
+
+    >>> full = [Check("m::f", {"backend": "hf"}), Check("m::f", {"backend": "hf", "x": 2})]
+    >>> print("\\n".join(table(full, full[:1])[2:]))
+    | `m::f` | 1 | 2 | hf |
+    """
+    counts: dict[str, list[int]] = {}
+    backends: dict[str, set[str]] = {}
+    for c in checks:
+        counts.setdefault(c.function, [0, 0])[1] += 1
+    for c in quick:
+        counts[c.function][0] += 1
+        backends.setdefault(c.function, set()).update(b for b in c.spread() if b)
+    rows = ["| check function | quick | full | quick backends |", "|---|---|---|---|"]
+    rows += [f"| `{f}` | {q} | {n} | {', '.join(sorted(backends.get(f, ()))) or 'cross-backend'} |"
+             for f, (q, n) in sorted(counts.items())]
+    return rows
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    """``python -m conformance.tiers [pytest args]``: collect the suite (nothing runs) and print :func:`table`."""
+    import contextlib
+    import io
+
+    class Probe:
+        tier: QuickTier | None = None
+
+        def pytest_collection_finish(self, session: pytest.Session) -> None:
+            self.tier = session.config.pluginmanager.get_plugin("engine-quick-tier")
+
+    probe = Probe()
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = pytest.main(["conformance", "--collect-only", "-q", "-p", "no:cacheprovider", *argv], plugins=[probe])
+    if code != 0 or probe.tier is None:
+        print(f"collection failed (pytest exit {code})")
+        return int(code) or 1
+    print("\n".join(table(probe.tier.checks, probe.tier.quick)))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))
