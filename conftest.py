@@ -12,7 +12,7 @@ if "torch" not in sys.modules:
     os.environ.setdefault("MKL_CBWR", "AUTO")
 
 # Start-up hooks for subprocesses; importing one in the test process would activate the compat shim.
-collect_ignore = ["engine/compat/site", "engine/swift_rollout/site"]
+collect_ignore = ["engine/compat/site", "engine/swift_rollout/site", "conformance/isa_site"]
 # The ms-swift plugin file attaches the guard when imported (that is its job, inside ``swift rollout``).
 collect_ignore += ["engine/swift_rollout/plugin.py"]
 if importlib.util.find_spec("vllm") is None:

@@ -7,14 +7,19 @@ vLLM's CPU build does not read them: it picks its kernel library (``vllm._C`` fo
 ``_C_AVX2``) and its attention ISA (``amx`` for bfloat16 where AMX exists) from ``torch.cpu``'s hardware probes.
 So, when ``ATEN_CPU_CAPABILITY`` asks for AVX2 (or less), :func:`follow_aten_capability` makes those probes answer
 what an AVX2-only host answers, before vLLM is imported in this process: the in-process engines then load
-``_C_AVX2`` and vLLM's vector attention, as on that host. Servers the suite starts are other processes and keep
-the machine's own kernels (the bfloat16 pass runs in-process only). llama.cpp's native build is compiled for the
-building machine (``-march=native``) and reads none of these switches.
+``_C_AVX2`` and vLLM's vector attention, as on that host. It also puts ``isa_site`` (and the repository root) first
+on ``PYTHONPATH``, so every process the suite starts (servers, their vLLM engine cores) does the same at start-up:
+a served twin compared with its in-process engine must not compare two machines' kernels. llama.cpp's native build
+is compiled for the building machine (``-march=native``) and reads none of these switches.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+SITE = Path(__file__).resolve().parent / "isa_site"
+"""The start-up hook that applies :func:`follow_aten_capability` in the processes the suite starts."""
 
 PROBES = ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_vnni_supported", "_is_amx_tile_supported",
           "_is_amx_fp16_supported")
@@ -38,4 +43,7 @@ def follow_aten_capability() -> list[str]:
     changed = [name for name in PROBES if hasattr(torch.cpu, name)]
     for name in changed:
         setattr(torch.cpu, name, lambda: False)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    first = [str(SITE), str(SITE.parents[1])]
+    os.environ["PYTHONPATH"] = os.pathsep.join([*first, *(p for p in paths if p not in first)])
     return changed
