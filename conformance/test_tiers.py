@@ -1,4 +1,4 @@
-"""The quick tier over this session's own collection: every check function, on each backend and reach it has, keeps
+"""The quick tier over this session's own collection: every check function, on each backend it has, keeps
 at least one parametrization in ``-m quick`` (``conformance.tiers``). ``tests/test_tiers.py`` runs pytest's real
 ``-m quick`` collection; this check sees the modules only the conformance venv can import (vLLM's own)."""
 
