@@ -28,7 +28,7 @@ from conformance.isa import follow_aten_capability
 from conformance.pool import EnginePool, PoolOptions
 from conformance.report import SummaryCollector
 from conformance.served import IN_PROCESS, SERVED
-from conformance.tiers import QuickTier
+from conformance.tiers import QuickTier, Workload
 from engine.backends.registry import SPECS
 from engine.config import BACKENDS, DTYPES
 
@@ -112,10 +112,12 @@ def pytest_configure(config: pytest.Config) -> None:
         from engine.backends.vllm.backend import turn_torch_compile_off
 
         pool.compile_off = turn_torch_compile_off()
+    tier = QuickTier()
     context = lambda: {"vllm_runner": ",".join(sorted(pool.runners)) or "none started",  # noqa: E731
-                       "vllm_engine_core": pool.vllm_mode, "served_calls": pool.served_calls}
+                       "vllm_engine_core": pool.vllm_mode, "served_calls": pool.served_calls,
+                       "workload": tier.workload.name}
     stem = "conformance-summary" + ("" if options.dtype == "float32" else f"-{options.dtype}")
-    config.pluginmanager.register(QuickTier(), "engine-quick-tier")
+    config.pluginmanager.register(tier, "engine-quick-tier")
     config.pluginmanager.register(SummaryCollector(Path(config.rootpath) / "reports", context, stem), "engine-summary")
 
 
@@ -236,6 +238,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("backend", list(metafunc.config.stash[POOL_KEY].options.backends), scope="session")
     if metafunc.definition.get_closest_marker("servable") is not None:
         metafunc.parametrize("reach", [IN_PROCESS, pytest.param(SERVED, marks=pytest.mark.served)], indirect=True)
+
+
+@pytest.fixture(scope="session")
+def workload(pytestconfig: pytest.Config) -> Workload:
+    """The quick tier's smaller workload where ``-m`` selected quick checks only, else the full gate's
+    (conformance/tiers.py)."""
+    return pytestconfig.pluginmanager.get_plugin("engine-quick-tier").workload
 
 
 @pytest.fixture(scope="session")

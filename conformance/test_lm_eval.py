@@ -106,7 +106,14 @@ def assert_close(got: list[Any], want: list[Any], what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(pool) -> dict[str, dict[str, Any]]:
+def limit(workload) -> int | None:
+    """Documents per task: all of them in the full gate, the first 4 in the quick tier (every task still has
+    documents of each kind: several 64-token windows per paragraph, answers that are and are not valid JSON)."""
+    return workload.pick(full=None, quick=4)
+
+
+@pytest.fixture(scope="module")
+def reference(pool, limit) -> dict[str, dict[str, Any]]:
     """lm-eval's own hf model on the scoring tasks (window 64) and on the JSON task (chat template)."""
     from engine.backends.hf.backend import resolve_device
 
@@ -114,15 +121,15 @@ def reference(pool) -> dict[str, dict[str, Any]]:
     # multiple-choice log-likelihoods 1.5e-5 apart, well inside TOL) in a quarter less time.
     args = {"pretrained": pool.options.model, "dtype": pool.options.dtype,
             "device": resolve_device(pool.options.device), "batch_size": 8}
-    return {"scoring": evaluate("hf", SCORING, model_args={**args, "max_length": WINDOW}),
-            "json": evaluate("hf", ["engine_json"], model_args=args, chat=True)}
+    return {"scoring": evaluate("hf", SCORING, model_args={**args, "max_length": WINDOW}, limit=limit),
+            "json": evaluate("hf", ["engine_json"], model_args=args, chat=True, limit=limit)}
 
 
 @pytest.fixture(scope="module")
-def runs(engines) -> dict[str, dict[str, Any]]:
+def runs(engines, limit) -> dict[str, dict[str, Any]]:
     """Each backend's engine model on the same runs as :func:`reference`."""
-    return {b: {"scoring": evaluate(engine_lm(e, max_length=WINDOW), SCORING),
-                "json": evaluate(engine_lm(e), ["engine_json"], chat=True)} for b, e in engines.items()}
+    return {b: {"scoring": evaluate(engine_lm(e, max_length=WINDOW), SCORING, limit=limit),
+                "json": evaluate(engine_lm(e), ["engine_json"], chat=True, limit=limit)} for b, e in engines.items()}
 
 
 def test_scores_equal_lm_evals_hf_model(runs, reference, pool):
@@ -150,12 +157,12 @@ def test_backends_agree_on_loglikelihoods_and_generations(runs, pool):
     assert sample_values(run_a["json"], "engine_json") == sample_values(run_b["json"], "engine_json")
 
 
-def test_constrained_answers_are_all_valid_where_free_ones_are_not(engines):
+def test_constrained_answers_are_all_valid_where_free_ones_are_not(engines, limit):
     rates, answers = {}, {}
     for backend, engine in engines.items():
         for constrained in (False, True):
             lm = engine_lm(engine, response_schema=str(SCHEMA), constrained=constrained)
-            result = evaluate(lm, ["engine_json"], chat=True)
+            result = evaluate(lm, ["engine_json"], chat=True, limit=limit)
             counts = result["config"]["engine"]["schema_answers"]
             assert counts["checked"] == len(result["samples"]["engine_json"])
             rates[backend, constrained] = counts["valid_rate"]
@@ -231,7 +238,8 @@ def test_cache_answers_a_second_run_and_misses_on_any_change(engines, tmp_path):
 @pytest.mark.slow
 def test_lm_eval_cli_runs_the_engine_model(pool, tmp_path):
     """The real CLI (lm-eval's own, with ``engine`` registered): a constrained JSON run and a scoring task, on the
-    first 4 documents of each (``--limit``, a CLI option too): the in-process checks above cover every document."""
+    first 4 documents of each (``--limit``, a CLI option too): the in-process checks above cover every document
+    in the full gate."""
     args = {"backend": "hf", "pretrained": pool.options.model, "dtype": pool.options.dtype,
             "response_schema": str(SCHEMA), "constrained": True}
     out = tmp_path / "out"
@@ -251,7 +259,8 @@ def test_lm_eval_cli_runs_the_engine_model(pool, tmp_path):
 
 
 @pytest.mark.slow
-def test_lm_eval_local_completions_over_the_server_scores_as_the_engine_model(runs, chat_server, pool, tmp_path):
+def test_lm_eval_local_completions_over_the_server_scores_as_the_engine_model(runs, chat_server, pool, tmp_path,
+                                                                            limit):
     """lm-eval's own ``local-completions`` model (the real CLI, tokenizing through the server's ``/tokenizer_info``
     and ``/tokenize``) scores over HTTP with ``echo`` and ``logprobs`` on ``/v1/completions``: per document the same
     log-likelihoods (multiple choice, rolling perplexity in the same 64-token windows) and the same metrics as the
@@ -276,6 +285,7 @@ def test_lm_eval_local_completions_over_the_server_scores_as_the_engine_model(ru
             command = [sys.executable, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args",
                        json.dumps(args), "--tasks", *SCORING, "--include_path", str(TASKS), "--output_path", str(out),
                        "--log_samples", "--batch_size", "16"]  # 16 prompts per request
+            command += ["--limit", str(limit)] if limit else []  # the in-process runs' documents
             tokenized = scrape(server.url, "engine_requests_total", endpoint="tokenize", status="200")
             log = (tmp_path / f"{backend}.log").open("w+")
             process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)

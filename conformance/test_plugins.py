@@ -78,12 +78,13 @@ def test_engine_wide_incompatible_plugin_refuses_before_vllm_starts(pool, backen
 
 
 @pytest.mark.servable
-def test_min_length_above_natural_length_reaches_it_identically(engines):
+def test_min_length_above_natural_length_reaches_it_identically(engines, workload):
+    prompts = workload.pick(full=CHAT, quick=CHAT[:3])
     # The first backend's longest natural answer sets the bar (the other backends' natural runs were never read).
-    natural = next(iter(engines.values())).generate(CHAT, options={"max_new_tokens": 128})
+    natural = next(iter(engines.values())).generate(prompts, options={"max_new_tokens": 128})
     min_chars = max(len(r.text) for r in natural) + 40
     plugin = [{"name": "min_length", "min_chars": min_chars, "punctuation_bias": 2.0}]
-    got = {b: e.generate(CHAT, options={"max_new_tokens": 128}, plugins=plugin) for b, e in engines.items()}
+    got = {b: e.generate(prompts, options={"max_new_tokens": 128}, plugins=plugin) for b, e in engines.items()}
     for b, results in got.items():
         for i, r in enumerate(results):
             assert r.meta["generated_chars"] >= min_chars or r.finish_reason == "length", f"{b} row {i}"
@@ -95,10 +96,11 @@ def test_min_length_above_natural_length_reaches_it_identically(engines):
 
 
 @pytest.mark.servable
-def test_min_length_below_natural_length_changes_nothing(engines):
+def test_min_length_below_natural_length_changes_nothing(engines, workload):
+    prompts = workload.pick(full=CHAT, quick=CHAT[:3])
     for b, e in engines.items():
-        free = e.generate(CHAT, options={"max_new_tokens": 64})
-        low = e.generate(CHAT, options={"max_new_tokens": 64}, plugins=[{"name": "min_length", "min_chars": 1}])
+        free = e.generate(prompts, options={"max_new_tokens": 64})
+        low = e.generate(prompts, options={"max_new_tokens": 64}, plugins=[{"name": "min_length", "min_chars": 1}])
         assert [r.token_ids for r in low] == [r.token_ids for r in free], b
         assert not any(r.meta["eos_suppressed"] for r in low)
 

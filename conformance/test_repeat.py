@@ -122,8 +122,9 @@ def test_min_new_tokens_respected(pool, backend, looper):
 
 
 @pytest.mark.servable
-def test_healthy_smollm2_prompts_never_trigger(pool, backend, engine):
-    prompts = [p["messages"] for p in load_prompts("chat") + load_prompts("lists")]
+def test_healthy_smollm2_prompts_never_trigger(pool, backend, engine, workload):
+    healthy = [p["messages"] for p in load_prompts("chat") + load_prompts("lists")]
+    prompts = workload.pick(full=healthy, quick=healthy[4:])  # quick: two chat answers and both lists
     opts = {"max_new_tokens": 64}
     free = pool.reference(backend, pool.options.model).generate(prompts, options=opts)
     got = pool.engine(backend, pool.options.model, repeat_terminate=REAL_LOOP_GUARD).generate(prompts, options=opts)

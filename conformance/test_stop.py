@@ -111,18 +111,19 @@ def reference_end_after(ids, stops, decode, head_chars):
     return None
 
 
-def test_stop_strings_inside_min_new_tokens_do_not_count(engines, pool):
+def test_stop_strings_inside_min_new_tokens_do_not_count(engines, pool, workload):
     """While ``min_new_tokens`` holds EOS back, stop strings are not matched either (vLLM's ``min_tokens``
     rule, adopted by the engine): a stop string complete within the first N tokens is kept in ``text``, and the
     row ends at the first stop string that completes after them."""
     n, stops = 10, [".", ","]
     opts = {"max_new_tokens": 40, "min_new_tokens": n}
+    prompts = workload.pick(full=CHAT, quick=CHAT[:3])
     got = {}
     inside = after = 0
     for b, e in engines.items():
         decode = lambda ids: e.tokenizer.decode(list(ids), skip_special_tokens=True)  # noqa: B023, E731
-        held = e.generate(CHAT, options=opts)
-        rows = e.generate(CHAT, options=opts, stop={"strings": stops})
+        held = e.generate(prompts, options=opts)
+        rows = e.generate(prompts, options=opts, stop={"strings": stops})
         for i, (h, r) in enumerate(zip(held, rows, strict=True)):
             head = decode(h.token_ids[:n])
             inside += any(s in head for s in stops)

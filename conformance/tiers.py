@@ -10,6 +10,11 @@ parity and stop checks carry ``@pytest.mark.quick`` and their twins reach every 
 ``/v1/chat/completions``, ``/v1/completions``, Pattern C ``/chat``, have check functions of their own). Everything else
 (more guard settings, prompts, served twins and configs, hostile cases) stays in the full gate, ``nox -s conformance``.
 
+A run that selects the quick tier only (``-m quick``, or ``-m`` with more marks) also runs the quick *workload*: the
+heaviest checks name a smaller one with :class:`Workload` (fewer prompts or documents, one more-than-enough budget
+instead of two), each still able to fail the way its full form does. Any other run, a single check picked by its id
+included, runs the full workload.
+
 >>> items = [Check("m::f", {"backend": b, "x": x}) for x in (1, 2) for b in ("hf", "vllm")]
 >>> [(c.params["backend"], c.params["x"]) for c in quick_checks(items)]
 [('hf', 1), ('vllm', 1)]
@@ -72,6 +77,27 @@ def missing_from_quick(full: Sequence[tuple[str, tuple[str, ...]]],
     return sorted({pair for pair in full if pair not in ran})
 
 
+@dataclass(frozen=True)
+class Workload:
+    """How much a check runs: the full gate's prompt sets and documents, or the quick tier's smaller ones. Checks
+    get it as the ``workload`` fixture and name both sizes where they differ, so the difference reads in one line.
+
+    >>> Workload(quick=True).pick(full=["a", "b", "c"], quick=["a"])
+    ['a']
+    >>> Workload().pick(full=None, quick=4) is None
+    True
+    """
+
+    quick: bool = False
+
+    def pick(self, full: Any, quick: Any) -> Any:
+        return quick if self.quick else full
+
+    @property
+    def name(self) -> str:
+        return "quick" if self.quick else "full"
+
+
 class QuickTier:
     """The pytest plugin that marks the quick tier at collection (the conformance conftest registers it), and
     keeps what it saw: every collected check and the quick ones, before ``-m`` deselects anything."""
@@ -79,6 +105,7 @@ class QuickTier:
     def __init__(self) -> None:
         self.checks: list[Check] = []
         self.quick: list[Check] = []
+        self.workload = Workload()
 
     @pytest.hookimpl(tryfirst=True)  # before pytest's own -m deselects anything
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
@@ -88,6 +115,11 @@ class QuickTier:
         for item, check in zip(items, self.checks, strict=True):
             if id(check) in chosen and not check.marked:
                 item.add_marker(MARK)
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        """The quick workload runs where ``-m`` left quick checks only (see the module's rule)."""
+        selected = bool(session.config.getoption("markexpr", "")) and bool(session.items)
+        self.workload = Workload(quick=selected and all(i.get_closest_marker(MARK) for i in session.items))
 
 
 def check_of(item: pytest.Item) -> Check:

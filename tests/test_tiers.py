@@ -54,27 +54,32 @@ from conformance.tiers import check_of
 class Probe:
     def pytest_collection_finish(self, session):
         self.ids = [(c.function, list(c.spread())) for c in map(check_of, session.items)]
+    def pytest_sessionfinish(self, session):
+        self.workload = session.config.pluginmanager.get_plugin("engine-quick-tier").workload.name
 probe = Probe()
 code = pytest.main(["conformance", "--collect-only", "-q", "-p", "no:cacheprovider", *sys.argv[1:]], plugins=[probe])
-print("PROBE " + json.dumps(probe.ids))
+print("PROBE " + json.dumps([probe.workload, probe.ids]))
 sys.exit(0 if code == 0 else code)
 """
 
 
-def collected(*args: str) -> list[tuple[str, tuple[str, ...]]]:
+def collected(*args: str) -> tuple[str, list[tuple[str, tuple[str, ...]]]]:
+    """(the workload the run would use, its (function, backend) pairs) of a real collection with ``args``."""
     done = subprocess.run([sys.executable, "-c", PROBE, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     line = next((x for x in done.stdout.splitlines() if x.startswith("PROBE ")), None)
     assert done.returncode == 0 and line, f"collection failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr}"
-    return [(f, tuple(s)) for f, s in json.loads(line.removeprefix("PROBE "))]
+    workload, ids = json.loads(line.removeprefix("PROBE "))
+    return workload, [(f, tuple(s)) for f, s in ids]
 
 
 def test_the_collected_quick_tier_runs_every_check_function_on_each_backend():
     """The suite as pytest collects it here (modules that need vLLM itself are collected by the conformance
     session's own check, ``conformance/test_tiers.py``): ``-m quick`` keeps every (function, backend) of the full
-    gate, and leaves parametrizations out."""
-    full = collected()
-    quick = collected("-m", "quick")
+    gate, and leaves parametrizations out; it runs the quick workload, the full gate the full one."""
+    full_workload, full = collected()
+    quick_workload, quick = collected("-m", "quick")
+    assert (full_workload, quick_workload) == ("full", "quick")
     assert len({f for f, _ in full}) >= 100, f"only {len(full)} checks collected: the probe saw too little"
     assert missing_from_quick(full, quick) == []
     assert len(quick) < len(full), f"the quick tier holds all {len(full)} checks: it leaves nothing to the full gate"
