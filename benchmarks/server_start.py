@@ -12,8 +12,8 @@ prints the medians of:
   (spawned: a fresh interpreter that imports everything again; forked: a copy of the API process).
 
 Ways: ``spawn`` (the default) and ``fork`` (``VLLM_WORKER_MULTIPROC_METHOD=fork``: the engine core forks from the
-API process after its imports, the "fork after import" the issue asks about), each checked by one greedy answer
-equal to the in-process engine's::
+API process after its imports, the "fork after import" the issue asks about); every start's greedy answer must
+be the same::
 
     python -m benchmarks.server_start --rounds 3       # after python -m fixtures build, in the stack venv
 """
@@ -32,6 +32,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 WAYS = {"spawn": {}, "fork": {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}}
+
+
 def config() -> dict[str, Any]:
     from conformance.pool import CPU_VLLM, SERVED_CHAT
     from engine.backends.vllm.backend import turn_torch_compile_off
@@ -63,14 +65,15 @@ def start_once(cfg: dict[str, Any], env: dict[str, str]) -> tuple[dict[str, floa
     began = time.monotonic()
     done = threading.Event()
 
-    def watch() -> None:  # the engine core: the API process's first python child
-        while not done.is_set():
+    def watch() -> None:  # the engine core: the API process's first python child that is not multiprocessing's
+        while not done.is_set() and "core" not in marks:  # resource tracker (started just before a spawned core)
             for proc in psutil.Process().children(recursive=True):
                 with contextlib.suppress(psutil.Error):
-                    kids = [c for c in proc.children() if "python" in c.name()]
-                    if kids and "core" not in marks:
+                    lines = [" ".join(c.cmdline()) for c in proc.children() if "python" in c.name()]
+                    cores = [line for line in lines if "resource_tracker" not in line]
+                    if cores and "core" not in marks:
                         marks["core"] = time.monotonic() - began
-                        marks["spawned"] = float(any("spawn" in " ".join(k.cmdline()) for k in kids))
+                        marks["spawned"] = float(any("spawn_main" in line for line in cores))
             time.sleep(0.05)
 
     watcher = threading.Thread(target=watch, daemon=True)

@@ -11,8 +11,8 @@ parity and stop checks carry ``@pytest.mark.quick`` and their twins reach every 
 (more guard settings, prompts, served twins and configs, hostile cases) stays in the full gate, ``nox -s conformance``.
 
 A run that selects the quick tier only (``-m quick``, or ``-m`` with more marks) also runs the quick *workload*: the
-heaviest checks name a smaller one with :class:`Workload` (fewer prompts or documents, one more-than-enough budget
-instead of two), each still able to fail the way its full form does. Any other run, a single check picked by its id
+heaviest checks name a smaller one with :class:`Workload` (fewer prompts or documents), each still able to fail the
+way its full form does. Any other run, a single check picked by its id
 included, runs the full workload.
 
 >>> items = [Check("m::f", {"backend": b, "x": x}) for x in (1, 2) for b in ("hf", "vllm")]
