@@ -1,7 +1,7 @@
 """One hostile request against the real server (``python -m engine.serve`` on 127.0.0.1, the pool's text server of
 each backend: HF, vLLM, llama.cpp): each is refused with a typed JSON error naming the field, before any
 tokenization or model work, and a normal request is answered right after; the server's resident memory (with its
-engine-core children) stays bounded throughout. Limits and their settings: ``engine.serve.limits``; the
+engine-core children) stays bounded throughout. Limits and their settings: ``engine.serve.shared.limits``; the
 "Limits" table in ``docs/serving.md``.
 """
 

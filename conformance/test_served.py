@@ -111,8 +111,8 @@ def test_swift_client_drives_infer_and_parses_every_item(server, reference):
 
 
 def test_envelope_flags_equal_the_in_process_meta(server, reference):
-    from engine.serve.rollout_wire import result_from_item
-    from engine.serve.wire import shown_logprob
+    from engine.serve.rollout.infer import result_from_item
+    from engine.serve.shared.formats import shown_logprob
 
     body = {"infer_requests": [{"messages": m} for m in MIXED], "request_config": {**GREEDY, "logprobs": True,
                                                                                    "top_logprobs": 2}}

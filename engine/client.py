@@ -26,8 +26,8 @@ from engine.config.repeat import RepeatTerminateConfig
 from engine.config.validation import build
 from engine.errors import EngineError
 from engine.serve.activation import ENV_JSON
-from engine.serve.auth import ENV_API_KEY
-from engine.serve.rollout_wire import result_from_item
+from engine.serve.rollout.infer import result_from_item
+from engine.serve.shared.auth import ENV_API_KEY
 from engine.types import GenerationResult
 
 
@@ -82,7 +82,7 @@ class _Base:
                  timeout: float = 600.0, health_timeout: float = 240.0, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else {}
-        """Sent with every request: the server's API key (``engine.serve.auth``), when it has one."""
+        """Sent with every request: the server's API key (``engine.serve.shared.auth``), when it has one."""
         self.repeat_terminate = repeat_terminate
         self.namespace = namespace
         self.batch_size = batch_size

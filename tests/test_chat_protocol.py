@@ -12,15 +12,27 @@ from hypothesis import strategies as st
 
 from engine.config.serve import PatternCConfig
 from engine.errors import ConfigError, RequestError
-from engine.serve import openai_wire, pattern_c_wire
-from engine.serve.bodies import ChatCompletionRequest
-from engine.serve.openai_wire import NEUTRAL, chunk, completion_body, parse_completion
-from engine.serve.pattern_c_wire import parse_pattern_c, pattern_c_body
+from engine.serve.openai.bodies import ChatCompletionRequest
+from engine.serve.openai.chat import chunk, completion_body, parse_chat
+from engine.serve.pattern_c import chat as pattern_c
+from engine.serve.pattern_c.bodies import PatternCRequest
+from engine.serve.pattern_c.chat import pattern_c_body
+from engine.serve.shared.bodies import check
+from engine.serve.shared.fields import FieldTable
 from engine.types import GenerationResult
 
 MSGS = [{"role": "user", "content": "Hi"}]
-wire_error = openai_wire.TABLE.rename
-pattern_c_wire_error = pattern_c_wire.TABLE.rename
+wire_error = FieldTable.of(ChatCompletionRequest).rename
+pattern_c_wire_error = FieldTable.of(PatternCRequest).rename
+
+
+def parse_completion(raw):
+    """What the call path does with a chat body: check it against its model, then parse the model."""
+    return parse_chat(check(ChatCompletionRequest, raw))
+
+
+def parse_pattern_c(raw, defaults):
+    return pattern_c.parse_pattern_c(check(PatternCRequest, raw), defaults)
 
 
 def body(**fields):
@@ -157,7 +169,7 @@ JSON_JUNK = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(-5, 10**6), st.floats(allow_nan=False), st.text(max_size=5)),
     lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
     max_leaves=6)
-COMPLETION_KEYS = st.sampled_from([*ChatCompletionRequest.model_fields, *NEUTRAL, "messages", "engine", "bogus"])
+COMPLETION_KEYS = st.sampled_from([*ChatCompletionRequest.model_fields, "messages", "engine", "bogus"])
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "x"]),
                                  "content": st.one_of(st.text(max_size=4), JSON_JUNK)})
 

@@ -1,4 +1,4 @@
-"""One answering path for every surface (``engine.serve.answering``): ``/infer/``, ``/v1/chat/completions`` and
+"""One answering path for every surface (``engine.serve.shared.calls``): ``/infer/``, ``/v1/chat/completions`` and
 Pattern C ``/chat`` count their answers alike in ``/metrics`` (sequences, tokens, and the sequences the repeat guard
 ended, by the guard's own flag), and refuse by the field the client sent.
 

@@ -1,11 +1,12 @@
-"""Request bodies as pydantic models (``engine/serve/bodies.py``): every refusal names the field as the client sent it
-(never a union member's internal tag), and ``/openapi.json`` is truthful: the JSON schema it publishes for a route
-accepts exactly the bodies the route's model accepts (checked with ``jsonschema`` on generated bodies), and every
-body route of the served app references its model."""
+"""Request bodies as pydantic models (``engine/serve/shared/bodies.py``, each surface's ``bodies.py``): every refusal
+names the field as the client sent it (never a union member's internal tag), and ``/openapi.json`` is truthful: the
+JSON schema it publishes for a route accepts exactly the bodies the route's model accepts (checked with
+``jsonschema`` on generated bodies), and every body route of the served app references its model."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -16,7 +17,18 @@ jsonschema = pytest.importorskip("jsonschema", reason="the lm-eval extra (instal
 httpx = pytest.importorskip("httpx", reason="the serve extra (installed by `nox -s tests`)")
 
 from engine.errors import RequestError  # noqa: E402
-from engine.serve import bodies  # noqa: E402
+from engine.serve.app import SURFACES  # noqa: E402
+from engine.serve.openai import bodies as openai_bodies  # noqa: E402
+from engine.serve.pattern_c import bodies as pattern_c_bodies  # noqa: E402
+from engine.serve.rollout import bodies as rollout_bodies  # noqa: E402
+from engine.serve.shared import bodies as shared  # noqa: E402
+
+bodies = SimpleNamespace(  # every surface's models and the shared check, under one name for these tables
+    check=shared.check, ROUTES={path: model for surface in SURFACES for path, model in surface.BODIES.items()},
+    ChatCompletionRequest=openai_bodies.ChatCompletionRequest, CompletionRequest=openai_bodies.CompletionRequest,
+    TokenizeRequest=openai_bodies.TokenizeRequest, DetokenizeRequest=openai_bodies.DetokenizeRequest,
+    InferRequest=rollout_bodies.InferRequest, UpdateNamedParamRequest=rollout_bodies.UpdateNamedParamRequest,
+    PatternCRequest=pattern_c_bodies.PatternCRequest)
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
 

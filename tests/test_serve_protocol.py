@@ -8,8 +8,18 @@ import json
 import pytest
 
 from engine.errors import ConfigError, RequestError
-from engine.serve import rollout_wire as protocol
+from engine.serve.rollout import infer as protocol
+from engine.serve.rollout.bodies import InferRequest
+from engine.serve.shared.bodies import check
+from engine.serve.shared.fields import FieldTable
 from engine.types import GenerationResult
+
+FIELDS = FieldTable.of(InferRequest, requests="infer_requests")  # as the route builds it
+
+
+def parse_infer(raw):
+    """What the call path does with an ``/infer/`` body: check it against its model, then parse the model."""
+    return protocol.parse_infer(check(InferRequest, raw))
 
 MSG = [{"role": "user", "content": "Hi"}]
 # Every field of swift 4.6's RequestConfig at its default (what VLLMInferClient sends via asdict).
@@ -28,13 +38,13 @@ class Tok:
 
 
 def test_swift_default_body_is_accepted_as_is():
-    call = protocol.parse_infer({"infer_requests": [SWIFT_ITEM], "request_config": SWIFT_DEFAULTS, "metrics": None,
+    call = parse_infer({"infer_requests": [SWIFT_ITEM], "request_config": SWIFT_DEFAULTS, "metrics": None,
                                  "use_tqdm": None, "adapter_request": None})
     assert call.requests == [MSG] and call.options == {} and call.stop is None and not call.return_details
 
 
 def test_request_config_maps_onto_engine_options():
-    call = protocol.parse_infer({"infer_requests": [SWIFT_ITEM], "request_config": {
+    call = parse_infer({"infer_requests": [SWIFT_ITEM], "request_config": {
         **SWIFT_DEFAULTS, "max_tokens": 9, "temperature": 0.7, "top_k": -1, "top_p": 0.9, "seed": 4,
         "stop": ["\n\n"], "logprobs": True, "top_logprobs": 3, "return_details": True, "min_p": 0.05}})
     assert call.options == {"max_new_tokens": 9, "temperature": 0.7, "top_p": 0.9, "seed": 4, "top_k": 0,
@@ -52,26 +62,26 @@ def test_request_config_maps_onto_engine_options():
 ])
 def test_unsupported_or_unknown_request_config_is_refused(change, field):
     with pytest.raises(RequestError) as info:
-        protocol.parse_infer({"infer_requests": [SWIFT_ITEM], "request_config": {**SWIFT_DEFAULTS, **change}})
+        parse_infer({"infer_requests": [SWIFT_ITEM], "request_config": {**SWIFT_DEFAULTS, **change}})
     assert info.value.field == field
 
 
 def test_extension_conflicts_and_item_fields_are_refused():
     with pytest.raises(RequestError, match="also set through request_config"):
-        protocol.parse_infer({"infer_requests": [], "request_config": {"max_tokens": 3},
+        parse_infer({"infer_requests": [], "request_config": {"max_tokens": 3},
                               "engine": {"options": {"max_new_tokens": 4}}})
     with pytest.raises(RequestError, match=r"infer_requests\[0\]\.tools"):
-        protocol.parse_infer({"infer_requests": [{**SWIFT_ITEM, "tools": [{"type": "function"}]}]})
+        parse_infer({"infer_requests": [{**SWIFT_ITEM, "tools": [{"type": "function"}]}]})
     with pytest.raises(RequestError, match="did you mean 'messages'"):
-        protocol.parse_infer({"infer_requests": [{"message": MSG}]})
+        parse_infer({"infer_requests": [{"message": MSG}]})
 
 
 def test_engine_errors_name_the_wire_field():
-    err = protocol.FIELDS.rename(ConfigError("generation.top_p", 2.0, "must be in (0, 1]"))
+    err = FIELDS.rename(ConfigError("generation.top_p", 2.0, "must be in (0, 1]"))
     assert err.field == "request_config.top_p"
-    err = protocol.FIELDS.rename(ConfigError("generation.min_new_tokens", -1, "x"))
+    err = FIELDS.rename(ConfigError("generation.min_new_tokens", -1, "x"))
     assert err.field == "engine.options.min_new_tokens"
-    assert protocol.FIELDS.rename(RequestError("requests[2].messages", [], "x")).field == "infer_requests[2].messages"
+    assert FIELDS.rename(RequestError("requests[2].messages", [], "x")).field == "infer_requests[2].messages"
 
 
 def test_an_enveloped_item_reads_back_into_the_same_result():

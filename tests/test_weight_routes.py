@@ -1,4 +1,4 @@
-"""The weight-sync routes (``engine.serve.weights_routes``) as swift's client calls them: what is refused by field
+"""The weight-sync routes (``engine.serve.rollout.weights``) as swift's client calls them: what is refused by field
 before anything joins a group, and the order of the backend calls (a push session ends before any generation). The
 backend is a stand-in that records its calls; ``conformance/test_weight_sync.py`` pushes real weights into HF and
 vLLM servers."""

@@ -1,5 +1,6 @@
 """Hypothesis over the three wire formats (``/infer/``, ``/v1/chat/completions``, Pattern C ``/chat``): whatever JSON
-a client sends, parsing it and checking it against the server's limits either gives a call or raises a typed
+a client sends, checking it against its body model, parsing the model and checking the call against the server's
+limits either gives a call or raises a typed
 ``EngineError`` (a 4xx naming the field), never another exception (a 500). JSON here is what ``json.loads`` can
 give: nested objects and arrays of strings (lone surrogates included), integers of any size, floats, booleans, null.
 The real servers get the named hostile cases in ``conformance/test_hostile.py``.
@@ -14,10 +15,14 @@ from engine.config import GenerationOptions, ServeConfig, StopPolicy
 from engine.config.serve import PatternCConfig
 from engine.errors import EngineError
 from engine.plugins import create_plugins
-from engine.serve.limits import check_call
-from engine.serve.openai_wire import parse_completion
-from engine.serve.pattern_c_wire import parse_pattern_c
-from engine.serve.rollout_wire import parse_infer
+from engine.serve.openai.bodies import ChatCompletionRequest
+from engine.serve.openai.chat import parse_chat
+from engine.serve.pattern_c.bodies import PatternCRequest
+from engine.serve.pattern_c.chat import parse_pattern_c
+from engine.serve.rollout.bodies import InferRequest
+from engine.serve.rollout.infer import parse_infer
+from engine.serve.shared import bodies
+from engine.serve.shared.limits import check_call
 from engine.types import ChatRequest
 
 CASES = 300
@@ -52,7 +57,7 @@ def check(call, conversations) -> None:
     {"messages": MESSAGES}), max_size=3)}, optional={"request_config": JSON, "engine": JSON})))
 def test_infer_bodies_are_a_call_or_a_typed_refusal(body):
     try:
-        call = parse_infer(body)
+        call = parse_infer(bodies.check(InferRequest, body))
         check(call, call.requests)
     except EngineError as err:
         assert err.args and str(err)
@@ -64,7 +69,7 @@ def test_infer_bodies_are_a_call_or_a_typed_refusal(body):
                                                       "temperature": JSON, "stream": JSON})))
 def test_chat_completion_bodies_are_a_call_or_a_typed_refusal(body):
     try:
-        call = parse_completion(body)
+        call = parse_chat(bodies.check(ChatCompletionRequest, body))
         check(call, [call.messages])
     except EngineError as err:
         assert err.args and str(err)
@@ -75,7 +80,7 @@ def test_chat_completion_bodies_are_a_call_or_a_typed_refusal(body):
                                                                                "stream": JSON, "model": JSON})))
 def test_pattern_c_bodies_are_a_call_or_a_typed_refusal(body):
     try:
-        call = parse_pattern_c(body, PatternCConfig())
+        call = parse_pattern_c(bodies.check(PatternCRequest, body), PatternCConfig())
         check(call, [call.messages])
     except EngineError as err:
         assert err.args and str(err)

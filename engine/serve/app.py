@@ -1,4 +1,5 @@
-"""The FastAPI app factory of the served engine: surfaces are routers, errors are OpenAI-style bodies."""
+"""The FastAPI app factory of the served engine: each surface folder gives a router and its request bodies
+(``/openapi.json``); errors are OpenAI's error object, their status from :mod:`engine.serve.shared.errors`."""
 
 from __future__ import annotations
 
@@ -15,20 +16,19 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import EngineError
-from engine.serve import (
-    bodies,
-    openai_routes,
-    pattern_c_routes,
-    rollout_routes,
-    rollout_wire,
-    tokenize_routes,
-    weights_routes,
-)
-from engine.serve.access import AccessLog
-from engine.serve.answering import refuse
-from engine.serve.auth import ApiKeyGate
+from engine.serve.openai import routes as openai_routes
+from engine.serve.openai import tokenize as tokenize_routes
+from engine.serve.pattern_c import routes as pattern_c_routes
+from engine.serve.rollout import routes as rollout_routes
+from engine.serve.rollout import weights as weights_routes
 from engine.serve.service import ServedEngine
-from engine.serve.wire import error_body
+from engine.serve.shared import bodies
+from engine.serve.shared.access import AccessLog
+from engine.serve.shared.auth import ApiKeyGate
+from engine.serve.shared.errors import error_body, error_response, status_of
+
+SURFACES = (rollout_routes, openai_routes, pattern_c_routes, weights_routes, tokenize_routes)
+"""Each gives ``router(served)`` and ``BODIES`` (path -> the body model its POST route reads)."""
 
 log = logging.getLogger(__name__)
 
@@ -53,23 +53,23 @@ def create_app(served: ServedEngine, *, close_engine: bool = True) -> FastAPI:
     if served.api_key is not None:
         app.add_middleware(ApiKeyGate, key=served.api_key)
     app.add_middleware(AccessLog)  # outermost: every request gets its id and its line, refusals included
-    app.include_router(rollout_routes.router(served))
-    app.include_router(openai_routes.router(served))
-    app.include_router(pattern_c_routes.router(served))
-    app.include_router(weights_routes.router(served))
-    app.include_router(tokenize_routes.router(served))
+    for surface in SURFACES:
+        app.include_router(surface.router(served))
 
     def openapi() -> dict[str, Any]:
-        """FastAPI's document with the request bodies the routes read themselves (``engine.serve.bodies``)."""
+        """FastAPI's document with the request bodies the routes read themselves (``shared/bodies.py``)."""
         if app.openapi_schema is None:
-            app.openapi_schema = bodies.openapi(get_openapi(title=app.title, version=app.version, routes=app.routes))
+            routes = {path: model for surface in SURFACES for path, model in surface.BODIES.items()}
+            app.openapi_schema = bodies.openapi(get_openapi(title=app.title, version=app.version, routes=app.routes),
+                                                routes)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
 
     @app.exception_handler(EngineError)
     async def engine_error(request: Request, err: EngineError) -> JSONResponse:
-        return refuse(err, rollout_wire.FIELDS)
+        """An engine error no route's call path caught: its field as raised (no surface to rename it by)."""
+        return error_response(err)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
@@ -86,11 +86,12 @@ def create_app(served: ServedEngine, *, close_engine: bool = True) -> FastAPI:
         request_id = getattr(request.state, "request_id", None) or uuid.uuid4().hex[:16]  # AccessLog's
         log.error("engine.serve: request %s (%s %s) failed: %s", request_id, request.method, request.url.path,
                   type(err).__name__, exc_info=err)
+        status = status_of(err)
         body = error_body(f"internal error while answering request {request_id} ({request.method} "
-                                   f"{request.url.path}): {type(err).__name__}; the server log has the traceback",
-                                   kind="internal_error", code=500)
+                          f"{request.url.path}): {type(err).__name__}; the server log has the traceback",
+                          kind="internal_error", code=status)
         # Sent by Starlette's outermost error middleware, outside AccessLog: the header is set here.
-        return JSONResponse(body, 500, headers={"x-request-id": request_id})
+        return JSONResponse(body, status, headers={"x-request-id": request_id})
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, err: RequestValidationError) -> JSONResponse:

@@ -26,7 +26,7 @@ from engine.backends.registry import SPECS
 from engine.config.serve import PatternCConfig
 from engine.errors import ConfigError, EngineError
 from engine.serve.activation import FLAG, Activation, resolve
-from engine.serve.auth import ENV_API_KEY, LOOPBACK, api_key_from
+from engine.serve.shared.auth import ENV_API_KEY, LOOPBACK, api_key_from
 
 EXIT_CONFIG = 2
 EXIT_START = 3
@@ -163,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from engine.engine import GenerationEngine
-    from engine.serve.access import configure_logging
     from engine.serve.app import create_app
     from engine.serve.service import ServedEngine
+    from engine.serve.shared.access import configure_logging
 
     configure_logging(args.log_level)
     # The port is taken before the model loads (a port in use fails in a second, not after the load), but it

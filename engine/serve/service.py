@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.serve.activation import Activation
-from engine.serve.metrics import ServeMetrics
+from engine.serve.shared.metrics import ServeMetrics
 
 
 class ServedEngine:
@@ -27,7 +27,7 @@ class ServedEngine:
         self.engine = engine
         self.activation = activation
         self.api_key = api_key
-        """The bearer key every route but ``/health`` requires (``engine.serve.auth``); None: no key."""
+        """The bearer key every route but ``/health`` requires (``engine.serve.shared.auth``); None: no key."""
         self.serve = serve or engine.config.serve
         """The ``ServeConfig`` in effect (the engine's own unless given)."""
         self.metrics = ServeMetrics(self.model_name, include_vllm=engine.backend.name == "vllm")
@@ -89,7 +89,7 @@ class ServedEngine:
 
     def sent_the_key(self, headers: Any) -> bool:
         """Whether a request's raw ASGI ``headers`` carry this server's API key (never, when it has none)."""
-        from engine.serve.auth import bearer_matches
+        from engine.serve.shared.auth import bearer_matches
 
         return self.api_key is not None and bearer_matches(headers, self.api_key)
 

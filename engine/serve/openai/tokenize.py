@@ -21,76 +21,92 @@
 from __future__ import annotations
 
 import importlib.metadata
-import time
-from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
 
 from engine.errors import EngineError, RequestError
-from engine.serve.answering import Answering, unknown_model
-from engine.serve.bodies import DetokenizeRequest, TokenizeRequest, check
-from engine.serve.limits import read_json
+from engine.serve.openai.bodies import DetokenizeRequest, TokenizeRequest
 from engine.serve.service import ServedEngine
-from engine.serve.wire import FieldTable, chat_messages, flag
+from engine.serve.shared.bodies import messages_of
+from engine.serve.shared.calls import Call, Surface
+from engine.serve.shared.formats import chat_messages
 
-TABLE = FieldTable(extension=False)
+BODIES = {"/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
 
-def tokenize(body: Any, tokenizer: Any) -> tuple[list[int], bool]:
-    """The ids ``body`` asks for and whether to return their strings; ``RequestError`` naming a bad field.
+@dataclass(frozen=True)
+class TokenizerCall:
+    """A checked ``/tokenize`` or ``/detokenize`` body (no generation: nothing for the limits to hold)."""
+
+    body: Any
+    options: None = None
+    stop: None = None
+    prompt_count: int = 0
+
+    @property
+    def model(self) -> str | None:
+        return self.body.model
+
+
+def tokenizer_call(body: Any, served: Any = None) -> TokenizerCall:
+    return TokenizerCall(body)
+
+
+def tokenize(body: TokenizeRequest, tokenizer: Any) -> tuple[list[int], bool]:
+    """The ids a validated ``/tokenize`` body asks for and whether to return their strings; ``RequestError`` naming
+    a bad field.
 
     >>> from types import SimpleNamespace
     >>> tok = SimpleNamespace(encode=lambda text, add_special_tokens: [1] * add_special_tokens + [ord(c) for c in text])
-    >>> tokenize({"prompt": "hi"}, tok), tokenize({"prompt": "hi", "add_special_tokens": False}, tok)[0]
+    >>> tokenize(TokenizeRequest(prompt="hi"), tok), tokenize(TokenizeRequest(prompt="hi", add_special_tokens=False),
+    ...                                                      tok)[0]
     (([1, 104, 105], False), [104, 105])
-    >>> tokenize({"prompt": "hi", "messages": []}, tok)
+    >>> tokenize(TokenizeRequest.model_validate({"prompt": "hi", "messages": []}), tok)
     Traceback (most recent call last):
     ...
     engine.errors.RequestError: messages cannot be sent with prompt, got []. Fix: send one of them.
     """
     from engine.templates import render_prompt
 
-    check(TokenizeRequest, body)
-    strs = flag(body, "return_token_strs", False)
-    if "messages" in body:
-        if "prompt" in body:
-            raise RequestError("messages", body["messages"], "cannot be sent with prompt", fix="send one of them")
-        if not flag(body, "add_generation_prompt", True):
+    strs = bool(body.return_token_strs)
+    if body.messages is not None:
+        messages = messages_of(body.messages)
+        if body.prompt is not None:
+            raise RequestError("messages", messages, "cannot be sent with prompt", fix="send one of them")
+        if body.add_generation_prompt is False:
             raise RequestError("add_generation_prompt", False, "is not supported: the engine renders every chat with "
                                "its generation prompt", fix="leave it out or send true")
-        if "add_special_tokens" in body:
-            raise RequestError("add_special_tokens", body["add_special_tokens"], "applies to prompt only (a chat is "
+        if body.add_special_tokens is not None:
+            raise RequestError("add_special_tokens", body.add_special_tokens, "applies to prompt only (a chat is "
                                "tokenized as the engine renders it)", fix="leave it out")
-        return list(render_prompt(tokenizer, chat_messages(body["messages"])).token_ids), strs
-    prompt = body.get("prompt")
-    if not isinstance(prompt, str):
-        raise RequestError("prompt", prompt, "is required and must be a string (or send messages)",
+        return list(render_prompt(tokenizer, chat_messages(messages)).token_ids), strs
+    if body.prompt is None:
+        raise RequestError("prompt", None, "is required and must be a string (or send messages)",
                            fix='send {"prompt": "..."} or {"messages": [...]}')
-    if "add_generation_prompt" in body:
-        raise RequestError("add_generation_prompt", body["add_generation_prompt"], "applies to messages only",
+    if body.add_generation_prompt is not None:
+        raise RequestError("add_generation_prompt", body.add_generation_prompt, "applies to messages only",
                            fix="leave it out")
-    return list(tokenizer.encode(prompt, add_special_tokens=flag(body, "add_special_tokens", True))), strs
+    return list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)), strs
 
 
-def detokenize(body: Any, vocab: int) -> list[int]:
-    """The token ids of a ``/detokenize`` body, each checked against the vocabulary.
+def detokenize(body: DetokenizeRequest, vocab: int) -> list[int]:
+    """The token ids of a validated ``/detokenize`` body, each checked against the vocabulary.
 
-    >>> detokenize({"tokens": [5, 6]}, 10)
+    >>> detokenize(DetokenizeRequest(tokens=[5, 6]), 10)
     [5, 6]
-    >>> detokenize({"tokens": [5, 60]}, 10)
+    >>> detokenize(DetokenizeRequest(tokens=[5, 60]), 10)
     Traceback (most recent call last):
     ...
     engine.errors.RequestError: tokens[1] is not a token id of this model (its tokenizer has 10), got 60. \
 Fix: give ids in [0, 10).
     """
-    check(DetokenizeRequest, body)
-    tokens = body["tokens"]
-    for i, t in enumerate(tokens):
+    for i, t in enumerate(body.tokens):
         if not 0 <= t < vocab:
             raise RequestError(f"tokens[{i}]", t, f"is not a token id of this model (its tokenizer has {vocab})",
                                fix=f"give ids in [0, {vocab})")
-    return tokens
+    return body.tokens
 
 
 def tokenizer_facts(tokenizer: Any, max_model_len: int | None) -> dict[str, Any]:
@@ -132,41 +148,32 @@ def backend_version(name: str) -> str | None:
 def router(served: ServedEngine) -> APIRouter:
     api = APIRouter()
     engine = served.engine
-    tokenize_calls = Answering(served, "tokenize", TABLE)
-    detokenize_calls = Answering(served, "detokenize", TABLE)
-
-    def wrong_model(body: Any) -> Any:
-        name = body.get("model") if isinstance(body, Mapping) else None
-        return None if name is None or name == served.model_name else unknown_model(name, served)
+    tokenizes = Surface(served, "tokenize", TokenizeRequest, tokenizer_call)
+    detokenizes = Surface(served, "detokenize", DetokenizeRequest, tokenizer_call)
 
     @api.post("/tokenize")
     async def tokenize_route(request: Request) -> Any:
-        start = time.perf_counter()
+        call = await tokenizes.accept(request)
+        if not isinstance(call, Call):
+            return call
         try:
-            body = await read_json(request, served.serve.max_body_bytes)
-            if (refusal := wrong_model(body)) is not None:
-                tokenize_calls.observe(404, start)
-                return refusal
-            ids, strs = tokenize(body, engine.tokenizer)
+            ids, strs = tokenize(call.parsed.body, engine.tokenizer)
         except EngineError as err:
-            return tokenize_calls.refused(err, start)
-        tokenize_calls.observe(200, start)
-        return {"count": len(ids), "max_model_len": engine.backend.capabilities.max_model_len, "tokens": ids,
-                "token_strs": engine.tokenizer.convert_ids_to_tokens(ids) if strs else None}
+            return call.refused(err)
+        strings = engine.tokenizer.convert_ids_to_tokens(ids) if strs else None
+        return call.answered({"count": len(ids), "max_model_len": engine.backend.capabilities.max_model_len,
+                              "tokens": ids, "token_strs": strings})
 
     @api.post("/detokenize")
     async def detokenize_route(request: Request) -> Any:
-        start = time.perf_counter()
+        call = await detokenizes.accept(request)
+        if not isinstance(call, Call):
+            return call
         try:
-            body = await read_json(request, served.serve.max_body_bytes)
-            if (refusal := wrong_model(body)) is not None:
-                detokenize_calls.observe(404, start)
-                return refusal
-            ids = detokenize(body, len(engine.tokenizer))
+            ids = detokenize(call.parsed.body, len(engine.tokenizer))
         except EngineError as err:
-            return detokenize_calls.refused(err, start)
-        detokenize_calls.observe(200, start)
-        return {"prompt": engine.tokenizer.decode(ids)}
+            return call.refused(err)
+        return call.answered({"prompt": engine.tokenizer.decode(ids)})
 
     @api.get("/tokenizer_info")
     async def tokenizer_info() -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """The ``/infer/`` wire format (ms-swift's rollout protocol), both ways, in one place (what every surface shares:
-:mod:`engine.serve.wire`).
+:mod:`engine.serve.shared.formats`).
 
-Server side: :func:`parse_infer` turns a request body into engine arguments, refusing unknown and unsupported
-fields with a :class:`RequestError` that names them; :func:`rollout_item` turns a ``GenerationResult`` into
+Server side: :func:`parse_infer` reads a validated body (``rollout/bodies.py``) into engine arguments, refusing
+unsupported fields with a :class:`RequestError` that names them; :func:`rollout_item` turns a ``GenerationResult`` into
 ``{"response": <ChatCompletionResponse dict>, "<namespace>": {<envelope>}}``. Client side: :func:`result_from_item`
 reads an item back into a ``GenerationResult``. No web framework is imported here.
 
@@ -19,28 +19,18 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import RequestError
-from engine.serve.wire import FieldTable, engine_extension, logprobs_content, stop_strings, usage
+from engine.serve.shared.formats import engine_extension, logprobs_content, stop_strings, usage
 from engine.types import GenerationResult
 
-# request_config keys swift's RequestConfig sends, and the value each must keep when we cannot honour another.
-REQUIRED_DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "num_beams": (1,), "stream": (False,), "prompt_logprobs": (None,), "n": (1,), "best_of": (None, 1),
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "length_penalty": (1, 1.0),
-    "structured_outputs_regex": (None,),
-}
-ITEM_EMPTY = {"images": "image requests", "audios": "audio", "videos": "video", "tools": "tool calling",
-              "objects": "multimodal objects", "chat_template_kwargs": "template arguments (thinking is always off)"}
-FIELDS = FieldTable({
-    "request_config.max_tokens": "generation.max_new_tokens", "request_config.temperature": "generation.temperature",
-    "request_config.top_p": "generation.top_p", "request_config.top_k": "generation.top_k",
-    "request_config.seed": "generation.seed", "request_config.repetition_penalty": "generation.repetition_penalty",
-    "request_config.top_logprobs": "generation.logprobs", "request_config.min_p": "generation.min_p",
-}, requests="infer_requests")
-"""``/infer/``'s fields both ways: ``request_config`` reads into generation options, and the engine's errors name
-``request_config.*``, ``infer_requests[i]`` and the ``engine`` extension's fields."""
+if TYPE_CHECKING:  # the learner's side (engine.client) reads answers only: no pydantic on its import
+    from engine.serve.rollout.bodies import InferItem, InferRequest
+
+UNSERVED = {"images": "image requests", "audios": "audio", "videos": "video", "tools": "tool calling",
+            "objects": "multimodal objects", "chat_template_kwargs": "template arguments (thinking is always off)"}
+"""``infer_requests[i]`` fields that must stay empty, and what they would ask for."""
 
 
 @dataclass(frozen=True)
@@ -55,68 +45,76 @@ class InferCall:
     top_logprobs: int | None = None
     """Top alternatives per token in ``choices[].logprobs`` (None: only the chosen token's)."""
     logprobs: bool = False
+    model: None = None
+    """swift's protocol names no model."""
+
+    @property
+    def prompt_count(self) -> int:
+        return len(self.requests)
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The engine call's keyword arguments."""
+        return {"options": self.options or None, "stop": self.stop, "plugins": self.plugins}
 
 
-def parse_infer(body: Any) -> InferCall:
-    """Check a ``/infer/`` body; raise ``RequestError`` naming the first bad field. Nothing is generated here.
+def leave_it_at(name: str, allowed: tuple[Any, ...]) -> str:
+    if name == "n":
+        return "use 1 (send the prompt several times for several samples)"
+    return f"leave it at {allowed[0]!r}"
 
-    >>> parse_infer({"infer_requests": [{"messages": [{"role": "user", "content": "Hi"}]}],
-    ...              "request_config": {"max_tokens": 8, "temperature": 0}}).options
+
+def parse_infer(body: InferRequest, served: Any = None) -> InferCall:
+    """Read a validated ``/infer/`` body; raise ``RequestError`` naming the first bad field. Nothing is generated.
+
+    >>> from engine.serve.rollout.bodies import InferRequest
+    >>> def infer(**config):
+    ...     return parse_infer(InferRequest.model_validate({"infer_requests": [{"messages": [{"role": "user",
+    ...                                                     "content": "Hi"}]}], "request_config": config}))
+    >>> infer(max_tokens=8, temperature=0).options
     {'max_new_tokens': 8, 'temperature': 0}
-    >>> parse_infer({"infer_requests": [], "request_config": {"n": 2}})
+    >>> infer(n=2)
     Traceback (most recent call last):
     ...
     engine.errors.RequestError: request_config.n is not supported by this server, got 2. Fix: use 1 (send \
 the prompt several times for several samples).
     """
-    from engine.serve.bodies import InferRequest, check
+    from engine.serve.shared.fields import engine_options, neutral_values
 
-    check(InferRequest, body)
-    if body.get("metrics"):
-        raise RequestError("metrics", body["metrics"], "is not supported by this server",
+    if body.metrics:
+        raise RequestError("metrics", body.metrics, "is not supported by this server",
                            fix="leave it null; compute metrics on the learner")
-    if body.get("adapter_request") is not None:
-        raise RequestError("adapter_request", body["adapter_request"], "is not supported (no LoRA serving)",
+    if body.adapter_request is not None:
+        raise RequestError("adapter_request", body.adapter_request, "is not supported (no LoRA serving)",
                            fix="leave it null")
-    config = body.get("request_config") or {}
-    for key, allowed in REQUIRED_DEFAULTS.items():
-        value = config.get(key, allowed[0])
-        if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
-            fix = "use 1 (send the prompt several times for several samples)" if key == "n" else \
-                f"leave it at {allowed[0]!r}"
-            raise RequestError(f"request_config.{key}", value, "is not supported by this server", fix=fix)
-    options = FIELDS.read_options(config, ("max_tokens", "temperature", "top_p", "repetition_penalty", "seed",
-                                          "min_p"),
-                                  path="request_config.")
-    top_k = config.get("top_k")
-    if top_k is not None:
-        options["top_k"] = 0 if top_k == -1 else top_k  # -1 is "off" in swift and vLLM, 0 in the engine
-    logprobs, top = bool(config.get("logprobs")), config.get("top_logprobs")
-    if top is not None and not logprobs:
-        raise RequestError("request_config.top_logprobs", top, "needs logprobs: true", fix="set logprobs to true")
-    if logprobs:
-        options["logprobs"] = 0 if top is None else top
-    details = bool(config.get("return_details"))
-    options, stop, plugins = engine_extension(body, options, stop_strings(config.get("stop")),
-                                              options_from="through request_config", stop_field="request_config.stop")
-    requests = _requests(body.get("infer_requests"))
-    return InferCall(requests=requests, options=options, stop=stop, plugins=plugins,
-                     return_details=details, top_logprobs=top, logprobs=logprobs)
+    config = body.request_config
+    options: dict[str, Any] = {}
+    logprobs, top, details, stop = False, None, False, None
+    if config is not None:
+        neutral_values(config, "request_config.", fix=leave_it_at)
+        options = engine_options(config)
+        logprobs, top = bool(config.logprobs), config.top_logprobs
+        if top is not None and not logprobs:
+            raise RequestError("request_config.top_logprobs", top, "needs logprobs: true",
+                               fix="set logprobs to true")
+        if logprobs:
+            options["logprobs"] = 0 if top is None else top
+        details, stop = bool(config.return_details), stop_strings(config.stop)
+    options, stop, plugins = engine_extension(body.engine, options, stop, options_from="through request_config",
+                                              stop_field="request_config.stop")
+    return InferCall(requests=[_messages(i, item) for i, item in enumerate(body.infer_requests)], options=options,
+                     stop=stop, plugins=plugins, return_details=details, top_logprobs=top, logprobs=logprobs)
 
 
-def _requests(items: list[Mapping[str, Any]]) -> list[list[dict[str, Any]]]:
-    out = []
-    for i, item in enumerate(items):
-        where = f"infer_requests[{i}]"
-        for key, what in ITEM_EMPTY.items():
-            if item.get(key):
-                raise RequestError(f"{where}.{key}", item[key], f"is not supported here ({what})",
-                                   fix="leave it empty")
-        if item.get("add_eos") is not None:
-            raise RequestError(f"{where}.add_eos", item["add_eos"], "is not supported (no scoring)",
-                               fix="leave it null")
-        out.append(item["messages"])
-    return out
+def _messages(i: int, item: InferItem) -> list[dict[str, Any]]:
+    where = f"infer_requests[{i}]"
+    for key, what in UNSERVED.items():
+        if getattr(item, key):
+            raise RequestError(f"{where}.{key}", getattr(item, key), f"is not supported here ({what})",
+                               fix="leave it empty")
+    if item.add_eos is not None:
+        raise RequestError(f"{where}.add_eos", item.add_eos, "is not supported (no scoring)", fix="leave it null")
+    return [m.model_dump(exclude_unset=True) for m in item.messages]
 
 
 # -- responses ------------------------------------------------------------------------------------------

@@ -59,10 +59,12 @@ def too_large(size: int, max_bytes: int) -> RequestTooLarge:
 
 
 def check_call(serve: Any, *, prompts: int, options: Mapping[str, Any] | None, stop: Mapping[str, Any] | None,
-               max_model_len: int | None, prompts_field: str = "infer_requests") -> None:
-    """Refuse a parsed call that goes over a limit of ``serve`` (a :class:`~engine.config.ServeConfig`)."""
+               max_model_len: int | None) -> None:
+    """Refuse a parsed call that goes over a limit of ``serve`` (a :class:`~engine.config.ServeConfig`), naming
+    engine fields (``requests``, ``stop.strings``, ``generation.max_new_tokens``): the surface's field table names
+    them as its client sent them."""
     if prompts > serve.max_prompts_per_call:
-        raise RequestTooLarge(prompts_field, prompts, f"holds more than serve.max_prompts_per_call "
+        raise RequestTooLarge("requests", prompts, f"holds more than serve.max_prompts_per_call "
                               f"({serve.max_prompts_per_call}) conversations",
                               fix=f"split it into calls of at most {serve.max_prompts_per_call}, or raise the limit")
     strings = (stop or {}).get("strings") or ()

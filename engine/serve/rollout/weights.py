@@ -1,7 +1,7 @@
 """Weight sync routes, as ms-swift's ``VLLMClient`` calls them in GRPO server mode: ``/init_communicator/``,
 ``/update_named_param/``, ``/update_flattened_params/``, ``/process_weights_after_loading/``,
 ``/reset_prefix_cache/`` (and ``_encoder_``, ``_mm_``), ``/get_model_state_keys/``, ``/close_communicator/``.
-What moves and how: :mod:`engine.weight_sync`.
+What moves and how: :mod:`engine.weight_sync`. Their bodies: ``rollout/bodies.py``.
 
 Pushes form a session that ends (the loaded weights take effect, ``WeightLoading.finish_weights``) at the next
 ``/process_weights_after_loading/``, ``/reset_prefix_cache/``, key listing or closing, and in any case before the
@@ -23,25 +23,19 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
 from engine.backends import AsyncGenerating, WeightLoading
 from engine.errors import EngineError, RequestError, UnsupportedCapabilityError
-from engine.serve.answering import refuse
-from engine.serve.bodies import (
-    Body,
-    InitCommunicatorRequest,
-    UpdateFlattenedParamsRequest,
-    UpdateNamedParamRequest,
-    check,
-)
-from engine.serve.limits import read_json
+from engine.serve.rollout.bodies import InitCommunicatorRequest, UpdateFlattenedParamsRequest, UpdateNamedParamRequest
 from engine.serve.service import ServedEngine
-from engine.serve.wire import FieldTable, error_body
+from engine.serve.shared.bodies import Body
+from engine.serve.shared.calls import read_body
+from engine.serve.shared.errors import WeightSyncFailed, error_response
 from engine.weight_sync import check_metadatas, check_transport, torch_dtype
 
 log = logging.getLogger(__name__)
-FIELDS = FieldTable(extension=False)
+BODIES = {"/init_communicator/": InitCommunicatorRequest, "/update_named_param/": UpdateNamedParamRequest,
+          "/update_flattened_params/": UpdateFlattenedParamsRequest}
 CACHES = ("prefix", "encoder", "mm")
 """The caches swift's trainer resets (``/reset_<kind>_cache/``): after each weight update, and at its start."""
 
@@ -110,19 +104,16 @@ def router(served: ServedEngine) -> APIRouter:
     served.gates.append(calls.finish)
 
     async def body_of(request: Request, model: type[Body]) -> dict[str, Any]:
-        body = await read_json(request, served.serve.max_body_bytes)
-        check(model, body)
-        return body
+        return (await read_body(request, model, served)).model_dump(by_alias=True, exclude_unset=True)
 
     async def answer(work: Callable[[], Any]) -> Any:
         try:
             return await work()
         except EngineError as err:
-            return refuse(err, FIELDS)
+            return error_response(err)
         except Exception as err:  # a background call that failed after its 200: reported to the next call
             log.exception("engine.serve: weight sync failed")
-            return JSONResponse(error_body(f"weight sync failed: {type(err).__name__}: {err}", kind="server_error",
-                                           code=500), 500)
+            return error_response(WeightSyncFailed(err))
 
     @api.post("/init_communicator/")
     async def init_communicator(request: Request) -> Any:

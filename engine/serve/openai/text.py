@@ -1,5 +1,5 @@
 """OpenAI's text completions wire format (``POST /v1/completions``), both ways, as ``vllm serve`` takes it (what the
-chat surface shares with it: :func:`engine.serve.openai_wire.parse_sampling`). No web framework is imported here.
+chat surface shares with it: :mod:`engine.serve.openai.sampling`). No web framework is imported here.
 
 Choices written down:
 
@@ -18,6 +18,7 @@ Choices written down:
   ``logprobs`` by name.
 * ``best_of`` (1 only), ``suffix`` (empty only) and the penalties are taken at their neutral value, as on the chat
   route; ``n`` must be 1.
+* ``stream`` answers one prompt that generates (``max_tokens`` >= 1); several prompts, or scoring only, are a 400.
 * Streamed: the first chunk carries the echoed prompt (and its logprobs), the text deltas follow, the chunk with the
   ``finish_reason`` carries the answer's logprobs; all chunks' texts together equal the non-streamed ``text``.
 """
@@ -32,20 +33,11 @@ from typing import Any
 
 from engine.backends.base import TokenScores
 from engine.errors import RequestError
-from engine.serve.openai_wire import TABLE as CHAT_TABLE
-from engine.serve.openai_wire import parse_sampling
-from engine.serve.wire import FieldTable, flag, shown_logprob
+from engine.serve.openai.bodies import CompletionRequest
+from engine.serve.openai.sampling import parse_sampling
+from engine.serve.shared.formats import shown_logprob
 from engine.types import GenerationResult
 
-NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},),
-    "best_of": (1,), "suffix": ("",),
-}
-"""Fields accepted only at a value that changes nothing (null too)."""
-TABLE = FieldTable({**{k: v for k, v in CHAT_TABLE.fields.items() if k not in ("top_logprobs",
-                                                                              "max_completion_tokens")},
-                    "logprobs": "generation.logprobs", "prompt": "prompts"})
-"""The fields both ways; the engine's ``prompts[i]`` is the client's ``prompt[i]``."""
 DEFAULT_MAX_TOKENS = 16
 
 
@@ -68,6 +60,10 @@ class TextCompletionCall:
     json_schema: Any = None
 
     @property
+    def prompt_count(self) -> int:
+        return len(self.prompts)
+
+    @property
     def generates(self) -> bool:
         """False for ``max_tokens: 0`` (with ``echo``): the prompts are only scored."""
         return self.options.get("max_new_tokens") != 0
@@ -75,6 +71,18 @@ class TextCompletionCall:
     @property
     def scores_prompt(self) -> bool:
         return self.echo and self.logprobs is not None
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The engine call's keyword arguments; a scoring-only call (``max_tokens: 0``) checks its options as if it
+        generated one token."""
+        return {"options": self.options if self.generates else {**self.options, "max_new_tokens": 1},
+                "stop": self.stop, "plugins": self.plugins, "json_schema": self.json_schema}
+
+    @property
+    def scored(self) -> list[int]:
+        """The prompts whose tokens are scored (echo with logprobs; a one-token prompt has nothing to score)."""
+        return [i for i, p in enumerate(self.prompts) if self.scores_prompt and len(p) > 1]
 
 
 def _prompts(value: Any, tokenizer: Any, special: bool) -> tuple[list[list[int]], list[str]]:
@@ -102,44 +110,54 @@ def _prompts(value: Any, tokenizer: Any, special: bool) -> tuple[list[list[int]]
     return ids, texts
 
 
-def parse_text_completion(body: Any, tokenizer: Any) -> TextCompletionCall:
-    """Check a text completions body; raise ``RequestError`` naming the first bad field. Nothing is generated.
+def parse_text_completion(body: CompletionRequest, tokenizer: Any) -> TextCompletionCall:
+    """Read a validated text completions body; raise ``RequestError`` naming the first bad field. Nothing is generated.
 
     >>> class Tok:
     ...     def __len__(self): return 200
     ...     def encode(self, text, add_special_tokens): return [1] * add_special_tokens + [ord(c) for c in text]
     ...     def decode(self, ids): return "".join(map(chr, ids))
-    >>> tok = Tok()
-    >>> call = parse_text_completion({"model": "m", "prompt": "hi", "echo": True, "logprobs": 1}, tok)
+    >>> def text(**fields):
+    ...     return parse_text_completion(CompletionRequest.model_validate({"model": "m", **fields}), Tok())
+    >>> call = text(prompt="hi", echo=True, logprobs=1)
     >>> call.prompts, call.texts, call.options
     ([[1, 104, 105]], ['hi'], {'logprobs': 1, 'max_new_tokens': 16})
-    >>> parse_text_completion({"model": "m", "prompt": [[104, 105], [33]]}, tok).texts
+    >>> text(prompt=[[104, 105], [33]]).texts
     ['hi', '!']
-    >>> parse_text_completion({"model": "m", "prompt": [[5, 6], [7]], "max_tokens": 0}, tok)
+    >>> text(prompt=[[5, 6], [7]], max_tokens=0)
     Traceback (most recent call last):
     ...
     engine.errors.RequestError: max_tokens is 0, which only echo allows, got 0. Fix: set echo to true to score \
 the prompt, or ask for at least one token.
     """
-    from engine.serve.bodies import CompletionRequest, check
-
-    check(CompletionRequest, body)
-    logprobs = body.get("logprobs")
-    echo = flag(body, "echo")
-    special = flag(body, "add_special_tokens", True)
-    zero = body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)
+    echo = bool(body.echo)
+    special = body.add_special_tokens is not False
+    zero = body.max_tokens == 0
     if zero and not echo:
         raise RequestError("max_tokens", 0, "is 0, which only echo allows",
                            fix="set echo to true to score the prompt, or ask for at least one token")
-    sampling = parse_sampling({k: v for k, v in body.items() if not (zero and k == "max_tokens")}, TABLE, NEUTRAL,
-                              logprobs=logprobs)
+    sampling = parse_sampling(body, {} if body.max_tokens is None or zero else {"max_new_tokens": body.max_tokens})
     options = dict(sampling.options)
     options.setdefault("max_new_tokens", 0 if zero else DEFAULT_MAX_TOKENS)
-    prompts, texts = _prompts(body.get("prompt"), tokenizer, special)
+    prompts, texts = _prompts(body.prompt, tokenizer, special)
     return TextCompletionCall(model=sampling.model, prompts=prompts, texts=texts, options=options,
                               stop=sampling.stop, plugins=sampling.plugins, stream=sampling.stream,
-                              include_usage=sampling.include_usage, echo=echo, logprobs=logprobs,
+                              include_usage=sampling.include_usage, echo=echo, logprobs=body.logprobs,
                               json_schema=sampling.json_schema)
+
+
+def prepare(call: TextCompletionCall, served: Any) -> None:
+    """The engine's own checks of a text call, after the server's limits and before anything runs: the prompts and
+    options (``prepare_plain``), and the scoring of echoed prompts."""
+    if call.stream and (len(call.prompts) > 1 or not call.generates):
+        raise RequestError("stream", True, f"streams one prompt's answer ({len(call.prompts)} prompts, "
+                           f"max_tokens {call.options['max_new_tokens']})",
+                           fix="send one prompt and max_tokens >= 1 per streamed request, or stream: false")
+    engine = served.engine
+    engine.prepare_plain(call.prompts, **call.kwargs)
+    if call.scores_prompt:
+        sequences = [call.prompts[i] for i in call.scored]
+        engine.check_scoring(sequences, [1] * len(sequences), call.logprobs)
 
 
 # -- responses ------------------------------------------------------------------------------------------

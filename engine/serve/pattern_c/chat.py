@@ -1,5 +1,6 @@
 """The Pattern C ``POST /chat`` wire format: ``{model?, messages, min_len?, max_len?, stream?}`` -> ``{text, meta}``
-(what every surface shares: :mod:`engine.serve.wire`). "Pattern C" is the seeds' name for min-length chat.
+(its body: ``pattern_c/bodies.py``; what every surface shares: :mod:`engine.serve.shared.formats`). "Pattern C" is
+the seeds' name for min-length chat.
 
 Min-length control runs inside generation: the request becomes the engine's ``min_length`` plugin (EOS banned
 below ``min_len`` characters, ``punctuation_bias`` on sentence-ending tokens past it, ``max_len`` as a hard cap)
@@ -14,19 +15,17 @@ concatenate to the final text, then one ``{"text": ..., "meta": {...}}`` object 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import RequestError
-from engine.serve.wire import FieldTable, chat_messages, usage
+from engine.serve.pattern_c.bodies import PatternCRequest
+from engine.serve.shared.bodies import messages_of
+from engine.serve.shared.formats import chat_messages, usage
 from engine.types import GenerationResult
 
 STRATEGY = "logits_processor"
 """How min-length is enforced: inside generation, on the logits (not by re-prompting or post-hoc padding)."""
-TABLE = FieldTable({"min_len": "plugins[0].min_chars", "max_len": "plugins[0].max_chars"}, extension=False)
-"""The fields both ways: ``min_len``/``max_len`` become the ``min_length`` plugin's bounds, and its errors name them;
-the one request's ``messages[i]`` are named as sent."""
 
 
 @dataclass(frozen=True)
@@ -40,10 +39,17 @@ class PatternCCall:
     stream: bool = False
     options: dict[str, Any] = field(default_factory=dict)
     plugins: list[dict[str, Any]] = field(default_factory=list)
+    stop: None = None
+    prompt_count: int = 1
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The engine call's keyword arguments."""
+        return {"options": self.options, "plugins": self.plugins}
 
 
-def _length(body: Mapping[str, Any], key: str, default: int, low: int) -> int:
-    value = body.get(key)
+def _length(body: PatternCRequest, key: str, default: int, low: int) -> int:
+    value = getattr(body, key)
     if value is None:
         return default
     if value < low:
@@ -51,26 +57,25 @@ def _length(body: Mapping[str, Any], key: str, default: int, low: int) -> int:
     return value
 
 
-def parse_pattern_c(body: Any, defaults: Any) -> PatternCCall:
-    """Check a ``/chat`` body against ``defaults`` (a ``PatternCConfig``); raise ``RequestError`` naming the field.
+def parse_pattern_c(body: PatternCRequest, defaults: Any) -> PatternCCall:
+    """Read a validated ``/chat`` body with ``defaults`` (a ``PatternCConfig``); raise ``RequestError`` naming the
+    field.
 
     >>> from engine.config.serve import PatternCConfig
-    >>> call = parse_pattern_c({"messages": [{"role": "user", "content": "Hi"}]}, PatternCConfig())
+    >>> hi = {"messages": [{"role": "user", "content": "Hi"}]}
+    >>> call = parse_pattern_c(PatternCRequest.model_validate(hi), PatternCConfig())
     >>> call.min_len, call.max_len, call.plugins[0]
     (120, 240, {'name': 'min_length', 'min_chars': 120, 'max_chars': 240, 'punctuation_bias': 0.3})
-    >>> parse_pattern_c({"messages": [{"role": "user", "content": "Hi"}], "min_len": 300}, PatternCConfig())
+    >>> parse_pattern_c(PatternCRequest.model_validate({**hi, "min_len": 300}), PatternCConfig())
     Traceback (most recent call last):
     ...
     engine.errors.RequestError: min_len must not exceed max_len (240), got 300. Fix: send min_len <= max_len.
     """
-    from engine.serve.bodies import PatternCRequest, check
-
-    check(PatternCRequest, body)
-    model, stream = body.get("model"), bool(body.get("stream"))
+    model, stream = body.model, bool(body.stream)
     min_len = _length(body, "min_len", defaults.min_len, 0)
     max_len = _length(body, "max_len", defaults.max_len, 1)
     if min_len > max_len:
-        if body.get("min_len") is None:  # the server's default against the client's max_len: name what was sent
+        if body.min_len is None:  # the server's default against the client's max_len: name what was sent
             raise RequestError("max_len", max_len, f"must be at least min_len ({min_len}, the server's default)",
                                fix=f"send max_len >= {min_len}, or a smaller min_len")
         raise RequestError("min_len", min_len, f"must not exceed max_len ({max_len})", fix="send min_len <= max_len")
@@ -81,8 +86,8 @@ def parse_pattern_c(body: Any, defaults: Any) -> PatternCCall:
          "sentence_end": defaults.sentence_end},
     ]
     options = {"temperature": defaults.temperature, "top_p": defaults.top_p, "max_new_tokens": defaults.max_new_tokens}
-    return PatternCCall(messages=chat_messages(body.get("messages")), min_len=min_len, max_len=max_len, model=model,
-                        stream=stream, options=options, plugins=plugins)
+    return PatternCCall(messages=chat_messages(messages_of(body.messages)), min_len=min_len, max_len=max_len,
+                        model=model, stream=stream, options=options, plugins=plugins)
 
 
 def pattern_c_body(result: GenerationResult, call: PatternCCall, *, model: str) -> dict[str, Any]:

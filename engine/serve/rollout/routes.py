@@ -1,26 +1,29 @@
 """The rollout surface swift's clients expect: ``/health``, ``/infer/``, ``/get_world_size/``,
-``/get_engine_type/``, and ``/metrics``. Wire format: :mod:`engine.serve.rollout_wire`."""
+``/get_engine_type/``, and ``/metrics``. Wire format: :mod:`engine.serve.rollout.infer`; weight sync:
+:mod:`engine.serve.rollout.weights`."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
-from engine.errors import EngineError
-from engine.serve import rollout_wire as wire
-from engine.serve.answering import Answering
-from engine.serve.limits import check_call, read_json
-from engine.serve.metrics import CONTENT_TYPE
+from engine.serve.rollout import infer as wire
+from engine.serve.rollout.bodies import InferRequest
 from engine.serve.service import ServedEngine
+from engine.serve.shared.calls import Call, Surface
+from engine.serve.shared.fields import FieldTable
+from engine.serve.shared.metrics import CONTENT_TYPE
+
+BODIES = {"/infer/": InferRequest}
 
 
 def router(served: ServedEngine) -> APIRouter:
     api = APIRouter()
     engine = served.engine
-    calls = Answering(served, "infer", wire.FIELDS)
+    infers = Surface(served, "infer", InferRequest, wire.parse_infer,
+                     fields=FieldTable.of(InferRequest, requests="infer_requests"))
 
     @api.get("/health")
     @api.get("/health/")
@@ -44,16 +47,12 @@ def router(served: ServedEngine) -> APIRouter:
 
     @api.post("/infer/")
     async def infer(request: Request) -> Any:
-        start = time.perf_counter()
-        try:
-            call = wire.parse_infer(await read_json(request, served.serve.max_body_bytes))
-            check_call(served.serve, prompts=len(call.requests), options=call.options, stop=call.stop,
-                       max_model_len=engine.backend.capabilities.max_model_len)
-        except EngineError as err:
-            return calls.refused(err, start)
-        kwargs = {"options": call.options or None, "stop": call.stop, "plugins": call.plugins}
-        return await calls.whole(request, start, call.requests, kwargs, body=lambda results: [
-            wire.rollout_item(r, call, model=served.model_name, tokenizer=engine.tokenizer,
+        call = await infers.accept(request)
+        if not isinstance(call, Call):
+            return call
+        c = call.parsed
+        return await call.whole(lambda: engine.agenerate(c.requests, **c.kwargs), body=lambda results: [
+            wire.rollout_item(r, c, model=served.model_name, tokenizer=engine.tokenizer,
                               namespace=served.serve.namespace) for r in results])
 
     return api

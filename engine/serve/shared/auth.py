@@ -70,13 +70,9 @@ class ApiKeyGate:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not bearer_matches(scope["headers"],
                                                                                                self.key):
-            from fastapi.responses import JSONResponse
+            from engine.serve.shared.errors import Unauthenticated, error_response
 
-            from engine.serve.wire import error_body
-
-            refusal = JSONResponse(error_body("missing or invalid API key: send 'Authorization: Bearer <key>' (the "
-                                              "server's --api-key / ENGINE_API_KEY)", kind="authentication_error",
-                                              code=401), 401, headers={"WWW-Authenticate": "Bearer"})
+            refusal = error_response(Unauthenticated(), headers={"WWW-Authenticate": "Bearer"})
             await refusal(scope, receive, send)
             return
         await self.app(scope, receive, send)

@@ -1,0 +1,1 @@
+"""OpenAI's surface and vLLM's utility routes (the map: :mod:`engine.serve`)."""

@@ -1,0 +1,108 @@
+"""The OpenAI surface's request bodies, each field with what it is to the engine (:mod:`engine.serve.shared.fields`):
+``POST /v1/chat/completions``, ``POST /v1/completions``, and vLLM's ``POST /tokenize`` and ``POST /detokenize``.
+
+A new sampling option both completions routes take is one line in :class:`OpenAISampling`, e.g.
+``min_p: Annotated[Number | None, Engine("generation.min_p")] = None``.
+
+>>> from engine.serve.shared.fields import FieldTable
+>>> FieldTable.of(ChatCompletionRequest).client_field("generation.max_new_tokens")
+'max_tokens'
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from engine.serve.shared.bodies import Body, EngineExtension, Message, Number
+from engine.serve.shared.fields import Engine, Neutral, Wire
+
+
+def vllm_top_k(value: int) -> int:
+    """vLLM's and swift's ``top_k: -1`` is "off", the engine's 0."""
+    return 0 if value == -1 else value
+
+
+class StreamOptions(Body):
+    include_usage: Annotated[bool | None, Wire("a usage chunk at the stream's end")] = None
+    continuous_usage_stats: Annotated[bool | None, Wire("refused when true: include_usage instead")] = None
+
+
+class JsonSchemaFormat(Body):
+    name: Annotated[str | None, Wire("accepted, not used")] = None
+    description: Annotated[str | None, Wire("accepted, not used")] = None
+    schema_: Annotated[dict[str, Any] | bool | None, Engine("json_schema", read=False),
+                       Field(alias="schema")] = None  # pydantic reserves ``schema``
+    strict: Annotated[bool | None, Wire("accepted: decoding is always constrained")] = None
+
+
+class ResponseFormat(Body):
+    type: Annotated[Literal["text", "json_object", "json_schema"], Wire("which answers the engine builds")]
+    json_schema: Annotated[JsonSchemaFormat | None, Wire("the schema's object")] = None
+
+
+class OpenAISampling(Body):
+    """What the chat and text completions bodies share (``openai/sampling.py`` reads it)."""
+
+    model: Annotated[str, Wire("must name the served model")]
+    max_tokens: Annotated[int | None, Engine("generation.max_new_tokens", read=False)] = None
+    temperature: Annotated[Number | None, Engine("generation.temperature")] = None
+    top_p: Annotated[Number | None, Engine("generation.top_p")] = None
+    seed: Annotated[int | None, Engine("generation.seed")] = None
+    stop: Annotated[str | list[str] | None, Engine("stop.strings", read=False)] = None
+    stream: Annotated[bool | None, Wire("answered as server-sent events")] = None
+    stream_options: Annotated[StreamOptions | None, Wire("the stream's usage chunk")] = None
+    n: Annotated[int | None, Neutral((1,))] = None
+    user: Annotated[str | None, Wire("accepted and ignored")] = None
+    engine: Annotated[EngineExtension | None, Wire("the engine extension")] = None
+    top_k: Annotated[int | None, Engine("generation.top_k", convert=vllm_top_k)] = None
+    repetition_penalty: Annotated[Number | None, Engine("generation.repetition_penalty")] = None
+    min_tokens: Annotated[int | None, Engine("generation.min_new_tokens")] = None
+    stop_token_ids: Annotated[list[int] | None, Engine("stop.token_ids", read=False)] = None
+    response_format: Annotated[ResponseFormat | None, Wire("constrained decoding (json_schema)")] = None
+    min_p: Annotated[Number | None, Engine("generation.min_p")] = None
+    frequency_penalty: Annotated[Number | None, Neutral((0, 0.0))] = None
+    presence_penalty: Annotated[Number | None, Neutral((0, 0.0))] = None
+    logit_bias: Annotated[dict[str, Number] | None, Neutral(({},))] = None
+
+
+class ChatCompletionRequest(OpenAISampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[Message], Wire("the conversation")]
+    max_completion_tokens: Annotated[int | None, Engine("generation.max_new_tokens", read=False)] = None
+    logprobs: Annotated[bool | None, Wire("per-token logprobs in the answer")] = None
+    top_logprobs: Annotated[int | None, Engine("generation.logprobs", read=False)] = None
+    tools: Annotated[list[dict[str, Any]] | None, Neutral(([],))] = None
+    tool_choice: Annotated[str | dict[str, Any] | None, Neutral(("none",))] = None
+    parallel_tool_calls: Annotated[bool | None, Neutral((False, True))] = None
+
+
+class CompletionRequest(OpenAISampling):
+    """``POST /v1/completions``: ``prompt`` is a string, strings, token ids, or lists of token ids."""
+
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]], Engine("prompts", read=False)]
+    logprobs: Annotated[int | None, Engine("generation.logprobs")] = None
+    echo: Annotated[bool | None, Wire("the prompt before the answer")] = None
+    add_special_tokens: Annotated[bool | None, Wire("how text prompts are tokenized")] = None
+    best_of: Annotated[int | None, Neutral((1,))] = None
+    suffix: Annotated[str | None, Neutral(("",))] = None
+
+
+class TokenizeRequest(Body):
+    """``POST /tokenize``: ``prompt`` (text) or ``messages`` (a chat, rendered as the engine renders it)."""
+
+    model: Annotated[str | None, Wire("names the served model, when given")] = None
+    prompt: Annotated[str | None, Wire("the text to tokenize")] = None
+    messages: Annotated[list[Message] | None, Wire("the chat to render and tokenize")] = None
+    add_special_tokens: Annotated[bool | None, Wire("how the text is tokenized")] = None
+    add_generation_prompt: Annotated[bool | None, Wire("must stay true")] = None
+    return_token_strs: Annotated[bool | None, Wire("the tokens' strings in the answer")] = None
+
+
+class DetokenizeRequest(Body):
+    """``POST /detokenize``."""
+
+    model: Annotated[str | None, Wire("names the served model, when given")] = None
+    tokens: Annotated[list[int], Wire("the ids to decode")]

@@ -1,0 +1,130 @@
+"""The OpenAI chat-completions wire format (``POST /v1/chat/completions``), both ways: :func:`parse_chat` reads the
+validated body (``openai/bodies.py``) into engine arguments, :func:`completion_body` and :func:`chunk` build the
+non-streamed response and the streamed ``chat.completion.chunk`` objects. No web framework is imported here.
+
+Choices written down, beyond those the completions routes share (:mod:`engine.serve.openai.sampling`):
+
+* ``max_tokens`` and ``max_completion_tokens`` are synonyms; giving both with different values is a 400.
+* ``top_logprobs`` needs ``logprobs: true``.
+* Streamed logprobs: the chunk with the ``finish_reason`` carries every token's logprobs (the text deltas are
+  cut where stop truncation is safe, not at token boundaries), so all chunks' logprobs together equal the
+  non-streamed ``choices[0].logprobs``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import RequestError
+from engine.serve.openai.bodies import ChatCompletionRequest
+from engine.serve.openai.sampling import parse_sampling
+from engine.serve.shared.bodies import messages_of
+from engine.serve.shared.formats import chat_messages, logprobs_content, usage
+from engine.types import GenerationResult
+
+
+@dataclass(frozen=True)
+class CompletionCall:
+    """One checked ``/v1/chat/completions`` body: what the engine is asked for and how to answer."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    options: dict[str, Any] = field(default_factory=dict)
+    stop: dict[str, Any] | None = None
+    plugins: list[Any] | None = None
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    json_schema: Any = None
+    """``response_format``'s schema, for the engine's constrained decoding (None: free text)."""
+    prompt_count: int = 1
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The engine call's keyword arguments."""
+        return {"options": self.options or None, "stop": self.stop, "plugins": self.plugins,
+                "json_schema": self.json_schema}
+
+
+def parse_chat(body: ChatCompletionRequest, served: Any = None) -> CompletionCall:
+    """Read a validated chat-completions body; raise ``RequestError`` naming the first bad field. Nothing is generated.
+
+    >>> def chat(**fields):
+    ...     return parse_chat(ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user",
+    ...                                                             "content": "Hi"}], **fields}))
+    >>> call = chat(max_tokens=8, temperature=0, stop="\\n")
+    >>> call.options, call.stop
+    ({'max_new_tokens': 8, 'temperature': 0}, {'strings': ['\\n']})
+    >>> chat(n=2)
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: n is not supported by this server, got 2. Fix: use 1 (send the request several \
+times for several samples).
+    """
+    logprobs, top = bool(body.logprobs), body.top_logprobs
+    if top is not None and not logprobs:
+        raise RequestError("top_logprobs", top, "needs logprobs: true", fix="set logprobs to true")
+    own: dict[str, Any] = {}
+    tokens = _max_tokens(body)
+    if tokens is not None:
+        own["max_new_tokens"] = tokens
+    if logprobs:
+        own["logprobs"] = 0 if top is None else top
+    sampling = parse_sampling(body, own)
+    return CompletionCall(model=sampling.model, messages=chat_messages(messages_of(body.messages)),
+                          options=sampling.options, stop=sampling.stop, plugins=sampling.plugins,
+                          stream=sampling.stream, include_usage=sampling.include_usage, logprobs=logprobs,
+                          top_logprobs=top, json_schema=sampling.json_schema)
+
+
+def _max_tokens(body: ChatCompletionRequest) -> Any:
+    a, b = body.max_tokens, body.max_completion_tokens
+    if a is not None and b is not None and a != b:
+        raise RequestError("max_completion_tokens", b, f"differs from max_tokens ({a!r})", fix="send one of them")
+    return a if a is not None else b
+
+
+# -- responses ------------------------------------------------------------------------------------------
+
+
+def completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def _logprobs(result: GenerationResult, call: CompletionCall, tokenizer: Any) -> dict[str, Any] | None:
+    if not call.logprobs:
+        return None
+    return logprobs_content(result, tokenizer, 0 if call.top_logprobs is None else call.top_logprobs)
+
+
+def completion_body(result: GenerationResult, call: CompletionCall, *, model: str, tokenizer: Any) -> dict[str, Any]:
+    """The ``chat.completion`` object for one result."""
+    return {
+        "id": completion_id(), "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
+                     "logprobs": _logprobs(result, call, tokenizer), "finish_reason": result.finish_reason}],
+        "usage": usage(result), "system_fingerprint": None,
+    }
+
+
+def chunk(cid: str, created: int, model: str, call: CompletionCall, *, delta: dict[str, Any] | None = None,
+          result: GenerationResult | None = None, tokenizer: Any = None, usage_only: bool = False) -> dict[str, Any]:
+    """One ``chat.completion.chunk``: a delta; with ``result`` the closing one (finish reason, logprobs); with
+    ``usage_only`` the trailing usage chunk (``stream_options.include_usage``), whose ``choices`` are empty."""
+    body: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                            "system_fingerprint": None}
+    if usage_only:
+        assert result is not None
+        return {**body, "choices": [], "usage": usage(result)}
+    choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": None}
+    if result is not None:
+        choice["finish_reason"] = result.finish_reason
+        choice["logprobs"] = _logprobs(result, call, tokenizer)
+    body["choices"] = [choice]
+    if call.include_usage:
+        body["usage"] = None
+    return body

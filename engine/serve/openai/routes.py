@@ -1,0 +1,110 @@
+"""OpenAI's surface: ``GET /v1/models``, ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming as
+server-sent events).
+
+Wire formats: :mod:`engine.serve.openai.chat` and :mod:`engine.serve.openai.text`; every route takes the one call
+path (:mod:`engine.serve.shared.calls`). Every answer is one ``GenerationEngine`` call (``agenerate``/``astream`` for
+chat, ``acomplete``/``astream_complete`` for text, and ``ascore`` for an echoed prompt's logprobs), so the streamed
+text equals the non-streamed text equals the in-process ``generate``/``complete`` text.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from engine.serve.openai import chat, text
+from engine.serve.openai.bodies import ChatCompletionRequest, CompletionRequest
+from engine.serve.service import ServedEngine
+from engine.serve.shared.calls import Call, Surface
+from engine.serve.shared.fields import FieldTable
+from engine.serve.shared.formats import usage
+
+BODIES = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+
+
+def router(served: ServedEngine) -> APIRouter:
+    api = APIRouter()
+    engine = served.engine
+    model = served.model_name
+    chats = Surface(served, "chat_completions", ChatCompletionRequest, chat.parse_chat)
+    texts = Surface(served, "completions", CompletionRequest,
+                    lambda body, served: text.parse_text_completion(body, served.engine.tokenizer),
+                    fields=FieldTable.of(CompletionRequest, requests="prompt"), prepare=text.prepare)
+
+    @api.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model, "object": "model", "created": int(served.started),
+                                            "owned_by": "engine", "root": engine.config.model.path,
+                                            "max_model_len": engine.backend.capabilities.max_model_len}]}
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        call = await chats.accept(request)
+        if not isinstance(call, Call):
+            return call
+        c = call.parsed
+        if not c.stream:
+            return await call.whole(lambda: engine.agenerate([c.messages], **c.kwargs), body=lambda results:
+                                    chat.completion_body(results[0], c, model=model, tokenizer=engine.tokenizer))
+        cid, created = chat.completion_id(), int(time.time())
+
+        async def open_stream() -> tuple[Any, list[Any]]:  # validation raises here, before any generation
+            role = chat.chunk(cid, created, model, c, delta={"role": "assistant", "content": ""})
+            return engine.astream(c.messages, **c.kwargs), [role]
+
+        def events(part: Any) -> list[Any]:
+            out = [chat.chunk(cid, created, model, c, delta={"content": part.delta})] if part.delta else []
+            if part.result is not None:
+                out.append(chat.chunk(cid, created, model, c, result=part.result, tokenizer=engine.tokenizer))
+                if c.include_usage:
+                    out.append(chat.chunk(cid, created, model, c, result=part.result, usage_only=True))
+            return out
+
+        return await call.stream(open_stream, events)
+
+    @api.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        call = await texts.accept(request)
+        if not isinstance(call, Call):
+            return call
+        c = call.parsed
+
+        async def prompt_scores() -> list[Any]:
+            sequences = [c.prompts[i] for i in c.scored]
+            found = await engine.ascore(sequences, [1] * len(sequences), c.logprobs) if sequences else []
+            by_prompt: list[Any] = [None] * len(c.prompts)
+            for i, score in zip(c.scored, found, strict=True):
+                by_prompt[i] = score
+            return by_prompt
+
+        if not c.stream:
+            async def run() -> tuple[list[Any], list[Any]]:
+                scores = await prompt_scores()
+                results = await engine.acomplete(c.prompts, **c.kwargs) if c.generates else [None] * len(scores)
+                return results, scores
+
+            return await call.whole(run, counted=lambda out: [r for r in out[0] if r is not None], body=lambda out:
+                                    text.completion_body(c, out[0], out[1], model=model, tokenizer=engine.tokenizer))
+        cid, created = text.completion_id(), int(time.time())
+
+        async def open_stream() -> tuple[Any, list[Any]]:
+            stream = engine.astream_complete(c.prompts[0], **c.kwargs)
+            if not c.echo:
+                return stream, []
+            echoed = text.choice_logprobs(c, 0, None, (await prompt_scores())[0], engine.tokenizer, answer=False)
+            return stream, [text.chunk(cid, created, model, text=c.texts[0], logprobs=echoed)]
+
+        def events(part: Any) -> list[Any]:
+            out = [text.chunk(cid, created, model, text=part.delta)] if part.delta else []
+            if part.result is not None:
+                logprobs = text.choice_logprobs(c, 0, part.result, None, engine.tokenizer, prompt=False)
+                out.append(text.chunk(cid, created, model, logprobs=logprobs, finish_reason=part.result.finish_reason))
+                if c.include_usage:
+                    out.append(text.chunk(cid, created, model, usage=usage(part.result)))
+            return out
+
+        return await call.stream(open_stream, events)
+
+    return api

@@ -1,0 +1,111 @@
+"""What OpenAI's chat and text completions bodies share, read from the validated body model (``openai/bodies.py``):
+the model's name, the neutral fields, the token budget, the sampling options (every ``Engine("generation.*")``
+field, by the name it carries), streaming, the stop policy, the ``engine`` extension and ``response_format``.
+
+Choices written down (OpenAI's reference leaves them open or this server cannot honour them):
+
+* ``n`` must be 1; fields OpenAI or vLLM have but the engine does not (``frequency_penalty``, ``presence_penalty``,
+  ``logit_bias``, tools) are accepted only at their neutral value (``Neutral`` in the body model), anything else is a
+  400 naming the field. ``user`` is accepted and ignored.
+* vLLM's top-level sampling extras are taken as ``vllm serve`` takes them: ``top_k`` (-1 or 0: off), ``min_p``,
+  ``repetition_penalty``, ``min_tokens`` (the engine's ``min_new_tokens``: EOS and stops held back until then),
+  ``stop_token_ids`` (the engine's ``stop.token_ids``), ``seed``.
+* ``response_format``: ``text``; ``json_object`` (any JSON object); ``json_schema`` with ``json_schema.schema``
+  (``name``, ``description`` and ``strict`` accepted; decoding is always constrained, so always strict). The schema is
+  the engine's ``json_schema``: every answer is built to it (HF and vLLM; llama.cpp refuses it).
+* ``model`` must name the served model (else 404, as vLLM's server answers).
+* The engine extension ``engine: {options, stop, plugins}`` (the ``/infer/`` one) reaches every other engine
+  option, the full stop policy and the plugins; it is validated like the in-process call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import RequestError
+from engine.serve.openai.bodies import OpenAISampling
+from engine.serve.shared.fields import engine_options, neutral_values
+from engine.serve.shared.formats import engine_extension, stop_strings
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What a chat and a text completions body share, checked: the model, engine options, stop policy, plugins,
+    streaming, and ``response_format``'s schema."""
+
+    model: str
+    options: dict[str, Any]
+    stop: dict[str, Any] | None
+    plugins: list[Any] | None
+    stream: bool
+    include_usage: bool
+    json_schema: Any
+
+
+def parse_sampling(body: OpenAISampling, own: dict[str, Any]) -> Sampling:
+    """The shared fields of a validated OpenAI body; ``own``: the engine options its surface read itself (the token
+    budget, chat's ``logprobs``). Raises ``RequestError`` naming the first bad field.
+
+    >>> from engine.serve.openai.bodies import ChatCompletionRequest
+    >>> body = ChatCompletionRequest.model_validate({"model": "m", "messages": [], "top_k": -1, "temperature": 0})
+    >>> parse_sampling(body, {"max_new_tokens": 4}).options
+    {'max_new_tokens': 4, 'temperature': 0, 'top_k': 0}
+    """
+    neutral_values(body)
+    if not body.model:
+        raise RequestError("model", body.model, "must name the served model", fix="send the served model's name "
+                           "(GET /v1/models lists it)")
+    options = {**own, **engine_options(body)}
+    stream = bool(body.stream)
+    include_usage = False
+    if body.stream_options is not None:
+        if not stream:
+            raise RequestError("stream_options", body.stream_options.model_dump(exclude_unset=True),
+                               "is only allowed with stream: true",
+                               fix="set stream to true or leave stream_options out")
+        include_usage = bool(body.stream_options.include_usage)
+        if body.stream_options.continuous_usage_stats:
+            raise RequestError("stream_options.continuous_usage_stats", True, "is not supported",
+                               fix="use include_usage for one usage chunk at the end")
+    stop = stop_strings(body.stop)
+    if body.stop_token_ids not in (None, []):
+        stop = {**(stop or {}), "token_ids": body.stop_token_ids}  # checked by the engine, named back by the table
+    options, stop, plugins = engine_extension(body.engine, options, stop, options_from="by a top-level field",
+                                              stop_field="stop" if body.stop else "stop_token_ids")
+    return Sampling(model=body.model, options=options, stop=stop, plugins=plugins, stream=stream,
+                    include_usage=include_usage, json_schema=response_schema(body.response_format))
+
+
+def response_schema(value: Any) -> Any:
+    """The JSON Schema a validated ``response_format`` asks for, or None for free text.
+
+    >>> from engine.serve.openai.bodies import ResponseFormat
+    >>> response_schema(ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"name": "a",
+    ...                                                 "schema": {"type": "integer"}}}))
+    {'type': 'integer'}
+    >>> response_schema(ResponseFormat(type="json_object")), response_schema(ResponseFormat(type="text"))
+    ({'type': 'object'}, None)
+    >>> response_schema(ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"name": "a"}}))
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: response_format.json_schema.schema is required (the engine constrains answers to \
+it), got None. Fix: e.g. {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"}}}.
+    """
+    example = '{"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"}}}'
+    if value is None:
+        return None
+    kind, spec = value.type, value.json_schema
+    if kind in ("text", "json_object"):
+        if spec is not None:
+            raise RequestError("response_format.json_schema", spec.model_dump(by_alias=True, exclude_unset=True),
+                               f"applies to type json_schema only, not {kind}",
+                               fix=f"leave it out, or send e.g. {example}")
+        return None if kind == "text" else {"type": "object"}
+    if spec is None:
+        raise RequestError("response_format.json_schema", spec, "is required with type json_schema",
+                           fix=f"e.g. {example}")
+    if spec.schema_ is None:
+        raise RequestError("response_format.json_schema.schema", None, "is required (the engine constrains answers "
+                           "to it)", fix=f"e.g. {example}")
+    return spec.schema_

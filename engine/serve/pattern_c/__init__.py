@@ -1,0 +1,1 @@
+"""Pattern C's min-length chat, ``POST /chat`` (the map: :mod:`engine.serve`)."""

@@ -1,0 +1,49 @@
+"""Pattern C's ``POST /chat`` ("Pattern C" is the seeds' name for min-length chat): min-length control inside
+generation, answered as ``{text, meta}`` or streamed.
+
+Wire format and the defaults it fills in: :mod:`engine.serve.pattern_c.chat`; the call path:
+:mod:`engine.serve.shared.calls`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from engine.serve.pattern_c import chat as wire
+from engine.serve.pattern_c.bodies import PatternCRequest
+from engine.serve.service import ServedEngine
+from engine.serve.shared.calls import Call, Surface
+
+BODIES = {"/chat": PatternCRequest}
+
+
+def router(served: ServedEngine) -> APIRouter:
+    api = APIRouter()
+    engine = served.engine
+    model = served.model_name
+    chats = Surface(served, "chat", PatternCRequest, lambda body, served: wire.parse_pattern_c(body, served.serve.chat))
+
+    @api.post("/chat")
+    async def chat(request: Request) -> Any:
+        call = await chats.accept(request)
+        if not isinstance(call, Call):
+            return call
+        c = call.parsed
+        if not c.stream:
+            return await call.whole(lambda: engine.agenerate([c.messages], **c.kwargs),
+                                    body=lambda results: wire.pattern_c_body(results[0], c, model=model))
+
+        async def open_stream() -> tuple[Any, list[Any]]:
+            return engine.astream(c.messages, **c.kwargs), []
+
+        def events(part: Any) -> list[Any]:
+            out: list[Any] = [{"delta": part.delta}] if part.delta else []
+            if part.result is not None:
+                out.append(wire.pattern_c_body(part.result, c, model=model))
+            return out
+
+        return await call.stream(open_stream, events)
+
+    return api

@@ -1,0 +1,1 @@
+"""ms-swift's rollout protocol and its weight-sync routes (the map: :mod:`engine.serve`)."""

@@ -1,0 +1,92 @@
+"""The rollout surface's request bodies (ms-swift's protocol), each field with what it is to the engine
+(:mod:`engine.serve.shared.fields`): ``POST /infer/`` and swift's weight-sync calls.
+
+A new sampling option of swift's ``RequestConfig`` is one line in :class:`RequestConfig`.
+
+>>> from engine.serve.shared.fields import FieldTable
+>>> FieldTable.of(InferRequest).client_field("generation.max_new_tokens")
+'request_config.max_tokens'
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from engine.serve.openai.bodies import vllm_top_k
+from engine.serve.shared.bodies import Body, EngineExtension, Message, Number
+from engine.serve.shared.fields import Engine, Neutral, Wire
+
+
+class RequestConfig(Body):
+    """``/infer/``'s ``request_config``: the fields swift's ``RequestConfig`` sends."""
+
+    max_tokens: Annotated[int | None, Engine("generation.max_new_tokens")] = None
+    temperature: Annotated[Number | None, Engine("generation.temperature")] = None
+    top_k: Annotated[int | None, Engine("generation.top_k", convert=vllm_top_k)] = None
+    top_p: Annotated[Number | None, Engine("generation.top_p")] = None
+    repetition_penalty: Annotated[Number | None, Engine("generation.repetition_penalty")] = None
+    seed: Annotated[int | None, Engine("generation.seed")] = None
+    stop: Annotated[str | list[str] | None, Engine("stop.strings", read=False)] = None
+    logprobs: Annotated[bool | None, Wire("per-token logprobs in the answer")] = None
+    top_logprobs: Annotated[int | None, Engine("generation.logprobs", read=False)] = None
+    return_details: Annotated[bool | None, Wire("token ids in the answer")] = None
+    min_p: Annotated[Number | None, Engine("generation.min_p")] = None
+    num_beams: Annotated[int | None, Neutral((1,))] = None
+    stream: Annotated[bool | None, Neutral((False,))] = None
+    prompt_logprobs: Annotated[int | None, Neutral((None,))] = None
+    n: Annotated[int | None, Neutral((1,))] = None
+    best_of: Annotated[int | None, Neutral((None, 1))] = None
+    presence_penalty: Annotated[Number | None, Neutral((0, 0.0))] = None
+    frequency_penalty: Annotated[Number | None, Neutral((0, 0.0))] = None
+    length_penalty: Annotated[Number | None, Neutral((1, 1.0))] = None
+    structured_outputs_regex: Annotated[str | None, Neutral((None,))] = None
+
+
+class InferItem(Body):
+    """One of ``/infer/``'s ``infer_requests`` (swift's ``InferRequest``); only text chat is served."""
+
+    messages: Annotated[list[Message], Wire("the conversation")]
+    images: Annotated[list[Any] | None, Neutral(([],))] = None
+    audios: Annotated[list[Any] | None, Neutral(([],))] = None
+    videos: Annotated[list[Any] | None, Neutral(([],))] = None
+    tools: Annotated[list[Any] | None, Neutral(([],))] = None
+    objects: Annotated[dict[str, Any] | None, Neutral(({},))] = None
+    chat_template_kwargs: Annotated[dict[str, Any] | None, Neutral(({},))] = None
+    data_dict: Annotated[dict[str, Any] | None, Wire("accepted and ignored (swift's own data)")] = None
+    uuid: Annotated[str | None, Wire("accepted and ignored")] = None
+    add_eos: Annotated[bool | None, Neutral((None,))] = None
+
+
+class InferRequest(Body):
+    """``POST /infer/`` (ms-swift's rollout protocol)."""
+
+    infer_requests: Annotated[list[InferItem], Wire("the conversations")]
+    request_config: Annotated[RequestConfig | None, Wire("swift's sampling settings")] = None
+    metrics: Annotated[list[Any] | None, Neutral(([],))] = None
+    use_tqdm: Annotated[bool | None, Wire("accepted and ignored")] = None
+    adapter_request: Annotated[dict[str, Any] | None, Neutral((None,))] = None
+    engine: Annotated[EngineExtension | None, Wire("the engine extension")] = None
+
+
+class InitCommunicatorRequest(Body):
+    """``POST /init_communicator/`` (swift's weight sync)."""
+
+    host: Annotated[str, Wire("the learner's group address")]
+    port: Annotated[int, Wire("the learner's group port")]
+    world_size: Annotated[int, Wire("this server's workers and the learner")]
+    transport: Annotated[str | None, Wire("how tensors move")] = None
+    client_device_uuid: Annotated[str | None, Wire("accepted and ignored")] = None
+
+
+class UpdateNamedParamRequest(Body):
+    """``POST /update_named_param/``: one tensor announced, its data follows over the communicator."""
+
+    name: Annotated[str, Wire("the parameter's name")]
+    dtype: Annotated[str, Wire("the tensor's dtype")]
+    shape: Annotated[list[int], Wire("the tensor's shape")]
+
+
+class UpdateFlattenedParamsRequest(Body):
+    """``POST /update_flattened_params/``: tensors announced, one flat buffer follows over the communicator."""
+
+    metadatas: Annotated[list[dict[str, Any]], Wire("the tensors in the buffer")]

@@ -1,0 +1,1 @@
+"""The HTTP pieces every surface of the served engine shares (the map: :mod:`engine.serve`)."""

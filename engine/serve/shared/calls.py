@@ -1,0 +1,211 @@
+"""The one call path every POST route takes: read the body within ``serve.max_body_bytes``, check it against the
+route's body model, parse the validated model into a call, hold the call to the server's limits, check the model
+name once, and either refuse (OpenAI's error object naming the field as the client sent it, its status from
+:mod:`engine.serve.shared.errors`) or hand the route a :class:`Call` to run and answer: whole, or as server-sent
+events, cancelled when the client goes away, counted in ``/metrics`` either way.
+
+A route is then "accept, run, answer"::
+
+    chat = Surface(served, "chat_completions", ChatCompletionRequest, parse_chat)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        call = await chat.accept(request)
+        if not isinstance(call, Call):
+            return call  # the refusal
+        return await call.whole(lambda: engine.agenerate([call.parsed.messages]), body=...)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Generic, Protocol, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine.errors import EngineError
+from engine.serve.service import ServedEngine
+from engine.serve.shared.bodies import Body, check
+from engine.serve.shared.errors import ClientGone, UnknownModel, error_body, error_response, status_of
+from engine.serve.shared.fields import FieldTable, sent_paths
+from engine.serve.shared.limits import check_call, read_json
+from engine.types import GenerationResult
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+P = TypeVar("P", bound="Parsed")
+B = TypeVar("B", bound=Body)
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class Parsed(Protocol):
+    """What every parsed call tells the call path: the model it names (None: any), and what the limits check."""
+
+    model: str | None
+    options: Any
+    stop: Any
+
+    @property
+    def prompt_count(self) -> int: ...
+
+
+def sse(data: Any) -> str:
+    """One server-sent event carrying ``data`` (JSON, or the literal ``[DONE]``)."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def until_disconnected(request: Request, task: asyncio.Task[Any]) -> bool:
+    """Wait for ``task``; cancel it (aborting its generation) if the client goes away first. True if cancelled."""
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if not done and await request.is_disconnected():
+            task.cancel()
+            return True
+    return False
+
+
+async def read_body(request: Request, model: type[B], served: ServedEngine) -> B:
+    """The request's body within ``serve.max_body_bytes``, checked against ``model``: the first step of every POST
+    route (generation calls through :meth:`Surface.accept`, swift's weight-sync calls directly)."""
+    return check(model, await read_json(request, served.serve.max_body_bytes))
+
+
+class Surface(Generic[P]):
+    """One POST route's way in: its ``/metrics`` endpoint label, its body model, its parser and its field table.
+
+    ``parse(body, served)`` turns the validated body model into the call (raising ``EngineError`` naming engine or
+    client fields); ``prepare(call, served)``, when given, runs the engine's own checks after the limits (the text
+    route prepares its prompts). The table is built from the body model unless given.
+
+    Example::
+
+        surface = Surface(served, "chat", PatternCRequest, parse_pattern_c)
+        call = await surface.accept(request)  # a Call, or the refusal to return
+    """
+
+    def __init__(self, served: ServedEngine, endpoint: str, body: type[Body], parse: Callable[[Any, ServedEngine], P],
+                 *, fields: FieldTable | None = None, prepare: Callable[[P, ServedEngine], None] | None = None) -> None:
+        self.served = served
+        self.endpoint = endpoint
+        self.body = body
+        self.parse = parse
+        self.prepare = prepare
+        self.fields = fields if fields is not None else FieldTable.of(body)
+
+    def observe(self, status: int, start: float, results: Sequence[GenerationResult] = (),
+                cancelled: bool = False) -> None:
+        self.served.metrics.observe(
+            endpoint=self.endpoint, status=status, seconds=time.perf_counter() - start, cancelled=cancelled,
+            sequences=len(results), prompt_tokens=sum(len(r.prompt_token_ids) for r in results),
+            generated_tokens=sum(len(r.token_ids) for r in results),
+            triggered=sum(int(r.meta.get("repeat_terminate_triggered", 0)) for r in results))
+
+    def refused(self, err: EngineError, start: float, fields: FieldTable | None = None) -> JSONResponse:
+        """Count a refusal and answer it."""
+        self.observe(status_of(err), start)
+        return error_response(err, fields or self.fields)
+
+    async def accept(self, request: Request) -> Call[P] | JSONResponse:
+        """The call ``request`` asks for, or its refusal (counted)."""
+        start, fields = time.perf_counter(), self.fields
+        try:
+            body = await read_body(request, self.body, self.served)
+            fields = self.fields.sent(set(sent_paths(body)))  # where two client fields name one engine field
+            call = self.parse(body, self.served)
+            engine = self.served.engine
+            check_call(self.served.serve, prompts=call.prompt_count, options=call.options, stop=call.stop,
+                       max_model_len=engine.backend.capabilities.max_model_len)
+            if self.prepare is not None:
+                self.prepare(call, self.served)
+            if call.model is not None and call.model != self.served.model_name:
+                raise UnknownModel(call.model, self.served.model_name)
+        except EngineError as err:
+            return self.refused(err, start, fields)
+        return Call(self, call, start, fields, request)
+
+
+class Call(Generic[P]):
+    """One accepted call: ``parsed`` (the surface's call object), run and answered whole or streamed."""
+
+    def __init__(self, surface: Surface[P], parsed: P, start: float, fields: FieldTable, request: Request) -> None:
+        self.surface = surface
+        self.request = request
+        """The HTTP request, watched for a disconnect while the engine works."""
+        self.served = surface.served
+        self.parsed = parsed
+        self.start = start
+        self.fields = fields
+
+    def refused(self, err: EngineError) -> JSONResponse:
+        return self.surface.refused(err, self.start, self.fields)
+
+    def answered(self, payload: Any) -> Any:
+        """A 200 answered at once (no engine work to wait for), counted."""
+        self.surface.observe(200, self.start)
+        return payload
+
+    async def whole(self, run: Callable[[], Awaitable[T]], *, body: Callable[[T], Any],
+                    counted: Callable[[T], Sequence[GenerationResult]] | None = None) -> Any:
+        """The non-streamed answer: ``run()`` (validation raises in it before anything is generated) answered as
+        ``body(output)``, a refusal for what validation refuses, or the 499 of a client that went away (its
+        generation cancelled); ``counted(output)`` (default: the output itself) are the results ``/metrics`` counts."""
+        try:
+            await self.served.ready()
+        except EngineError as err:
+            return self.refused(err)
+        self.served.in_flight += 1
+        task = asyncio.ensure_future(run())
+        try:
+            if await until_disconnected(self.request, task):
+                self.surface.observe(499, self.start, cancelled=True)
+                return error_response(ClientGone())
+            output = task.result()
+        except EngineError as err:
+            return self.refused(err)
+        finally:
+            self.served.in_flight -= 1
+        self.surface.observe(200, self.start, counted(output) if counted else output)  # type: ignore[arg-type]
+        return JSONResponse(body(output))
+
+    async def stream(self, open_stream: Callable[[], Awaitable[tuple[Any, Sequence[Any]]]],
+                     events: Callable[[Any], list[Any]]) -> Any:
+        """The SSE answer: ``open_stream()`` gives the engine's stream and the first events (validation raises in it,
+        before anything is generated: a refusal), then ``events(chunk)`` for every engine chunk, an error event if
+        generation fails after the headers went out, and ``[DONE]``."""
+        try:
+            stream, first = await open_stream()
+        except EngineError as err:
+            return self.refused(err)
+        return StreamingResponse(self._events(stream, events, list(first)), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+
+    async def _events(self, stream: Any, events: Callable[[Any], list[Any]], first: list[Any]) -> AsyncIterator[str]:
+        await self.served.ready()
+        for event in first:
+            yield sse(event)
+        self.served.in_flight += 1
+        result = None
+        parts = stream.__aiter__()
+        try:
+            async for part in parts:
+                result = part.result or result
+                for event in events(part):
+                    yield sse(event)
+        except asyncio.CancelledError:  # the client went away: the stream's generation is stopped
+            self.surface.observe(499, self.start, cancelled=True)
+            raise
+        except Exception as err:  # headers are sent: report in-band, as OpenAI's and vLLM's servers do
+            log.exception("%s: streamed generation failed", self.surface.endpoint)
+            self.surface.observe(500, self.start)
+            yield sse(error_body(f"generation failed: {err}", kind="server_error", code=500))
+        else:
+            self.surface.observe(200, self.start, [result] if result is not None else [])
+        finally:
+            self.served.in_flight -= 1
+            await parts.aclose()  # stops the generation now if the client left between two chunks
+        yield sse("[DONE]")
