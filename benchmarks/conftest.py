@@ -44,7 +44,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _cuda() -> bool:
-    from engine.backends.vllm.backend import has_cuda
+    from engine.backends.host import has_cuda
 
     return has_cuda()
 
@@ -132,7 +132,7 @@ class BenchSession:
         """The benchmark running now (a gated one must carry the ``gated`` marker, which the quick tier selects)."""
         self._objects: dict[tuple[Any, ...], Any] = {}
         if not self.size.vllm_compiled:  # before any engine or server starts: they inherit it
-            from engine.backends.vllm.backend import turn_torch_compile_off
+            from engine.backends.host import turn_torch_compile_off
 
             turn_torch_compile_off()
 

@@ -35,8 +35,9 @@ WAYS = {"spawn": {}, "fork": {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}}
 
 
 def config() -> dict[str, Any]:
-    from conformance.pool import CPU_VLLM, SERVED_CHAT
-    from engine.backends.vllm.backend import turn_torch_compile_off
+    from conformance.pool import CPU_VLLM
+    from conformance.servers import SERVED_CHAT
+    from engine.backends.host import turn_torch_compile_off
 
     turn_torch_compile_off()  # as the suite: its servers inherit the environment
     model = str(ROOT / ".fixtures" / "smollm2-135m-instruct")

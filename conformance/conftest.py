@@ -51,7 +51,7 @@ def _default_model(name: str) -> str:
 
 
 def _cuda_host() -> bool:
-    from engine.backends.vllm.backend import has_cuda
+    from engine.backends.host import has_cuda
 
     return has_cuda()
 
@@ -109,12 +109,12 @@ def pytest_configure(config: pytest.Config) -> None:
     pool = EnginePool(options)
     config.stash[POOL_KEY] = pool
     if not _cuda_host():  # CPU hosts: eager engines (CPU_VLLM), and vLLM's compiled sampler helpers run as plain ops
-        from engine.backends.vllm.backend import turn_torch_compile_off
+        from engine.backends.host import turn_torch_compile_off
 
         pool.compile_off = turn_torch_compile_off()
     tier = QuickTier()
     context = lambda: {"vllm_runner": ",".join(sorted(pool.runners)) or "none started",  # noqa: E731
-                       "vllm_engine_core": pool.vllm_mode, "served_calls": pool.served_calls,
+                       "vllm_engine_core": pool.vllm_mode, "served_calls": pool.reach.served_calls,
                        "workload": tier.workload.name}
     stem = "conformance-summary" + ("" if options.dtype == "float32" else f"-{options.dtype}")
     config.pluginmanager.register(tier, "engine-quick-tier")
@@ -153,7 +153,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     pool = config.stash[POOL_KEY]
     cross = any({"backend_names", "engines"} & set(getattr(item, "fixturenames", ())) for item in items)
     reached = {params(item)["backend"] for item in items if "backend" in params(item)}
-    pool.ahead_backends = frozenset(b for b in pool.options.backends if (cross or b in reached)
+    pool.servers.ahead_backends = frozenset(b for b in pool.options.backends if (cross or b in reached)
                                     and unavailable_reason(b) is None)
 
 
@@ -171,10 +171,10 @@ def reach(request: pytest.FixtureRequest, pytestconfig: pytest.Config) -> Iterat
     their servers too. A served twin none of whose calls reached a server fails: it would prove nothing."""
     pool = pytestconfig.stash[POOL_KEY]
     how = getattr(request, "param", IN_PROCESS)
-    before, pool.reach = pool.served_calls, how
+    before, pool.reach.how = pool.reach.served_calls, how
     yield how
-    pool.reach = IN_PROCESS
-    if how == SERVED and request.node.stash.get(CALL_PASSED, False) and pool.served_calls == before:
+    pool.reach.how = IN_PROCESS
+    if how == SERVED and request.node.stash.get(CALL_PASSED, False) and pool.reach.served_calls == before:
         pytest.fail("this served twin never reached a server (its calls ran in-process only): drop its servable "
                     "mark, or make it compare engines through generate()", pytrace=False)
 

@@ -7,24 +7,22 @@ through the whole config path instead, for the checks that prove the two are the
 
 A check marked ``servable`` also runs as its served twin (the ``reach`` parameter, see ``conformance.served``):
 then every engine it compares is reached through ``python -m engine.serve`` too, while references it only derives
-expectations from (``pool.reference``) stay in-process. Servers live per config key, ``servers_per_backend`` at
-once (the suite orders served checks so that those on the same servers run together).
+expectations from (``pool.reference``) stay in-process. The servers are the server pool's
+(``conformance/servers.py``, ``pool.servers``); each twin gets the session's :class:`~conformance.served.Reach`
+and the way to its server explicitly.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import json
 import resource
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from conformance.bill import Bill
 from conformance.compare import LOW_PRECISION_TOPK
-from conformance.served import IN_PROCESS
+from conformance.served import Reach
+from conformance.servers import ServerPool
 from engine.backends.registry import SPECS
 
 # On CPU hosts the suite's vLLM engines start eager with a small KV cache: a fixture engine then starts in about
@@ -33,9 +31,6 @@ from engine.backends.registry import SPECS
 # would still compile two sampler helpers at the first logprobs or top-k request of each process (up to 33 s each).
 # The benchmarks keep vLLM's defaults at full size.
 CPU_VLLM = {"enforce_eager": True, "cpu_kv_cache_space_gib": 0.5}
-SERVED_CHAT = {"temperature": 0, "top_p": 1.0}
-"""Pattern C ``/chat`` defaults of every server the pool starts: greedy (its other defaults kept), so HF, vLLM and
-llama.cpp must agree to the character. The chat checks use the text engine's server the served twins use too."""
 TINY_KV_GIB = 1 / 16
 """The KV cache of a tiny model's engine on CPU (a tiny fixture needs 1 KiB per token: 64 MiB hold 32 full-length
 sequences of tiny-looper); SmolLM2 (45 KiB per token) keeps ``CPU_VLLM``'s 0.5 GiB."""
@@ -83,24 +78,25 @@ class PoolOptions:
 
 @dataclass
 class EnginePool:
-    """Lazily built, session-wide engines keyed by (backend, model path, config sections)."""
+    """Lazily built, session-wide engines keyed by (backend, model path, config sections), and the server pool
+    their served twins reach."""
 
     options: PoolOptions
-    reach: str = IN_PROCESS
-    """How the running check reaches engines (set per check by the ``reach`` fixture)."""
+    reach: Reach = field(default_factory=Reach)
+    """How the running check reaches engines (set per check by the ``reach`` fixture), handed to every twin."""
+    bill: Bill = field(default_factory=Bill)
+    """What this pool and its server pool started, and what it cost."""
+    servers: ServerPool = field(init=False)
     _engines: dict[tuple[str, ...], Any] = field(default_factory=dict)
     _twins: dict[tuple[str, ...], Any] = field(default_factory=dict)
     _references: dict[tuple[str, ...], Any] = field(default_factory=dict)
     _raw: dict[tuple[str, ...], Any] = field(default_factory=dict)
-    _servers: dict[tuple[str, ...], Any] = field(default_factory=dict)
     _loaded: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)
     """Derived engine key -> the key of the engine whose loaded backend it shares."""
     twins: dict[str, str] = field(default_factory=dict)
     """HF model folder -> its GGUF twin (from ``options.gguf_models``; checks may register more)."""
     runners: set[str] = field(default_factory=set)
     """The model runners the started vLLM engines really use ("v1"/"v2"), for the header and the report."""
-    starts: list[tuple[str, str, float]] = field(default_factory=list)
-    """(kind, key, seconds) of every engine, server and kept object the pool started, in order."""
     derived: int = 0
     """Engines derived from a loaded one (no model loaded for them)."""
     leases: Any = None
@@ -109,21 +105,15 @@ class EnginePool:
     """vLLM engines stopped to make room on the card (started again when a later check asks for them)."""
     compile_off: bool = False
     """``torch.compile`` turned off for the session and its servers (CPU hosts, ``turn_torch_compile_off``)."""
-    served_calls: int = 0
-    """Calls the served twins answered through a server (or refused there, as in-process): the ``reach`` fixture
-    checks that a served twin really reached one."""
-    ahead_backends: frozenset[str] = frozenset()
-    """Backends whose servers may be started ahead (see :meth:`server`): those the collected checks reach (the
-    conftest sets it); empty, every server starts when a check first needs it."""
-    _ahead: dict[tuple[str, str], Any] = field(default_factory=dict)
-    """Servers starting ahead in the background, by key: (future of the running server, its config)."""
-    _executor: Any = None
-    """The threads that start them (made on first need, shut down by :meth:`close`)."""
-    _recipes: dict[tuple[str, str], tuple[str, dict[str, Any]]] = field(default_factory=dict)
-    """Server key -> (model, sections) of the engine it serves: what the same server is on another backend."""
 
     def __post_init__(self) -> None:
         self.twins.update(dict(self.options.gguf_models))
+        self.servers = ServerPool(self.options, configure=self.config, bill=self.bill)
+
+    @property
+    def starts(self) -> list[tuple[str, str, float]]:
+        """(kind, key, seconds) of every engine, server and kept object started, in order (the bill's)."""
+        return self.bill.starts
 
     def model_for(self, backend: str, model: str) -> str:
         """The model ``backend`` loads for ``model``: the same folder, or on llamacpp its GGUF twin (no twin: the
@@ -139,7 +129,7 @@ class EnginePool:
         return twin
 
     def config(self, backend: str, model: str, /, **sections: Any) -> dict[str, Any]:
-        from engine.backends.vllm.backend import has_cuda
+        from engine.backends.host import has_cuda
 
         model_cfg: dict[str, Any] = {"path": self.model_for(backend, model), "dtype": self.options.dtype}
         if SPECS[backend].takes_device:
@@ -170,25 +160,14 @@ class EnginePool:
         key = self._key(backend, model, shared, sections)
         if key not in self._twins:
             local = self._local(key, backend, model, shared, sections)
-            served, config = self.served_config(backend, model, **sections)
-            self._twins[key] = ServedTwin(local, lambda: self.server(served, config), self)
+            served, config = self.servers.served_config(backend, model, **sections)
+            self._twins[key] = ServedTwin(local, lambda: self.servers.server(served, config), self.reach)
         return self._twins[key]
-
-    def served_config(self, backend: str, model: str, /, **sections: Any) -> tuple[tuple[str, str], dict[str, Any]]:
-        """(server key, config) of the server that serves the engine ``engine(backend, model, **sections)``."""
-        config = self.config(backend, model, **sections)
-        # A served vLLM engine always runs AsyncLLM, its engine core in a child process, whatever
-        # vllm.multiprocessing says: engines that differ only there share one server.
-        config["vllm"] = {k: v for k, v in config["vllm"].items() if k != "multiprocessing"}
-        config["serve"] = {"chat": dict(SERVED_CHAT), **config.get("serve", {}), "port": 0}
-        key = (backend, json.dumps(config, sort_keys=True))
-        self._recipes.setdefault(key, (model, copy.deepcopy(sections)))
-        return key, config
 
     def text_server(self, backend: str) -> Any:
         """The running server of ``backend``'s text engine: the one its served twins reach, and the chat checks'
         (``/v1/chat/completions`` and Pattern C ``/chat``)."""
-        return self.server(*self.served_config(backend, self.options.model))
+        return self.servers.server(*self.servers.served_config(backend, self.options.model))
 
     def reference(self, backend: str, model: str, /, **sections: Any) -> Any:
         """The engine for expectations a check derives, not for what it compares: in-process whatever the reach
@@ -197,7 +176,7 @@ class EnginePool:
 
         key = self._key(backend, model, True, sections)
         if key not in self._references:
-            self._references[key] = ServedTwin(self._local(key, backend, model, True, sections), None, self)
+            self._references[key] = ServedTwin(self._local(key, backend, model, True, sections), None, self.reach)
         return self._references[key]
 
     def text_engine(self, backend: str) -> Any:
@@ -232,7 +211,7 @@ class EnginePool:
             return self._engines[key]
         if SPECS[backend].shares_card:
             self._make_room(key)
-        with self.timed("engine", key):
+        with self.bill.timed("engine", key):
             self._engines[key] = GenerationEngine(self.config(backend, model, **sections))
         runner = self._engines[key].backend.runner
         if runner is not None:
@@ -242,7 +221,7 @@ class EnginePool:
     def _make_room(self, key: tuple[str, ...]) -> None:
         """On a CUDA host, stop the least recently started vLLM engines beyond the card's budget (with every engine
         derived from them) before ``key`` starts; servers hold ``servers_per_backend`` of the budget."""
-        from engine.backends.vllm.backend import has_cuda
+        from engine.backends.host import has_cuda
         from engine.backends.vllm.memory import EngineLeases
 
         if not has_cuda():
@@ -264,84 +243,6 @@ class EnginePool:
                 self._references.pop(k, None)
             self.released += 1
 
-    def server(self, key: tuple[str, str], config: dict[str, Any]) -> Any:
-        """The running server for ``key`` ((backend, the served config)): started on first need; beyond
-        ``servers_per_backend`` of its backend, the least recently used one stops first, to bound memory.
-
-        Starting one also starts the same server of every other backend in ``ahead_backends`` in the background
-        (a cross-backend check needs them now, and served twins run backend after backend on one config, see the
-        conftest's order): a vLLM server spends about 20 s importing in two processes, which then overlaps the
-        other backends' work instead of adding to it."""
-        from engine.client import launch_server
-
-        if key in self._servers:
-            self._servers[key] = self._servers.pop(key)  # most recently used last
-            return self._servers[key]
-        if key in self._ahead:
-            return self._settle(key)
-        for other in [k for k in self._ahead if k[0] == key[0]]:  # this backend's guess was wrong: free its place
-            self._settle(other)
-        self._make_server_room(key[0])
-        self._start_ahead(key)
-        with self.timed("server", (key[0], self._chosen(config))):
-            self._servers[key] = launch_server(config)
-        return self._servers[key]
-
-    def _make_server_room(self, backend: str) -> None:
-        while sum(k[0] == backend for k in self._servers) >= self.options.servers_per_backend:
-            # Stopped before the next one starts: two vLLM servers at once would hold ~8 GB.
-            self._servers.pop(next(k for k in self._servers if k[0] == backend)).stop()
-
-    def _start_ahead(self, key: tuple[str, str]) -> None:
-        """Start, in the background, the server of every other backend in ``ahead_backends`` that serves the same
-        (model, sections) as ``key``, unless one of that backend is already starting."""
-        import pytest
-
-        if key not in self._recipes:
-            return
-        model, sections = self._recipes[key]
-        for backend in sorted(self.ahead_backends - {key[0]}):
-            if any(k[0] == backend for k in self._ahead):
-                continue
-            try:
-                other, config = self.served_config(backend, model, **copy.deepcopy(sections))
-            except pytest.skip.Exception:  # no model for it there (e.g. no GGUF twin): nothing to start
-                continue
-            if other in self._servers:
-                continue
-            self._make_server_room(backend)
-            self._ahead[other] = (self._background().submit(self._launch_timed, other, config), config)
-
-    def _launch_timed(self, key: tuple[str, str], config: dict[str, Any]) -> Any:
-        from engine.client import launch_server
-
-        with self.timed("server ahead", (key[0], self._chosen(config))):
-            return launch_server(config)
-
-    def _settle(self, key: tuple[str, str]) -> Any:
-        """Wait for a server started ahead and keep it as a running one."""
-        future, config = self._ahead.pop(key)
-        began = time.monotonic()
-        server = future.result()  # its own start error, raised where the check needs it
-        self.starts.append(("waited for", f"{key[0]} {self._chosen(config)}", time.monotonic() - began))
-        self._make_server_room(key[0])
-        self._servers[key] = server
-        return server
-
-    def _background(self) -> Any:
-        from concurrent.futures import ThreadPoolExecutor
-
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=len(SPECS), thread_name_prefix="server-ahead")
-        return self._executor
-
-    def _chosen(self, config: dict[str, Any]) -> str:
-        """A served config in a report line: the model folder's name and every section that differs from the pool's
-        defaults for it."""
-        _, default = self.served_config(config["backend"], self.options.model)
-        chosen = {k: v for k, v in config.items() if k not in ("backend", "model") and v != default.get(k)}
-        return f"{config['model']['path'].rsplit('/', 1)[-1]} {json.dumps(chosen, sort_keys=True) if chosen else ''}"
-
     def keep(self, key: tuple[str, ...], factory: Any) -> Any:
         """A session-lived object (e.g. a raw ``vllm.LLM``) built once by ``factory``.
 
@@ -349,7 +250,7 @@ class EnginePool:
         every other live one, so the pool owns all of them and releases them only at session end.
         """
         if key not in self._raw:
-            with self.timed("kept", key):
+            with self.bill.timed("kept", key):
                 self._raw[key] = factory()
         return self._raw[key]
 
@@ -358,12 +259,6 @@ class EnginePool:
         return "child process" if self.options.vllm_multiprocessing else "in-process"
 
     # -- what it holds and what it cost ----------------------------------------------------------------------
-
-    @contextmanager
-    def timed(self, kind: str, key: tuple[str, ...]) -> Iterator[None]:
-        began = time.monotonic()
-        yield
-        self.starts.append((kind, " ".join(k for k in key if k and k != "[]"), time.monotonic() - began))
 
     def report(self) -> list[str]:
         """What the pool started and what it cost: the session's start-up bill, and this process's peak memory."""
@@ -377,18 +272,7 @@ class EnginePool:
                         f"memory of this process {peak:.1f} GiB"]
 
     def close(self) -> None:
-        for key in list(self._ahead):  # started ahead and never needed: stopped with the rest
-            with contextlib.suppress(Exception):  # no check needed it, so its start error fails nothing
-                self._settle(key)
-        if self._executor is not None:
-            self._executor.shutdown()
-        servers = list(self._servers.values())
-        for server in servers:  # all drain at once
-            if server.process.poll() is None:
-                server.process.terminate()
-        for server in servers:
-            server.stop()
-        self._servers.clear()
+        self.servers.close()
         self._twins.clear()
         self._references.clear()
         for eng in self._engines.values():

@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     REPORTS.mkdir(exist_ok=True)
     facts = host_facts() + [f"left out (not installed): {b}" for b in missing]
     runner = planned_runner() if "vllm" in backends else "not decided: vLLM is not installed"
-    from engine.backends.vllm.backend import has_cuda
+    from engine.backends.host import has_cuda
 
     expect_v2 = "vllm" in backends and has_cuda()
     outcomes = [run_pass(p, backends=backends, extra=args.pytest_args, timeout=args.pass_timeout)

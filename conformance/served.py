@@ -34,6 +34,25 @@ IN_PROCESS, SERVED = "in-process", "served"
 """The two ways a check reaches a pooled engine (the ``reach`` parameter of ``servable`` checks)."""
 
 
+@dataclasses.dataclass
+class Reach:
+    """How the running check reaches the pool's engines (``how``, set per check by the ``reach`` fixture), and the
+    calls served twins answered through a server (``served_calls``: the fixture checks that a served twin really
+    reached one). The engine pool hands this one object to every twin it makes.
+
+    >>> reach = Reach()
+    >>> reach.how, reach.served
+    ('in-process', False)
+    """
+
+    how: str = IN_PROCESS
+    served_calls: int = 0
+
+    @property
+    def served(self) -> bool:
+        return self.how == SERVED
+
+
 def _jsonable(value: Any) -> bool:
     try:
         json.dumps(value)
@@ -47,14 +66,20 @@ def _plain(value: Any) -> Any:
 
 
 class ServedTwin:
-    """The in-process engine plus its served twin, reached as the pool's current ``reach`` says (module doc)."""
+    """The in-process engine plus its served twin, reached as ``reach`` says (module doc).
 
-    def __init__(self, local: Any, server: Callable[[], Any] | None, pool: Any) -> None:
+    Example (the engine pool makes them)::
+
+        twin = ServedTwin(engine, lambda: servers.server(key, config), pool.reach)
+        twin.generate(requests)  # in-process; under the served reach through the server too, compared
+    """
+
+    def __init__(self, local: Any, server: Callable[[], Any] | None, reach: Reach) -> None:
         self.local = local
         self._server = server
         """The running server (started on first need); None for a reference, which is never served."""
-        self._pool = pool
-        """Says the current reach (``pool.reach``) and counts calls that reached a server (``pool.served_calls``)."""
+        self._reach = reach
+        """Says the current reach and counts calls that reached a server."""
         self._answers: dict[str, Any] = {}
         """In-process results by call (its JSON), for the served twin of the same check."""
 
@@ -69,7 +94,7 @@ class ServedTwin:
         call = json.dumps([requests, extension], sort_keys=True) if _jsonable([requests, extension]) else None
         if self._server is None and call in self._answers:  # a reference answers each call once per session
             return copy.deepcopy(self._answers[call])
-        if self._pool.reach != SERVED or call is None:
+        if not self._reach.served or call is None:
             results = self.local.generate(requests, options=options, stop=stop, plugins=plugins)
             if call is not None:
                 self._answers[call] = copy.deepcopy(results)
@@ -89,11 +114,11 @@ class ServedTwin:
                     client.infer(requests, engine=extension)
                 except RolloutServerError as served_err:
                     assert "answered 400" in str(served_err), f"served refusal is not a 400: {served_err}"
-                    self._pool.served_calls += 1
+                    self._reach.served_calls += 1
                     raise err from None
                 raise AssertionError(f"in-process refused ({err}) but the server generated") from err
             served = client.infer(requests, engine=extension)
-        self._pool.served_calls += 1
+        self._reach.served_calls += 1
         assert_served_equal(served, local, what=f"served vs in-process ({self.local.backend.name})")
         return served
 

@@ -3,7 +3,7 @@ official ``openai`` client, curl and plain HTTP: streamed text == non-streamed t
 text; Pattern C's min-length numbers are the rule's own; bad input is refused before anything is generated.
 
 One server per backend on ``--engine-model`` (fp32 by default): the pool's, which its served twins reach too, its
-Pattern C defaults made greedy (``conformance.pool.SERVED_CHAT``). Servers bind 127.0.0.1 only; every request loop
+Pattern C defaults made greedy (``conformance.servers.SERVED_CHAT``). Servers bind 127.0.0.1 only; every request loop
 is bounded.
 """
 

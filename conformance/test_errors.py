@@ -72,5 +72,5 @@ def test_derive_changes_only_request_sections_and_refuses_a_guard_that_cannot_ru
     assert engine.generate([GOOD], options={"max_new_tokens": 2})[0].token_ids
     caps = dataclasses.replace(engine.backend.capabilities, rules_problem="no logits-processor interface")
     monkeypatch.setattr(engine.backend, "capabilities", caps)
-    with pytest.raises(UnsupportedCapabilityError, match="cannot run row rules here: no logits-processor interface"):
+    with pytest.raises(UnsupportedCapabilityError, match="cannot be activated: no logits-processor interface"):
         engine.derive(repeat_terminate={"enabled": True, "max_consecutive_token_repeats": 4})

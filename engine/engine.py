@@ -25,6 +25,7 @@ from engine.backends import (
     spec,
 )
 from engine.backends.base import Prompt, prompts_of
+from engine.backends.guard import check_guard_can_run
 from engine.completion import PromptLike, canonical_schema, check_scored, plain_prompts
 from engine.config import EngineConfig, GenerationOptions, PixelBudget, StopPolicy
 from engine.config.generation import MAX_LOGPROBS
@@ -67,23 +68,34 @@ class GenerationEngine:
     """
 
     def __init__(self, config: EngineConfig | Mapping[str, Any] | str | Path) -> None:
-        self.config = self._load_config(config)
-        self.plugins = self._plugins(None)  # unknown names and bad parameters fail before anything is loaded
-        self.processor = load_processor(self.config.model)
-        self.tokenizer, self.load_info = load_tokenizer(self.config.model, self.processor)
-        self.results = ResultBuilder(self.tokenizer, self.load_info)
+        self._set_up(self._load_config(config), source=None)
         # Engine-wide plugins are checked against the hooks the backend declares before it starts ...
         declared = spec(self.config.backend).hooks
         self._check_plugins(self.plugins, self.config.backend, declared, kinds=None)
-        self.backend: Backend = self._create_backend(self.config.backend)
+        self.backend = self._create_backend(self.config.backend)
         # ... and against what it really offers once started (e.g. vLLM's model runner).
         self._check_plugins(self.plugins, self.backend.name, self.backend.capabilities.hooks, kinds=None)
+
+    def _set_up(self, config: EngineConfig, source: GenerationEngine | None) -> None:
+        """Every attribute an engine has, set in one place for ``__init__`` and :meth:`derive`: a new engine
+        (``source`` None) loads its processor and tokenizer (``__init__`` starts its backend next); a derived one
+        shares ``source``'s loaded parts, its backend included, which it never closes."""
+        self.config = config
+        self.plugins = self._plugins(None)  # unknown names and bad parameters fail before anything is loaded
+        if source is None:
+            self.processor = load_processor(config.model)
+            self.tokenizer, self.load_info = load_tokenizer(config.model, self.processor)
+            self.results = ResultBuilder(self.tokenizer, self.load_info)
+        else:
+            self.processor, self.tokenizer, self.load_info = source.processor, source.tokenizer, source.load_info
+            self.results = source.results
+            self.backend: Backend = source.backend
         self._fallback: Backend | None = None
-        self._context: PluginContext | None = None
-        self._specials: dict[str, int] | None = None
-        self._token_chars: int | None = None
         self._batcher: Any = None
-        self._owns_backend = True
+        self._context: PluginContext | None = source._context if source else None
+        self._specials: dict[str, int] | None = source._specials if source else None
+        self._token_chars: int | None = source._token_chars if source else None
+        self._owns_backend = source is None
 
     def derive(self, **sections: Any) -> GenerationEngine:
         """A new engine over this one's loaded backend (and tokenizer), with other request-level config sections.
@@ -105,22 +117,11 @@ class GenerationEngine:
                 raise ConfigError(name, value, f"{problem}; derive() changes only {', '.join(REQUEST_SECTIONS)}",
                                   fix="build a new GenerationEngine for another backend, model or backend setting")
         config = EngineConfig.from_dict({**{n: getattr(self.config, n) for n in known}, **sections})
-        guard = config.repeat_terminate
-        problem = self.backend.capabilities.rules_problem
-        if guard.enabled and problem is not None:
-            raise UnsupportedCapabilityError(f"repeat_terminate.enabled is true, but backend {self.backend.name!r} "
-                                             f"cannot run row rules here: {problem}. Fix: set "
-                                             "repeat_terminate.enabled: false, or use a backend that can")
+        check_guard_can_run(config.repeat_terminate.enabled, self.backend.name,
+                            self.backend.capabilities.rules_problem)
         derived = object.__new__(type(self))
-        derived.config = config
-        derived.processor, derived.tokenizer, derived.load_info = self.processor, self.tokenizer, self.load_info
-        derived.results = self.results
-        derived.plugins = derived._plugins(None)
+        derived._set_up(config, source=self)
         derived._check_plugins(derived.plugins, self.backend.name, self.backend.capabilities.hooks, kinds=None)
-        derived.backend = self.backend
-        derived._fallback, derived._context, derived._batcher = None, self._context, None
-        derived._specials, derived._token_chars = self._specials, self._token_chars
-        derived._owns_backend = False
         return derived
 
     @staticmethod

@@ -57,7 +57,7 @@ class TcpCommunicator:
 def check_transport(transport: Any) -> str:
     """The transport a request names (None: this host's default), refused by name when unknown."""
     if transport is None:
-        from engine.backends.vllm.backend import has_cuda
+        from engine.backends.host import has_cuda
 
         return "nccl" if has_cuda() else "tcp"
     if transport not in TRANSPORTS:

@@ -67,9 +67,9 @@ class FakeEngine:
 @pytest.fixture
 def cuda_pool(monkeypatch):
     import engine
-    import engine.backends.vllm.backend as vllm_backend
+    import engine.backends.host as host
 
-    monkeypatch.setattr(vllm_backend, "has_cuda", lambda: True)
+    monkeypatch.setattr(host, "has_cuda", lambda: True)
     monkeypatch.setattr(engine, "GenerationEngine", FakeEngine)
     FakeEngine.card = []
     options = PoolOptions(backends=("hf", "vllm"), model="/models/text", vlm_model="/models/vlm", dtype="bfloat16",

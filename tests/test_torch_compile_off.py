@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from engine.backends.vllm.backend import TORCH_COMPILE_OFF, turn_torch_compile_off
+from engine.backends.host import TORCH_COMPILE_OFF, turn_torch_compile_off
 
 
 @pytest.fixture

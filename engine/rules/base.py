@@ -64,6 +64,10 @@ class RuleSpec:
     target: str
     params: Mapping[str, Any] = field(default_factory=dict)
     hf_hook: str = "logits_processor"
+    bank: bool = False
+    """An id-only repeat rule (``params["thresholds"]`` reads token ids only), decided once where the spec is made
+    (:meth:`~engine.rules.repeat.RepeatRule.spec`): adapters run it in a
+    :class:`~engine.rules.repeat_bank.RepeatBank` from its thresholds and never build the rule."""
 
     def build(self) -> RowRule:
         import importlib
@@ -75,7 +79,7 @@ class RuleSpec:
         return rule
 
     def as_dict(self) -> dict[str, Any]:
-        return {"target": self.target, "params": dict(self.params), "hf_hook": self.hf_hook}
+        return {"target": self.target, "params": dict(self.params), "hf_hook": self.hf_hook, "bank": self.bank}
 
 
 class RuleSet:

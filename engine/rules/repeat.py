@@ -123,12 +123,16 @@ class RepeatRule(RowRule):
 
     @staticmethod
     def spec(thresholds: RepeatThresholds) -> RuleSpec:
-        """The spec every backend rebuilds this rule from (vLLM in its worker), for one row's thresholds.
+        """The spec every backend rebuilds this rule from (vLLM in its worker), for one row's thresholds; whether
+        adapters run it in a repeat bank (id-only thresholds) is decided here, once per request.
 
-        >>> RepeatRule.spec(RepeatThresholds(ngram_size=3, ngram_repeats=2)).params["thresholds"]["ngram_size"]
-        3
+        >>> spec = RepeatRule.spec(RepeatThresholds(ngram_size=3, ngram_repeats=2))
+        >>> keys = RepeatRule.spec(RepeatThresholds(max_object_keys=3))
+        >>> spec.params["thresholds"]["ngram_size"], spec.bank, keys.bank
+        (3, True, False)
         """
-        return RuleSpec("engine.rules.repeat:RepeatRule", {"thresholds": asdict(thresholds)})
+        return RuleSpec("engine.rules.repeat:RepeatRule", {"thresholds": asdict(thresholds)},
+                        bank=not thresholds.needs_text)
 
     def push(self, token: int, text: str = "") -> str | None:
         """Feed the next generated token (and its decoded text); return the reason the first time it fires."""

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from engine.rules.base import RuleSpec
-from engine.rules.repeat import CONSECUTIVE, NGRAM, RepeatRule, RepeatThresholds
+from engine.rules.repeat import CONSECUTIVE, NGRAM, RepeatThresholds
 
 REASONS = {1: CONSECUTIVE, 2: NGRAM}
 
@@ -36,17 +36,18 @@ def vectorizable(thresholds: RepeatThresholds) -> bool:
 
 
 def split_vectorizable(specs: Sequence[RuleSpec]) -> tuple[list[RepeatThresholds], list[RuleSpec]]:
-    """(thresholds of the id-only repeat rules, the other specs): adapters run the first in a bank.
+    """(thresholds of the id-only repeat rules, the other specs): adapters run the first in a bank. Which specs are
+    id-only was decided when they were made (``RuleSpec.bank``); nothing is built here.
 
-    >>> spec = RuleSpec("engine.rules.repeat:RepeatRule", {"thresholds": {"max_consecutive_token_repeats": 3}})
+    >>> from engine.rules.repeat import RepeatRule
+    >>> spec = RepeatRule.spec(RepeatThresholds(max_consecutive_token_repeats=3))
     >>> [t.max_consecutive_token_repeats for t in split_vectorizable([spec])[0]]
     [3]
     """
     vector, rows = [], []
     for spec in specs:
-        rule = spec.build()
-        if type(rule) is RepeatRule and vectorizable(rule.t):
-            vector.append(rule.t)
+        if spec.bank:
+            vector.append(RepeatThresholds(**spec.params["thresholds"]))
         else:
             rows.append(spec)
     return vector, rows

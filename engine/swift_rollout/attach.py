@@ -32,7 +32,7 @@ from typing import Any
 
 from engine.config.repeat import RepeatTerminateConfig
 from engine.config.validation import build
-from engine.errors import BackendUnavailableError, ConfigError, RequestError, UnsupportedCapabilityError
+from engine.errors import BackendUnavailableError, ConfigError, RequestError
 from engine.rules.base import RuleSpec
 from engine.rules.events import events_within, repeat_meta
 from engine.rules.repeat import RepeatRule
@@ -162,14 +162,13 @@ def terminal_ids(tokenizer: Any, model_dir: str) -> tuple[int, ...]:
 
 def _prepare_engine(original: Callable, guard: Guard) -> Callable:
     def prepare(self: Any) -> None:
+        from engine.backends.guard import check_guard_can_run
         from engine.backends.vllm import runner as vllm_runner
-        from engine.backends.vllm.backend import guard_refusal
         from engine.swift_rollout import WORKER_BASE_VARIABLE, WORKER_EXTENSION
 
         args = self.engine_args
         plan = vllm_runner.plan_for_config(replace(args).create_engine_config())  # a copy: swift's args stay as built
-        if plan.problem is not None:
-            raise UnsupportedCapabilityError(guard_refusal(plan.problem))
+        check_guard_can_run(True, "vllm", plan.problem)
         base = args.worker_extension_cls
         if base and base != WORKER_EXTENSION:
             os.environ[WORKER_BASE_VARIABLE] = base  # the processes vLLM starts inherit it

@@ -31,8 +31,8 @@ class HfRowRules:
     runs per row through :class:`RuleSet`.
 
     >>> import torch
-    >>> from engine.rules.base import RuleSpec
-    >>> spec = RuleSpec("engine.rules.repeat:RepeatRule", {"thresholds": {"max_consecutive_token_repeats": 2}})
+    >>> from engine.rules.repeat import RepeatRule, RepeatThresholds
+    >>> spec = RepeatRule.spec(RepeatThresholds(max_consecutive_token_repeats=2))
     >>> proc = HfRowRules([spec], prompt_len=1, eos_id=0, terminal_ids=[0], decode=None)
     >>> _ = proc(torch.tensor([[9, 3], [9, 1]]), torch.zeros(2, 4))
     >>> proc(torch.tensor([[9, 3, 3], [9, 1, 2]]), torch.zeros(2, 4)).tolist()

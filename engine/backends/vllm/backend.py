@@ -12,29 +12,20 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 from engine.backends.base import BackendBase, BackendOutput, Capabilities, Prompt, SamplingPlan, TokenScores
+from engine.backends.guard import check_guard_can_run
+from engine.backends.host import has_cuda
 from engine.backends.registry import SPECS
 from engine.config import ModelConfig, VllmConfig
-from engine.errors import BackendUnavailableError, UnsupportedCapabilityError
+from engine.errors import BackendUnavailableError
 
 log = logging.getLogger(__name__)
 
 SPEC = SPECS["vllm"]
 HOOKS = SPEC.hooks
-
-
-def has_cuda() -> bool:
-    """Whether torch sees a CUDA device (False without torch)."""
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except ImportError:
-        return False
 
 
 def prepare_environment(settings: VllmConfig) -> dict[str, str]:
@@ -45,31 +36,6 @@ def prepare_environment(settings: VllmConfig) -> dict[str, str]:
         changed["VLLM_ENABLE_V1_MULTIPROCESSING"] = wanted
     os.environ.update(changed)
     return changed
-
-
-TORCH_COMPILE_OFF = ("TORCHDYNAMO_DISABLE", "TORCH_COMPILE_DISABLE")
-"""torch's two switches for ``torch.compile``, both at ``1``: the first makes ``torch.compile(...)`` return the function
-unchanged where it decorates one, the second (``torch._dynamo.config.disable``) makes compiled functions run
-as plain torch ops when called."""
-
-
-def turn_torch_compile_off() -> bool:
-    """Run vLLM's compiled helpers as plain torch ops in this process and in every process it starts from now on
-    (servers, engine cores inherit the environment). Returns False, and changes nothing, when the environment
-    already sets either switch to something else (the user's own choice wins).
-
-    vLLM compiles two sampler helpers with inductor even under ``enforce_eager`` (the logprob rank count, the
-    top-k/top-p mask). On a CPU host, inductor builds C++ kernels for them at the first request that needs them,
-    in every vLLM process: the first logprobs request of a fixture server took 33 s instead of 2 s. The test
-    suite's CPU runs (eager engines, which compile nothing else) turn it off; the results are the same ops.
-    """
-    if any(os.environ.get(name, "1") != "1" for name in TORCH_COMPILE_OFF):
-        return False
-    os.environ.update(dict.fromkeys(TORCH_COMPILE_OFF, "1"))
-    config = sys.modules.get("torch._dynamo.config")
-    if config is not None:  # read once at its import: already imported, so set it too
-        config.disable = True
-    return True
 
 
 def _reread_vllm_environment() -> None:
@@ -153,8 +119,7 @@ def start_arguments(model: ModelConfig, settings: VllmConfig, processor: Any,
     # Decide the runner as vLLM will, then register the processor of that runner's interface (never the
     # other one: vLLM refuses to start with it).
     plan = vllm_runner.plan_runner(kwargs)
-    if plan.problem is not None and repeat_terminate is not None and repeat_terminate.enabled:
-        raise UnsupportedCapabilityError(guard_refusal(plan.problem))
+    check_guard_can_run(repeat_terminate is not None and repeat_terminate.enabled, SPEC.name, plan.problem)
     if plan.problem is None:
         kwargs["logits_processors"] = [plan.processor]
         kwargs["worker_extension_cls"] = vllm_rules.WORKER_EXTENSION
@@ -350,10 +315,3 @@ def prompt_scores(out: Any, seq: Sequence[int], start: int, top: int | None) -> 
              seq[p]: float(step[seq[p]].logprob)} for p, step in zip(positions, steps, strict=True))
     return TokenScores(logprobs=tuple(float(s.logprob) for s in chosen), greedy=tuple(s.rank == 1 for s in chosen),
                        top=alternatives)
-
-
-def guard_refusal(problem: str) -> str:
-    """Why an enabled guard cannot run on this vLLM, and the fix (the engine and the ms-swift plugin refuse alike)."""
-    return (f"repeat_terminate.enabled is true, but the guard cannot be activated: {problem}. "
-            "Fix: use a vLLM with the logits-processor interface of its model runner (V1 or V2), without "
-            "speculative decoding, or set repeat_terminate.enabled: false")

@@ -57,10 +57,14 @@ class RowArgs:
     min_new: int = 0
 
 
-def parse_request_args(extra_args: Mapping[str, Any] | None) -> RowArgs | None:
+def parse_request_args(extra_args: Mapping[str, Any] | None, *, check: bool = True) -> RowArgs | None:
     """The request's rule arguments, or None when it carries none; ``ValueError`` naming the field if malformed.
 
-    Both processors call it from ``validate_params``, so a bad spec fails at admission, not in the sampler.
+    Both processors call it from ``validate_params`` (``check``: every per-row spec is built once to prove it
+    builds, an id-only repeat spec's thresholds are validated), so a bad spec fails at admission, not in the
+    sampler; when the request joins a batch they read the admitted arguments again without building anything
+    (``check=False``): the row builds its per-row rules once, and id-only repeat rules (``RuleSpec.bank``, decided
+    when the engine made the spec) are never built, their thresholds go to the bank.
 
     >>> parse_request_args({"engine_rules": {"specs": [], "key": "k", "eos": 2, "terminal": [2]}}).eos
     2
@@ -94,17 +98,34 @@ def parse_request_args(extra_args: Mapping[str, Any] | None) -> RowArgs | None:
     for i, raw in enumerate(args["specs"]):
         if not isinstance(raw, Mapping) or not isinstance(raw.get("target"), str):
             raise ValueError(f"{where}.specs[{i}] must be a mapping with a 'target' string, got {raw!r}")
-        extra = sorted(set(raw) - {"target", "params", "hf_hook"})
+        extra = sorted(set(raw) - {"target", "params", "hf_hook", "bank"})
         if extra:
-            raise ValueError(f"{where}.specs[{i}] has unknown keys {extra}; allowed: target, params, hf_hook")
-        spec = RuleSpec(raw["target"], dict(raw.get("params") or {}), raw.get("hf_hook", "logits_processor"))
-        try:
-            spec.build()
-        except Exception as err:  # an import error, a bad parameter, a class that is no RowRule
-            raise ValueError(f"{where}.specs[{i}] ({spec.target}) cannot be built: {err}") from err
+            raise ValueError(f"{where}.specs[{i}] has unknown keys {extra}; allowed: target, params, hf_hook, bank")
+        if not isinstance(raw.get("bank", False), bool):
+            raise ValueError(f"{where}.specs[{i}].bank must be true or false, got {raw['bank']!r}")
+        spec = RuleSpec(raw["target"], dict(raw.get("params") or {}), raw.get("hf_hook", "logits_processor"),
+                        bank=raw.get("bank", False))
+        if check:
+            _check_spec(spec, f"{where}.specs[{i}]")
         specs.append(spec)
     return RowArgs(specs=tuple(specs), key=args["key"], eos=int(args["eos"]), terminal=frozenset(terminal),
                    min_new=int(min_new))
+
+
+def _check_spec(spec: RuleSpec, where: str) -> None:
+    """A bank spec must be the repeat rule with id-only thresholds; any other must build."""
+    from engine.rules.repeat import RepeatRule, RepeatThresholds
+
+    try:
+        if not spec.bank:
+            spec.build()
+            return
+        if spec.target != "engine.rules.repeat:RepeatRule":
+            raise ValueError(f"only {RepeatRule.__name__} runs in a bank, not {spec.target}")
+        if RepeatThresholds(**spec.params["thresholds"]).needs_text:
+            raise ValueError("its thresholds read text (max_object_keys): it runs per row")
+    except Exception as err:  # an import error, a bad parameter, a class that is no RowRule
+        raise ValueError(f"{where} ({spec.target}) cannot be built: {err}") from err
 
 
 def _is_id(value: Any) -> bool:

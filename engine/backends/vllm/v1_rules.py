@@ -52,7 +52,7 @@ class RowRulesV1(LogitsProcessor):
             self._drop(index)
         for index, params, _prompt, output in batch_update.added:
             self._drop(index)  # an added request may replace the one at its index
-            args = parse_request_args(params.extra_args) if params is not None else None
+            args = parse_request_args(params.extra_args, check=False) if params is not None else None
             if args is None:
                 continue
             # A preempted request comes back with its output so far; its rules resume where they stopped.

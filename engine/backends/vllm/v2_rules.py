@@ -63,7 +63,7 @@ class RowRulesV2(LogitsProcessor):
         if previous is not None and previous.bank_at == req_idx:  # its previous occupant finished or was preempted
             previous.leave()  # (unless that request already came back in another slot)
         self.has_row[req_idx] = self.in_bank[req_idx] = False
-        args = parse_request_args(sampling_params.extra_args)
+        args = parse_request_args(sampling_params.extra_args, check=False)
         if args is None:
             return False
         row = build_row(args, self.decode)

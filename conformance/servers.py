@@ -1,0 +1,154 @@
+"""The conformance session's servers (``python -m engine.serve``), beside the engine pool (``conformance/pool.py``):
+one server per served config key, started on first need, ``servers_per_backend`` of each backend alive at once (the
+least recently used one stops first), the same server of every other backend started ahead in the background.
+
+The engine pool asks it for the server of an engine (``served_config`` names it); the served twins reach it through
+the callable the engine pool hands them (``conformance/served.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from conformance.bill import Bill
+from engine.backends.registry import SPECS
+
+SERVED_CHAT = {"temperature": 0, "top_p": 1.0}
+"""Pattern C ``/chat`` defaults of every server the pool starts: greedy (its other defaults kept), so HF, vLLM and
+llama.cpp must agree to the character. The chat checks use the text engine's server the served twins use too."""
+
+
+@dataclass
+class ServerPool:
+    """Session-wide servers keyed by (backend, served config).
+
+    Example (the engine pool builds it)::
+
+        servers = ServerPool(options, configure=engine_pool.config, bill=engine_pool.bill)
+        server = servers.server(*servers.served_config("hf", model))
+    """
+
+    options: Any
+    """The session's ``PoolOptions`` (its ``model``, ``servers_per_backend``)."""
+    configure: Callable[..., dict[str, Any]]
+    """``configure(backend, model, **sections)``: the engine config the in-process engine gets."""
+    bill: Bill
+    ahead_backends: frozenset[str] = frozenset()
+    """Backends whose servers may be started ahead (see :meth:`server`): those the collected checks reach (the
+    conftest sets it); empty, every server starts when a check first needs it."""
+    _servers: dict[tuple[str, str], Any] = field(default_factory=dict)
+    _ahead: dict[tuple[str, str], Any] = field(default_factory=dict)
+    """Servers starting ahead in the background, by key: (future of the running server, its config)."""
+    _executor: Any = None
+    """The threads that start them (made on first need, shut down by :meth:`close`)."""
+    _recipes: dict[tuple[str, str], tuple[str, dict[str, Any]]] = field(default_factory=dict)
+    """Server key -> (model, sections) of the engine it serves: what the same server is on another backend."""
+
+    def served_config(self, backend: str, model: str, /, **sections: Any) -> tuple[tuple[str, str], dict[str, Any]]:
+        """(server key, config) of the server that serves the engine ``engine(backend, model, **sections)``."""
+        config = self.configure(backend, model, **sections)
+        # A served vLLM engine always runs AsyncLLM, its engine core in a child process, whatever
+        # vllm.multiprocessing says: engines that differ only there share one server.
+        config["vllm"] = {k: v for k, v in config["vllm"].items() if k != "multiprocessing"}
+        config["serve"] = {"chat": dict(SERVED_CHAT), **config.get("serve", {}), "port": 0}
+        key = (backend, json.dumps(config, sort_keys=True))
+        self._recipes.setdefault(key, (model, copy.deepcopy(sections)))
+        return key, config
+
+    def server(self, key: tuple[str, str], config: dict[str, Any]) -> Any:
+        """The running server for ``key`` ((backend, the served config)): started on first need; beyond
+        ``servers_per_backend`` of its backend, the least recently used one stops first, to bound memory.
+
+        Starting one also starts the same server of every other backend in ``ahead_backends`` in the background
+        (a cross-backend check needs them now, and served twins run backend after backend on one config, see the
+        conftest's order): a vLLM server spends about 20 s importing in two processes, which then overlaps the
+        other backends' work instead of adding to it."""
+        from engine.client import launch_server
+
+        if key in self._servers:
+            self._servers[key] = self._servers.pop(key)  # most recently used last
+            return self._servers[key]
+        if key in self._ahead:
+            return self._settle(key)
+        for other in [k for k in self._ahead if k[0] == key[0]]:  # this backend's guess was wrong: free its place
+            self._settle(other)
+        self._make_server_room(key[0])
+        self._start_ahead(key)
+        with self.bill.timed("server", (key[0], self._chosen(config))):
+            self._servers[key] = launch_server(config)
+        return self._servers[key]
+
+    def _make_server_room(self, backend: str) -> None:
+        while sum(k[0] == backend for k in self._servers) >= self.options.servers_per_backend:
+            # Stopped before the next one starts: two vLLM servers at once would hold ~8 GB.
+            self._servers.pop(next(k for k in self._servers if k[0] == backend)).stop()
+
+    def _start_ahead(self, key: tuple[str, str]) -> None:
+        """Start, in the background, the server of every other backend in ``ahead_backends`` that serves the same
+        (model, sections) as ``key``, unless one of that backend is already starting."""
+        import pytest
+
+        if key not in self._recipes:
+            return
+        model, sections = self._recipes[key]
+        for backend in sorted(self.ahead_backends - {key[0]}):
+            if any(k[0] == backend for k in self._ahead):
+                continue
+            try:
+                other, config = self.served_config(backend, model, **copy.deepcopy(sections))
+            except pytest.skip.Exception:  # no model for it there (e.g. no GGUF twin): nothing to start
+                continue
+            if other in self._servers:
+                continue
+            self._make_server_room(backend)
+            self._ahead[other] = (self._background().submit(self._launch_timed, other, config), config)
+
+    def _launch_timed(self, key: tuple[str, str], config: dict[str, Any]) -> Any:
+        from engine.client import launch_server
+
+        with self.bill.timed("server ahead", (key[0], self._chosen(config))):
+            return launch_server(config)
+
+    def _settle(self, key: tuple[str, str]) -> Any:
+        """Wait for a server started ahead and keep it as a running one."""
+        future, config = self._ahead.pop(key)
+        began = time.monotonic()
+        server = future.result()  # its own start error, raised where the check needs it
+        self.bill.starts.append(("waited for", f"{key[0]} {self._chosen(config)}", time.monotonic() - began))
+        self._make_server_room(key[0])
+        self._servers[key] = server
+        return server
+
+    def _background(self) -> Any:
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=len(SPECS), thread_name_prefix="server-ahead")
+        return self._executor
+
+    def _chosen(self, config: dict[str, Any]) -> str:
+        """A served config in a report line: the model folder's name and every section that differs from the pool's
+        defaults for it."""
+        _, default = self.served_config(config["backend"], self.options.model)
+        chosen = {k: v for k, v in config.items() if k not in ("backend", "model") and v != default.get(k)}
+        return f"{config['model']['path'].rsplit('/', 1)[-1]} {json.dumps(chosen, sort_keys=True) if chosen else ''}"
+
+    def close(self) -> None:
+        for key in list(self._ahead):  # started ahead and never needed: stopped with the rest
+            with contextlib.suppress(Exception):  # no check needed it, so its start error fails nothing
+                self._settle(key)
+        if self._executor is not None:
+            self._executor.shutdown()
+        servers = list(self._servers.values())
+        for server in servers:  # all drain at once
+            if server.process.poll() is None:
+                server.process.terminate()
+        for server in servers:
+            server.stop()
+        self._servers.clear()
