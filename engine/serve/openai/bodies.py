@@ -1,7 +1,8 @@
 """The OpenAI surface's request bodies, each field with what it is to the engine (:mod:`engine.serve.shared.fields`):
 ``POST /v1/chat/completions``, ``POST /v1/completions``, and vLLM's ``POST /tokenize`` and ``POST /detokenize``.
 
-A new sampling option both completions routes take is one line in :class:`OpenAISampling`, e.g.
+A new sampling option is one line in ``shared/bodies.py::SamplingOptions`` (every surface's) or in
+:class:`OpenAISampling` (both completions routes), e.g.
 ``min_p: Annotated[Number | None, Engine("generation.min_p")] = None``.
 
 >>> from engine.serve.shared.fields import FieldTable
@@ -15,13 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from engine.serve.shared.bodies import Body, EngineExtension, Message, Number
+from engine.serve.shared.bodies import Body, EngineExtension, Message, Number, SamplingOptions
 from engine.serve.shared.fields import Engine, Neutral, Wire
-
-
-def vllm_top_k(value: int) -> int:
-    """vLLM's and swift's ``top_k: -1`` is "off", the engine's 0."""
-    return 0 if value == -1 else value
 
 
 class StreamOptions(Body):
@@ -42,26 +38,20 @@ class ResponseFormat(Body):
     json_schema: Annotated[JsonSchemaFormat | None, Wire("the schema's object")] = None
 
 
-class OpenAISampling(Body):
-    """What the chat and text completions bodies share (``openai/sampling.py`` reads it)."""
+class OpenAISampling(SamplingOptions):
+    """What the chat and text completions bodies share (``openai/sampling.py`` reads it), beyond the options every
+    surface names alike."""
 
     model: Annotated[str, Wire("must name the served model")]
     max_tokens: Annotated[int | None, Engine("generation.max_new_tokens", read=False)] = None
-    temperature: Annotated[Number | None, Engine("generation.temperature")] = None
-    top_p: Annotated[Number | None, Engine("generation.top_p")] = None
-    seed: Annotated[int | None, Engine("generation.seed")] = None
-    stop: Annotated[str | list[str] | None, Engine("stop.strings", read=False)] = None
     stream: Annotated[bool | None, Wire("answered as server-sent events")] = None
     stream_options: Annotated[StreamOptions | None, Wire("the stream's usage chunk")] = None
     n: Annotated[int | None, Neutral((1,))] = None
     user: Annotated[str | None, Wire("accepted and ignored")] = None
     engine: Annotated[EngineExtension | None, Wire("the engine extension")] = None
-    top_k: Annotated[int | None, Engine("generation.top_k", convert=vllm_top_k)] = None
-    repetition_penalty: Annotated[Number | None, Engine("generation.repetition_penalty")] = None
     min_tokens: Annotated[int | None, Engine("generation.min_new_tokens")] = None
     stop_token_ids: Annotated[list[int] | None, Engine("stop.token_ids", read=False)] = None
     response_format: Annotated[ResponseFormat | None, Wire("constrained decoding (json_schema)")] = None
-    min_p: Annotated[Number | None, Engine("generation.min_p")] = None
     frequency_penalty: Annotated[Number | None, Neutral((0, 0.0))] = None
     presence_penalty: Annotated[Number | None, Neutral((0, 0.0))] = None
     logit_bias: Annotated[dict[str, Number] | None, Neutral(({},))] = None

@@ -15,32 +15,24 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import RequestError
 from engine.serve.openai.bodies import ChatCompletionRequest
-from engine.serve.openai.sampling import parse_sampling
+from engine.serve.openai.sampling import Sampling, parse_sampling
 from engine.serve.shared.bodies import messages_of
 from engine.serve.shared.formats import chat_messages, logprobs_content, usage
 from engine.types import GenerationResult
 
 
 @dataclass(frozen=True)
-class CompletionCall:
+class CompletionCall(Sampling):
     """One checked ``/v1/chat/completions`` body: what the engine is asked for and how to answer."""
 
-    model: str
     messages: list[dict[str, Any]]
-    options: dict[str, Any] = field(default_factory=dict)
-    stop: dict[str, Any] | None = None
-    plugins: list[Any] | None = None
-    stream: bool = False
-    include_usage: bool = False
     logprobs: bool = False
     top_logprobs: int | None = None
-    json_schema: Any = None
-    """``response_format``'s schema, for the engine's constrained decoding (None: free text)."""
     prompt_count: int = 1
 
     @property
@@ -75,10 +67,8 @@ times for several samples).
     if logprobs:
         own["logprobs"] = 0 if top is None else top
     sampling = parse_sampling(body, own)
-    return CompletionCall(model=sampling.model, messages=chat_messages(messages_of(body.messages)),
-                          options=sampling.options, stop=sampling.stop, plugins=sampling.plugins,
-                          stream=sampling.stream, include_usage=sampling.include_usage, logprobs=logprobs,
-                          top_logprobs=top, json_schema=sampling.json_schema)
+    return CompletionCall(**sampling.shared(), messages=chat_messages(messages_of(body.messages)), logprobs=logprobs,
+                          top_logprobs=top)
 
 
 def _max_tokens(body: ChatCompletionRequest) -> Any:

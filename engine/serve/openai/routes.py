@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 
 from engine.serve.openai import chat, text
 from engine.serve.openai.bodies import ChatCompletionRequest, CompletionRequest
@@ -39,11 +39,8 @@ def router(served: ServedEngine) -> APIRouter:
                                             "owned_by": "engine", "root": engine.config.model.path,
                                             "max_model_len": engine.backend.capabilities.max_model_len}]}
 
-    @api.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Any:
-        call = await chats.accept(request)
-        if not isinstance(call, Call):
-            return call
+    @chats.route(api, "/v1/chat/completions")
+    async def chat_completions(call: Call) -> Any:
         c = call.parsed
         if not c.stream:
             return await call.whole(lambda: engine.agenerate([c.messages], **c.kwargs), body=lambda results:
@@ -64,11 +61,8 @@ def router(served: ServedEngine) -> APIRouter:
 
         return await call.stream(open_stream, events)
 
-    @api.post("/v1/completions")
-    async def completions(request: Request) -> Any:
-        call = await texts.accept(request)
-        if not isinstance(call, Call):
-            return call
+    @texts.route(api, "/v1/completions")
+    async def completions(call: Call) -> Any:
         c = call.parsed
 
         async def prompt_scores() -> list[Any]:

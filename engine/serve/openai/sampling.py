@@ -20,6 +20,7 @@ Choices written down (OpenAI's reference leaves them open or this server cannot 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +32,8 @@ from engine.serve.shared.formats import engine_extension, stop_strings
 
 @dataclass(frozen=True)
 class Sampling:
-    """What a chat and a text completions body share, checked: the model, engine options, stop policy, plugins,
-    streaming, and ``response_format``'s schema."""
+    """What a chat and a text completions call share, checked: the model, engine options, stop policy, plugins,
+    streaming, and ``response_format``'s schema (each route's call extends it: ``chat.py``, ``text.py``)."""
 
     model: str
     options: dict[str, Any]
@@ -41,6 +42,11 @@ class Sampling:
     stream: bool
     include_usage: bool
     json_schema: Any
+    """``response_format``'s schema, for the engine's constrained decoding (None: free text)."""
+
+    def shared(self) -> dict[str, Any]:
+        """These fields by name: what a route's call is built from."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(Sampling)}
 
 
 def parse_sampling(body: OpenAISampling, own: dict[str, Any]) -> Sampling:

@@ -28,13 +28,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engine.backends.base import TokenScores
 from engine.errors import RequestError
 from engine.serve.openai.bodies import CompletionRequest
-from engine.serve.openai.sampling import parse_sampling
+from engine.serve.openai.sampling import Sampling, parse_sampling
 from engine.serve.shared.formats import shown_logprob
 from engine.types import GenerationResult
 
@@ -42,22 +42,15 @@ DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
-class TextCompletionCall:
+class TextCompletionCall(Sampling):
     """One checked ``/v1/completions`` body: the prompts (token ids and the text to echo), what the engine is asked
     for, and how to answer."""
 
-    model: str
     prompts: list[list[int]]
     texts: list[str]
     """Each prompt as the client sent it (text), or its ids decoded: what ``echo`` shows."""
-    options: dict[str, Any] = field(default_factory=dict)
-    stop: dict[str, Any] | None = None
-    plugins: list[Any] | None = None
-    stream: bool = False
-    include_usage: bool = False
     echo: bool = False
     logprobs: int | None = None
-    json_schema: Any = None
 
     @property
     def prompt_count(self) -> int:
@@ -140,10 +133,8 @@ the prompt, or ask for at least one token.
     options = dict(sampling.options)
     options.setdefault("max_new_tokens", 0 if zero else DEFAULT_MAX_TOKENS)
     prompts, texts = _prompts(body.prompt, tokenizer, special)
-    return TextCompletionCall(model=sampling.model, prompts=prompts, texts=texts, options=options,
-                              stop=sampling.stop, plugins=sampling.plugins, stream=sampling.stream,
-                              include_usage=sampling.include_usage, echo=echo, logprobs=body.logprobs,
-                              json_schema=sampling.json_schema)
+    return TextCompletionCall(**{**sampling.shared(), "options": options}, prompts=prompts, texts=texts, echo=echo,
+                              logprobs=body.logprobs)
 
 
 def prepare(call: TextCompletionCall, served: Any) -> None:

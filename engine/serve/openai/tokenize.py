@@ -24,9 +24,9 @@ import importlib.metadata
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 
-from engine.errors import EngineError, RequestError
+from engine.errors import RequestError
 from engine.serve.openai.bodies import DetokenizeRequest, TokenizeRequest
 from engine.serve.service import ServedEngine
 from engine.serve.shared.bodies import messages_of
@@ -151,29 +151,16 @@ def router(served: ServedEngine) -> APIRouter:
     tokenizes = Surface(served, "tokenize", TokenizeRequest, tokenizer_call)
     detokenizes = Surface(served, "detokenize", DetokenizeRequest, tokenizer_call)
 
-    @api.post("/tokenize")
-    async def tokenize_route(request: Request) -> Any:
-        call = await tokenizes.accept(request)
-        if not isinstance(call, Call):
-            return call
-        try:
-            ids, strs = tokenize(call.parsed.body, engine.tokenizer)
-        except EngineError as err:
-            return call.refused(err)
+    @tokenizes.route(api, "/tokenize")
+    async def tokenize_route(call: Call) -> Any:
+        ids, strs = tokenize(call.parsed.body, engine.tokenizer)
         strings = engine.tokenizer.convert_ids_to_tokens(ids) if strs else None
         return call.answered({"count": len(ids), "max_model_len": engine.backend.capabilities.max_model_len,
                               "tokens": ids, "token_strs": strings})
 
-    @api.post("/detokenize")
-    async def detokenize_route(request: Request) -> Any:
-        call = await detokenizes.accept(request)
-        if not isinstance(call, Call):
-            return call
-        try:
-            ids = detokenize(call.parsed.body, len(engine.tokenizer))
-        except EngineError as err:
-            return call.refused(err)
-        return call.answered({"prompt": engine.tokenizer.decode(ids)})
+    @detokenizes.route(api, "/detokenize")
+    async def detokenize_route(call: Call) -> Any:
+        return call.answered({"prompt": engine.tokenizer.decode(detokenize(call.parsed.body, len(engine.tokenizer)))})
 
     @api.get("/tokenizer_info")
     async def tokenizer_info() -> dict[str, Any]:

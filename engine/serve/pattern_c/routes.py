@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 
 from engine.serve.pattern_c import chat as wire
 from engine.serve.pattern_c.bodies import PatternCRequest
@@ -25,11 +25,8 @@ def router(served: ServedEngine) -> APIRouter:
     model = served.model_name
     chats = Surface(served, "chat", PatternCRequest, lambda body, served: wire.parse_pattern_c(body, served.serve.chat))
 
-    @api.post("/chat")
-    async def chat(request: Request) -> Any:
-        call = await chats.accept(request)
-        if not isinstance(call, Call):
-            return call
+    @chats.route(api, "/chat")
+    async def chat(call: Call) -> Any:
         c = call.parsed
         if not c.stream:
             return await call.whole(lambda: engine.agenerate([c.messages], **c.kwargs),

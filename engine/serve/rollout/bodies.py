@@ -1,7 +1,8 @@
 """The rollout surface's request bodies (ms-swift's protocol), each field with what it is to the engine
 (:mod:`engine.serve.shared.fields`): ``POST /infer/`` and swift's weight-sync calls.
 
-A new sampling option of swift's ``RequestConfig`` is one line in :class:`RequestConfig`.
+A new sampling option of swift's ``RequestConfig`` is one line in :class:`RequestConfig`, or in
+``shared/bodies.py::SamplingOptions`` when every surface takes it under the same name.
 
 >>> from engine.serve.shared.fields import FieldTable
 >>> FieldTable.of(InferRequest).client_field("generation.max_new_tokens")
@@ -12,25 +13,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from engine.serve.openai.bodies import vllm_top_k
-from engine.serve.shared.bodies import Body, EngineExtension, Message, Number
+from engine.serve.shared.bodies import Body, EngineExtension, Message, Number, SamplingOptions
 from engine.serve.shared.fields import Engine, Neutral, Wire
 
 
-class RequestConfig(Body):
-    """``/infer/``'s ``request_config``: the fields swift's ``RequestConfig`` sends."""
+class RequestConfig(SamplingOptions):
+    """``/infer/``'s ``request_config``: the fields swift's ``RequestConfig`` sends (the options every surface names
+    alike, then swift's own)."""
 
     max_tokens: Annotated[int | None, Engine("generation.max_new_tokens")] = None
-    temperature: Annotated[Number | None, Engine("generation.temperature")] = None
-    top_k: Annotated[int | None, Engine("generation.top_k", convert=vllm_top_k)] = None
-    top_p: Annotated[Number | None, Engine("generation.top_p")] = None
-    repetition_penalty: Annotated[Number | None, Engine("generation.repetition_penalty")] = None
-    seed: Annotated[int | None, Engine("generation.seed")] = None
-    stop: Annotated[str | list[str] | None, Engine("stop.strings", read=False)] = None
     logprobs: Annotated[bool | None, Wire("per-token logprobs in the answer")] = None
     top_logprobs: Annotated[int | None, Engine("generation.logprobs", read=False)] = None
     return_details: Annotated[bool | None, Wire("token ids in the answer")] = None
-    min_p: Annotated[Number | None, Engine("generation.min_p")] = None
     num_beams: Annotated[int | None, Neutral((1,))] = None
     stream: Annotated[bool | None, Neutral((False,))] = None
     prompt_logprobs: Annotated[int | None, Neutral((None,))] = None

@@ -72,7 +72,7 @@ def parse_infer(body: InferRequest, served: Any = None) -> InferCall:
     ...     return parse_infer(InferRequest.model_validate({"infer_requests": [{"messages": [{"role": "user",
     ...                                                     "content": "Hi"}]}], "request_config": config}))
     >>> infer(max_tokens=8, temperature=0).options
-    {'max_new_tokens': 8, 'temperature': 0}
+    {'temperature': 0, 'max_new_tokens': 8}
     >>> infer(n=2)
     Traceback (most recent call last):
     ...

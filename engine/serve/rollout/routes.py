@@ -45,11 +45,8 @@ def router(served: ServedEngine) -> APIRouter:
         return PlainTextResponse(served.metrics.render(active=served.guard_active, in_flight=served.in_flight),
                                  media_type=CONTENT_TYPE)
 
-    @api.post("/infer/")
-    async def infer(request: Request) -> Any:
-        call = await infers.accept(request)
-        if not isinstance(call, Call):
-            return call
+    @infers.route(api, "/infer/")
+    async def infer(call: Call) -> Any:
         c = call.parsed
         return await call.whole(lambda: engine.agenerate(c.requests, **c.kwargs), body=lambda results: [
             wire.rollout_item(r, c, model=served.model_name, tokenizer=engine.tokenizer,

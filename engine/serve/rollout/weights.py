@@ -103,101 +103,91 @@ def router(served: ServedEngine) -> APIRouter:
     calls = WeightCalls(served)
     served.gates.append(calls.finish)
 
-    async def body_of(request: Request, model: type[Body]) -> dict[str, Any]:
-        return (await read_body(request, model, served)).model_dump(by_alias=True, exclude_unset=True)
+    def weight_call(path: str, body: type[Body] | None = None, method: str = "POST") -> Callable[[Any], Any]:
+        """Register ``handler`` (given the checked body as a dict when ``body`` names its model) at ``path``: its
+        engine errors are refused by name, a failed background call is the 500 of the next weight call."""
+        def register(handler: Callable[..., Any]) -> Callable[..., Any]:
+            async def endpoint(request: Request) -> Any:
+                try:
+                    if body is None:
+                        return await handler()
+                    checked = await read_body(request, body, served)
+                    return await handler(checked.model_dump(by_alias=True, exclude_unset=True))
+                except EngineError as err:
+                    return error_response(err)
+                except Exception as err:  # a background call that failed after its 200: reported to the next call
+                    log.exception("engine.serve: weight sync failed")
+                    return error_response(WeightSyncFailed(err))
 
-    async def answer(work: Callable[[], Any]) -> Any:
-        try:
-            return await work()
-        except EngineError as err:
-            return error_response(err)
-        except Exception as err:  # a background call that failed after its 200: reported to the next call
-            log.exception("engine.serve: weight sync failed")
-            return error_response(WeightSyncFailed(err))
+            api.add_api_route(path, endpoint, methods=[method], name=handler.__name__)
+            return handler
+        return register
 
-    @api.post("/init_communicator/")
-    async def init_communicator(request: Request) -> Any:
-        async def work() -> Any:
-            body = await body_of(request, InitCommunicatorRequest)
-            backend = calls.backend
-            host = body.get("host")
-            if not isinstance(host, str) or not host:
-                raise RequestError("host", host, "must be a host name or address", fix="e.g. 127.0.0.1")
-            port = _int(body, "port", 1, 65535)
-            expected = served.world_size() + 1
-            world_size = _int(body, "world_size", 2)
-            if world_size != expected:
-                raise RequestError("world_size", world_size, f"must be {expected}: this server's {expected - 1} "
-                                   "workers and the learner", fix="take it from GET /get_world_size/, plus one")
-            transport = check_transport(body.get("transport"))
-            await calls.start(lambda: backend.open_weights(host, port, world_size, transport))
-            return {"message": f"joining the learner's group on {host}:{port} ({transport})"}
-        return await answer(work)
+    async def push(announced: dict[str, Any], what: str) -> Any:
+        backend = calls.backend
+        await calls.start(lambda: backend.load_weights(announced))
+        calls.pushed = True
+        return {"message": f"receiving {what}"}
 
-    @api.post("/update_named_param/")
-    async def update_named_param(request: Request) -> Any:
-        async def work() -> Any:
-            body = await body_of(request, UpdateNamedParamRequest)
-            backend = calls.backend
-            if not isinstance(body.get("name"), str) or not body["name"]:
-                raise RequestError("name", body.get("name"), "must be a parameter name", fix="e.g. lm_head.weight")
-            torch_dtype(body.get("dtype"))
-            shape = body.get("shape")
-            if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-                raise RequestError("shape", shape, "must be a list of sizes", fix="e.g. [576, 49152]")
-            announced = {"name": body["name"], "dtype": body["dtype"], "shape": shape}
-            await calls.start(lambda: backend.load_weights(announced))
-            calls.pushed = True
-            return {"message": f"receiving {body['name']}"}
-        return await answer(work)
+    @weight_call("/init_communicator/", InitCommunicatorRequest)
+    async def init_communicator(body: dict[str, Any]) -> Any:
+        backend = calls.backend
+        host = body.get("host")
+        if not isinstance(host, str) or not host:
+            raise RequestError("host", host, "must be a host name or address", fix="e.g. 127.0.0.1")
+        port = _int(body, "port", 1, 65535)
+        expected = served.world_size() + 1
+        world_size = _int(body, "world_size", 2)
+        if world_size != expected:
+            raise RequestError("world_size", world_size, f"must be {expected}: this server's {expected - 1} "
+                               "workers and the learner", fix="take it from GET /get_world_size/, plus one")
+        transport = check_transport(body.get("transport"))
+        await calls.start(lambda: backend.open_weights(host, port, world_size, transport))
+        return {"message": f"joining the learner's group on {host}:{port} ({transport})"}
 
-    @api.post("/update_flattened_params/")
-    async def update_flattened_params(request: Request) -> Any:
-        async def work() -> Any:
-            body = await body_of(request, UpdateFlattenedParamsRequest)
-            backend = calls.backend
-            announced = {"metadatas": check_metadatas(body.get("metadatas"))}
-            await calls.start(lambda: backend.load_weights(announced))
-            calls.pushed = True
-            return {"message": f"receiving {len(announced['metadatas'])} tensors"}
-        return await answer(work)
+    @weight_call("/update_named_param/", UpdateNamedParamRequest)
+    async def update_named_param(body: dict[str, Any]) -> Any:
+        if not isinstance(body.get("name"), str) or not body["name"]:
+            raise RequestError("name", body.get("name"), "must be a parameter name", fix="e.g. lm_head.weight")
+        torch_dtype(body.get("dtype"))
+        shape = body.get("shape")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise RequestError("shape", shape, "must be a list of sizes", fix="e.g. [576, 49152]")
+        return await push({"name": body["name"], "dtype": body["dtype"], "shape": shape}, body["name"])
 
-    @api.post("/process_weights_after_loading/")
+    @weight_call("/update_flattened_params/", UpdateFlattenedParamsRequest)
+    async def update_flattened_params(body: dict[str, Any]) -> Any:
+        metadatas = check_metadatas(body.get("metadatas"))
+        return await push({"metadatas": metadatas}, f"{len(metadatas)} tensors")
+
+    @weight_call("/process_weights_after_loading/")
     async def process_weights_after_loading() -> Any:
-        async def work() -> Any:
-            calls.backend  # noqa: B018 (refuses a backend without weight loading)
-            await calls.finish()
-            return {"message": "weights in effect"}
-        return await answer(work)
+        calls.backend  # noqa: B018 (refuses a backend without weight loading)
+        await calls.finish()
+        return {"message": "weights in effect"}
 
     def reset_route(kind: str) -> None:
-        @api.post(f"/reset_{kind}_cache/")
+        @weight_call(f"/reset_{kind}_cache/")
         async def reset() -> Any:
-            async def work() -> Any:
-                backend = calls.backend
-                await calls.finish()
-                await calls.run(lambda: backend.reset_cache(kind))
-                return {"message": f"{kind} cache reset"}
-            return await answer(work)
+            backend = calls.backend
+            await calls.finish()
+            await calls.run(lambda: backend.reset_cache(kind))
+            return {"message": f"{kind} cache reset"}
 
     for kind in CACHES:
         reset_route(kind)
 
-    @api.get("/get_model_state_keys/")
+    @weight_call("/get_model_state_keys/", method="GET")
     async def get_model_state_keys() -> Any:
-        async def work() -> Any:
-            backend = calls.backend
-            await calls.finish()
-            return {"keys": await calls.run(backend.state_keys)}
-        return await answer(work)
+        backend = calls.backend
+        await calls.finish()
+        return {"keys": await calls.run(backend.state_keys)}
 
-    @api.post("/close_communicator/")
+    @weight_call("/close_communicator/")
     async def close_communicator() -> Any:
-        async def work() -> Any:
-            backend = calls.backend
-            await calls.finish()
-            await calls.run(backend.close_weights)
-            return {"message": "closed"}
-        return await answer(work)
+        backend = calls.backend
+        await calls.finish()
+        await calls.run(backend.close_weights)
+        return {"message": "closed"}
 
     return api

@@ -43,7 +43,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, ValidationError, WithJsonSchema
 
 from engine.errors import RequestError
-from engine.serve.shared.fields import Wire
+from engine.serve.shared.fields import Engine, Wire
 
 Number = Annotated[int | float, WithJsonSchema({"type": "number"})]
 """A JSON number, kept as the client sent it (``0`` stays an integer: errors show the value as sent)."""
@@ -66,6 +66,24 @@ class Message(BaseModel):
 def messages_of(messages: Sequence[Message]) -> list[dict[str, Any]]:
     """Validated messages as the client sent them (the keys it set, extras included), for the engine."""
     return [m.model_dump(exclude_unset=True) for m in messages]
+
+
+def vllm_top_k(value: int) -> int:
+    """vLLM's and swift's ``top_k: -1`` is "off", the engine's 0."""
+    return 0 if value == -1 else value
+
+
+class SamplingOptions(Body):
+    """The sampling options every generation surface names alike (vLLM's names: OpenAI's bodies and swift's
+    ``RequestConfig`` both extend this): a new one is one line here, on every surface at once."""
+
+    temperature: Annotated[Number | None, Engine("generation.temperature")] = None
+    top_p: Annotated[Number | None, Engine("generation.top_p")] = None
+    top_k: Annotated[int | None, Engine("generation.top_k", convert=vllm_top_k)] = None
+    min_p: Annotated[Number | None, Engine("generation.min_p")] = None
+    repetition_penalty: Annotated[Number | None, Engine("generation.repetition_penalty")] = None
+    seed: Annotated[int | None, Engine("generation.seed")] = None
+    stop: Annotated[str | list[str] | None, Engine("stop.strings", read=False)] = None
 
 
 class EngineExtension(Body):

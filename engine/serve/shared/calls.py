@@ -4,15 +4,13 @@ name once, and either refuse (OpenAI's error object naming the field as the clie
 :mod:`engine.serve.shared.errors`) or hand the route a :class:`Call` to run and answer: whole, or as server-sent
 events, cancelled when the client goes away, counted in ``/metrics`` either way.
 
-A route is then "accept, run, answer"::
+A route is then "run and answer" an accepted call (:meth:`Surface.route` registers it behind the call path; an
+engine error it raises is refused like any other)::
 
-    chat = Surface(served, "chat_completions", ChatCompletionRequest, parse_chat)
+    chats = Surface(served, "chat_completions", ChatCompletionRequest, parse_chat)
 
-    @api.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Any:
-        call = await chat.accept(request)
-        if not isinstance(call, Call):
-            return call  # the refusal
+    @chats.route(api, "/v1/chat/completions")
+    async def chat_completions(call: Call) -> Any:
         return await call.whole(lambda: engine.agenerate([call.parsed.messages]), body=...)
 """
 
@@ -109,6 +107,23 @@ class Surface(Generic[P]):
         """Count a refusal and answer it."""
         self.observe(status_of(err), start)
         return error_response(err, fields or self.fields)
+
+    def route(self, api: Any, path: str) -> Callable[[Callable[[Call[P]], Awaitable[Any]]], Any]:
+        """Register ``handler(call)`` as ``POST path`` on ``api`` behind :meth:`accept`: a refusal is answered
+        before the handler runs, and an ``EngineError`` the handler raises is refused with this call's field names."""
+        def register(handler: Callable[[Call[P]], Awaitable[Any]]) -> Any:
+            async def endpoint(request: Request) -> Any:
+                call = await self.accept(request)
+                if not isinstance(call, Call):
+                    return call
+                try:
+                    return await handler(call)
+                except EngineError as err:
+                    return call.refused(err)
+
+            api.add_api_route(path, endpoint, methods=["POST"], name=handler.__name__)
+            return handler
+        return register
 
     async def accept(self, request: Request) -> Call[P] | JSONResponse:
         """The call ``request`` asks for, or its refusal (counted)."""

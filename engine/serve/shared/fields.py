@@ -16,7 +16,7 @@ Three markers, one per field (``tests/test_serve_fields.py`` holds every body fi
 >>> FieldTable.of(RequestConfig).client_field("generation.max_new_tokens")
 'max_tokens'
 >>> engine_options(RequestConfig(max_tokens=8, top_k=-1, stream=False))
-{'max_new_tokens': 8, 'top_k': 0}
+{'top_k': 0, 'max_new_tokens': 8}
 """
 
 from __future__ import annotations
