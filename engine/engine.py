@@ -358,10 +358,12 @@ class GenerationEngine:
         return await self._arun(rendered, plan, plugins)
 
     async def acomplete(self, prompts: Sequence[PromptLike], *, options: OptionsLike = None, stop: StopLike = None,
-                        plugins: PluginsLike = None, json_schema: SchemaLike = None) -> list[GenerationResult]:
-        """``complete`` for asyncio callers, batched as ``agenerate``. Validation raises first, in the caller."""
-        rendered, plan = self.prepare_plain(prompts, options=options, stop=stop, plugins=plugins,
-                                            json_schema=json_schema)
+                        plugins: PluginsLike = None, json_schema: SchemaLike = None,
+                        prepared: tuple[list[RenderedPrompt], SamplingPlan] | None = None) -> list[GenerationResult]:
+        """``complete`` for asyncio callers, batched as ``agenerate``. Validation raises first, in the caller;
+        ``prepared`` (what :meth:`prepare_plain` gave for these very arguments) skips doing it again."""
+        rendered, plan = prepared or self.prepare_plain(prompts, options=options, stop=stop, plugins=plugins,
+                                                        json_schema=json_schema)
         return await self._arun(rendered, plan, plugins)
 
     async def _arun(self, rendered: list[RenderedPrompt], plan: SamplingPlan,
@@ -385,10 +387,12 @@ class GenerationEngine:
         return ResultStream(self.results, self.backend, self.batcher, rendered[0], plan, self._plugins(plugins))
 
     def astream_complete(self, prompt: PromptLike, *, options: OptionsLike = None, stop: StopLike = None,
-                         plugins: PluginsLike = None, json_schema: SchemaLike = None) -> ResultStream:
-        """``astream`` for one plain prompt (``complete``'s): its deltas concatenate to ``complete``'s text."""
-        rendered, plan = self.prepare_plain([prompt], options=options, stop=stop, plugins=plugins,
-                                            json_schema=json_schema)
+                         plugins: PluginsLike = None, json_schema: SchemaLike = None,
+                         prepared: tuple[list[RenderedPrompt], SamplingPlan] | None = None) -> ResultStream:
+        """``astream`` for one plain prompt (``complete``'s): its deltas concatenate to ``complete``'s text;
+        ``prepared`` as in :meth:`acomplete` (of ``[prompt]``)."""
+        rendered, plan = prepared or self.prepare_plain([prompt], options=options, stop=stop, plugins=plugins,
+                                                        json_schema=json_schema)
         return ResultStream(self.results, self.backend, self.batcher, rendered[0], plan, self._plugins(plugins))
 
     def batcher(self) -> Any:

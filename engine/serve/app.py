@@ -15,7 +15,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import EngineError
+from engine.errors import EngineError, RequestError
 from engine.serve.openai import routes as openai_routes
 from engine.serve.openai import tokenize as tokenize_routes
 from engine.serve.pattern_c import routes as pattern_c_routes
@@ -95,8 +95,11 @@ def create_app(served: ServedEngine, *, close_engine: bool = True) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
+        """FastAPI's own parameter check (no route declares one: bodies are read by the call path), refused by name
+        like any other request error."""
         first: dict[str, Any] = err.errors()[0] if err.errors() else {}
         field = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return JSONResponse(error_body(f"{field or 'body'}: {first.get('msg', 'invalid')}", param=field), 400)
+        return error_response(RequestError(field or "body", first.get("input"), first.get("msg", "is invalid"),
+                                           fix="see GET /openapi.json"))
 
     return app

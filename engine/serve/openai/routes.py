@@ -76,15 +76,16 @@ def router(served: ServedEngine) -> APIRouter:
         if not c.stream:
             async def run() -> tuple[list[Any], list[Any]]:
                 scores = await prompt_scores()
-                results = await engine.acomplete(c.prompts, **c.kwargs) if c.generates else [None] * len(scores)
-                return results, scores
+                if not c.generates:
+                    return [None] * len(scores), scores
+                return await engine.acomplete(c.prompts, **c.kwargs, prepared=call.prepared), scores
 
             return await call.whole(run, counted=lambda out: [r for r in out[0] if r is not None], body=lambda out:
                                     text.completion_body(c, out[0], out[1], model=model, tokenizer=engine.tokenizer))
         cid, created = text.completion_id(), int(time.time())
 
         async def open_stream() -> tuple[Any, list[Any]]:
-            stream = engine.astream_complete(c.prompts[0], **c.kwargs)
+            stream = engine.astream_complete(c.prompts[0], **c.kwargs, prepared=call.prepared)
             if not c.echo:
                 return stream, []
             echoed = text.choice_logprobs(c, 0, None, (await prompt_scores())[0], engine.tokenizer, answer=False)

@@ -137,18 +137,19 @@ the prompt, or ask for at least one token.
                               logprobs=body.logprobs)
 
 
-def prepare(call: TextCompletionCall, served: Any) -> None:
+def prepare(call: TextCompletionCall, served: Any) -> Any:
     """The engine's own checks of a text call, after the server's limits and before anything runs: the prompts and
-    options (``prepare_plain``), and the scoring of echoed prompts."""
+    options (``prepare_plain``, whose result the route runs), and the scoring of echoed prompts."""
     if call.stream and (len(call.prompts) > 1 or not call.generates):
         raise RequestError("stream", True, f"streams one prompt's answer ({len(call.prompts)} prompts, "
                            f"max_tokens {call.options['max_new_tokens']})",
                            fix="send one prompt and max_tokens >= 1 per streamed request, or stream: false")
     engine = served.engine
-    engine.prepare_plain(call.prompts, **call.kwargs)
+    prepared = engine.prepare_plain(call.prompts, **call.kwargs)
     if call.scores_prompt:
         sequences = [call.prompts[i] for i in call.scored]
         engine.check_scoring(sequences, [1] * len(sequences), call.logprobs)
+    return prepared
 
 
 # -- responses ------------------------------------------------------------------------------------------

@@ -77,8 +77,9 @@ class Surface(Generic[P]):
     """One POST route's way in: its ``/metrics`` endpoint label, its body model, its parser and its field table.
 
     ``parse(body, served)`` turns the validated body model into the call (raising ``EngineError`` naming engine or
-    client fields); ``prepare(call, served)``, when given, runs the engine's own checks after the limits (the text
-    route prepares its prompts). The table is built from the body model unless given.
+    client fields); ``prepare(call, served)``, when given, runs the engine's own checks after the limits and returns
+    what they prepared (``Call.prepared``: the text route's tokenized prompts and plan, run without preparing them
+    again). The table is built from the body model unless given.
 
     Example::
 
@@ -87,7 +88,7 @@ class Surface(Generic[P]):
     """
 
     def __init__(self, served: ServedEngine, endpoint: str, body: type[Body], parse: Callable[[Any, ServedEngine], P],
-                 *, fields: FieldTable | None = None, prepare: Callable[[P, ServedEngine], None] | None = None) -> None:
+                 *, fields: FieldTable | None = None, prepare: Callable[[P, ServedEngine], Any] | None = None) -> None:
         self.served = served
         self.endpoint = endpoint
         self.body = body
@@ -135,20 +136,22 @@ class Surface(Generic[P]):
             engine = self.served.engine
             check_call(self.served.serve, prompts=call.prompt_count, options=call.options, stop=call.stop,
                        max_model_len=engine.backend.capabilities.max_model_len)
-            if self.prepare is not None:
-                self.prepare(call, self.served)
+            prepared = self.prepare(call, self.served) if self.prepare is not None else None
             if call.model is not None and call.model != self.served.model_name:
                 raise UnknownModel(call.model, self.served.model_name)
         except EngineError as err:
             return self.refused(err, start, fields)
-        return Call(self, call, start, fields, request)
+        return Call(self, call, start, fields, request, prepared)
 
 
 class Call(Generic[P]):
     """One accepted call: ``parsed`` (the surface's call object), run and answered whole or streamed."""
 
-    def __init__(self, surface: Surface[P], parsed: P, start: float, fields: FieldTable, request: Request) -> None:
+    def __init__(self, surface: Surface[P], parsed: P, start: float, fields: FieldTable, request: Request,
+                 prepared: Any = None) -> None:
         self.surface = surface
+        self.prepared = prepared
+        """What the surface's ``prepare`` gave (None without one)."""
         self.request = request
         """The HTTP request, watched for a disconnect while the engine works."""
         self.served = surface.served
