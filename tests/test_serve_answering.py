@@ -15,7 +15,7 @@ import pytest
 httpx = pytest.importorskip("httpx", reason="the serve extra (installed by `nox -s tests`)")
 pytest.importorskip("fastapi", reason="the serve extra (installed by `nox -s tests`)")
 
-from engine.config import EngineConfig  # noqa: E402
+from engine.config import EngineConfig, ServeConfig  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
 from engine.serve.activation import Activation  # noqa: E402
 from engine.serve.app import create_app  # noqa: E402
@@ -44,8 +44,8 @@ class Looping:
         return [TRIGGERED for _ in requests]
 
 
-def session(calls):
-    app = create_app(ServedEngine(Looping(), Activation(None, "test")), close_engine=False)
+def session(calls, serve=None):
+    app = create_app(ServedEngine(Looping(), Activation(None, "test"), serve=serve), close_engine=False)
 
     async def run():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine.test") as client:
@@ -90,3 +90,30 @@ def test_an_engine_refusal_names_the_clients_field_and_is_counted(path, body, fi
     replies, text = session([(path, body)])
     assert replies[0].status_code == 400 and replies[0].json()["error"]["param"] == field
     assert metric(text, "engine_sequences_total") == 0 and metric(text, "engine_requests_total", status="400") == 1
+
+
+LIMITS = ServeConfig(max_prompts_per_call=2, max_stop_strings=2, max_body_bytes=600)
+
+
+@pytest.mark.parametrize(("path", "endpoint", "body", "status", "param"), [
+    ("/v1/chat/completions", "chat_completions", {"model": "other", "messages": MESSAGES}, 404, "model"),
+    ("/chat", "chat", {"model": "other", "messages": MESSAGES}, 404, "model"),
+    ("/tokenize", "tokenize", {"model": "other", "prompt": "x"}, 404, "model"),
+    ("/infer/", "infer", {"infer_requests": [{"messages": MESSAGES}] * 3}, 400, "infer_requests"),
+    ("/infer/", "infer", {"infer_requests": [{"messages": MESSAGES}], "request_config": {"stop": ["a", "b", "c"]}},
+     400, "request_config.stop"),
+    ("/infer/", "infer", {"infer_requests": [{"messages": MESSAGES}], "engine": {"stop": {"strings": ["a"] * 3}}},
+     400, "engine.stop.strings"),
+    ("/v1/chat/completions", "chat_completions", {"model": "stand-in", "messages": MESSAGES, "stop": ["a"] * 3},
+     400, "stop"),
+    ("/chat", "chat", {"messages": [{"role": "user", "content": "x" * 700}]}, 413, "body"),
+])
+def test_every_refusal_takes_its_status_from_one_table_and_names_the_clients_field(path, endpoint, body, status,
+                                                                                    param):
+    """The call path's refusals on every surface: the unknown model (404), a limit (400, named as this surface's
+    client sent it: ``request_config.stop`` and ``engine.stop.strings`` are two fields of one engine field), a body
+    over ``serve.max_body_bytes`` (413); each counted under its route and status."""
+    replies, text = session([(path, body)], serve=LIMITS)
+    error = replies[0].json()["error"]
+    assert (replies[0].status_code, error["param"], error["code"]) == (status, param, status), error
+    assert metric(text, "engine_requests_total", endpoint=endpoint, status=str(status)) == 1
