@@ -22,10 +22,15 @@ from hypothesis import strategies as st
 from conformance.rule_sim import EOS, VOCAB, Req, run_hf, run_v1, run_v2
 from engine.backends.vllm.rules import PROCESSORS, V1, V2, request_args
 from engine.rules.base import RuleSpec
+from engine.rules.repeat import RepeatRule, RepeatThresholds
 
-REPEAT = "engine.rules.repeat:RepeatRule"
-GOOD = request_args([RuleSpec(REPEAT, {"thresholds": {"max_consecutive_token_repeats": 3}})], key="k", eos_id=2,
-                    terminal_ids=[2])
+
+def repeat_spec(**thresholds) -> RuleSpec:
+    """The repeat rule's spec as the engine makes it (id-only thresholds run in a bank: ``RuleSpec.bank``)."""
+    return RepeatRule.spec(RepeatThresholds(**thresholds))
+
+
+GOOD = request_args([repeat_spec(max_consecutive_token_repeats=3)], key="k", eos_id=2, terminal_ids=[2])
 
 
 def params(extra_args):
@@ -195,15 +200,13 @@ def decode(ids):
 
 
 SPEC_SETS = {
-    "repeat": (RuleSpec(REPEAT, {"thresholds": {"min_new_tokens": 2, "max_consecutive_token_repeats": 3,
-                                                "ngram_size": 2, "ngram_repeats": 3}}),),
-    "keys": (RuleSpec(REPEAT, {"thresholds": {"max_object_keys": 2}}),),
+    "repeat": (repeat_spec(min_new_tokens=2, max_consecutive_token_repeats=3, ngram_size=2, ngram_repeats=3),),
+    "keys": (repeat_spec(max_object_keys=2),),
     "min_length": (RuleSpec("engine.rules.min_length:MinLengthRule",
                             {"min_chars": 6, "max_chars": 14, "punctuation_bias": 0.5, "sentence_end_ids": [9]}),),
     "json_boundary": (RuleSpec("engine.rules.json_boundary:JsonBoundaryRule"),),
     # HF runs the id-only repeat rule vectorized and min_length per row; vLLM both per row.
-    "repeat+min_length": (RuleSpec(REPEAT, {"thresholds": {"max_consecutive_token_repeats": 3, "ngram_size": 2,
-                                                           "ngram_repeats": 3}}),
+    "repeat+min_length": (repeat_spec(max_consecutive_token_repeats=3, ngram_size=2, ngram_repeats=3),
                           RuleSpec("engine.rules.min_length:MinLengthRule",
                                    {"min_chars": 8, "max_chars": None, "punctuation_bias": 0.0,
                                     "sentence_end_ids": []})),
@@ -278,9 +281,9 @@ def test_v2_feeds_every_committed_token_it_has_not_seen():
 
     from conformance.rule_sim import run_v2_state
     from engine.backends.vllm.v2_rules import RowRulesV2
-    from engine.rules.repeat import RepeatThresholds, reference_fire_index
+    from engine.rules.repeat import reference_fire_index
 
-    spec = RuleSpec(REPEAT, {"thresholds": {"max_consecutive_token_repeats": 3}})
+    spec = repeat_spec(max_consecutive_token_repeats=3)
     prompt, output = [5, 6], [7, 3, 3, 3, 4]
     state = run_v2_state(slots=2, width=16)
     slot = 1
