@@ -145,7 +145,13 @@ class Surface(Generic[P]):
 
 
 class Call(Generic[P]):
-    """One accepted call: ``parsed`` (the surface's call object), run and answered whole or streamed."""
+    """One accepted call: ``parsed`` (the surface's call object), run and answered whole or streamed.
+
+    Example (inside a route registered with :meth:`Surface.route`)::
+
+        return await call.whole(lambda: engine.agenerate(call.parsed.requests, **call.parsed.kwargs),
+                                body=lambda results: [item(r) for r in results])
+    """
 
     def __init__(self, surface: Surface[P], parsed: P, start: float, fields: FieldTable, request: Request,
                  prepared: Any = None) -> None:

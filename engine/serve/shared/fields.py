@@ -34,7 +34,11 @@ from engine.errors import ConfigError, EngineError, RequestError
 @dataclass(frozen=True)
 class Engine:
     """The field sets engine field ``name``; ``convert`` maps the wire value to the engine's (vLLM's ``top_k: -1``
-    is the engine's 0); ``read=False``: the surface's parser reads it (the table still renames it)."""
+    is the engine's 0); ``read=False``: the surface's parser reads it (the table still renames it).
+
+    >>> Engine("generation.min_p").name
+    'generation.min_p'
+    """
 
     name: str
     read: bool = True
@@ -43,14 +47,22 @@ class Engine:
 
 @dataclass(frozen=True)
 class Neutral:
-    """Accepted only at one of ``values`` (or null); any other value is refused by name."""
+    """Accepted only at one of ``values`` (or null); any other value is refused by name (:func:`neutral_values`).
+
+    >>> Neutral((0, 0.0)).values
+    (0, 0.0)
+    """
 
     values: tuple[Any, ...]
 
 
 @dataclass(frozen=True)
 class Wire:
-    """Read by the surface itself; ``why`` says what for."""
+    """Read by the surface itself; ``why`` says what for.
+
+    >>> Wire("answered as server-sent events").why
+    'answered as server-sent events'
+    """
 
     why: str
 
