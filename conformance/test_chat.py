@@ -75,6 +75,27 @@ def test_openai_client_stream_equals_non_stream_equals_in_process(client, pool, 
         assert local.stop_reason == " Paris" and "Paris" not in text
 
 
+def test_n_choices_are_the_engines_own_group(client, pool, backend):
+    """``n`` on both completions routes, as TRL and other OpenAI-style trainers ask for a GRPO group: the choices are
+    the engine's own answers to the prompt ``n`` times in one seeded call (rows seeded as one call's rows: distinct
+    generators, reproducible), in order, with the prompt counted once in ``usage``."""
+    engine = pool.text_engine(backend)
+    options = {"max_new_tokens": 8, "temperature": 0.9, "top_p": 0.95, "seed": 11}
+    local = engine.generate([FRANCE] * 3, options=options)
+    sampling = {"max_tokens": 8, "temperature": 0.9, "top_p": 0.95, "seed": 11}
+    chat = client.chat.completions.create(model=model_id(client), messages=FRANCE, n=3, **sampling)
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    assert [c.message.content for c in chat.choices] == [r.text for r in local]
+    assert [c.finish_reason for c in chat.choices] == [r.finish_reason for r in local]
+    assert chat.usage.prompt_tokens == len(local[0].prompt_token_ids)
+    assert chat.usage.completion_tokens == sum(len(r.token_ids) for r in local)
+    ids = list(local[0].prompt_token_ids)
+    plain = engine.complete([ids, ids], options=options)
+    text = client.completions.create(model=model_id(client), prompt=ids, n=2, **sampling)
+    assert [c.text for c in text.choices] == [r.text for r in plain]
+    assert text.usage.prompt_tokens == len(ids)
+
+
 def test_logprobs_streamed_equal_non_streamed(client, pool, backend):
     model = model_id(client)
     kwargs = {"model": model, "messages": FRANCE, "max_tokens": 8, "temperature": 0, "logprobs": True,
@@ -208,7 +229,7 @@ def test_pattern_c_is_identical_on_every_backend(chat_server, backend_names, poo
 
 
 BAD_COMPLETIONS = [
-    ({"messages": FRANCE, "n": 2}, "n"),
+    ({"messages": FRANCE, "n": 2, "stream": True}, "n"),
     ({"messages": FRANCE, "temperature": "hot"}, "temperature"),
     ({"messages": FRANCE, "max_tokens": 0}, "max_tokens"),
     ({"messages": []}, "messages"),
@@ -274,7 +295,7 @@ def test_openai_client_raises_on_bad_input(client):
     import openai
 
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=model_id(client), messages=FRANCE, n=2)
+        client.chat.completions.create(model=model_id(client), messages=FRANCE, n=0)
     assert err.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no-such-model", messages=FRANCE)

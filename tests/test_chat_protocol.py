@@ -55,7 +55,8 @@ def test_fields_map_to_engine_options_and_stop():
 
 
 @pytest.mark.parametrize(("fields", "field"), [
-    ({"n": 2}, "n"), ({"n": True}, "n"), ({"best_of": 1}, "best_of"), ({"presence_penalty": 0.1}, "presence_penalty"),
+    ({"n": 0}, "n"), ({"n": True}, "n"), ({"n": 2, "stream": True}, "n"), ({"best_of": 1}, "best_of"),
+    ({"presence_penalty": 0.1}, "presence_penalty"),
     ({"logit_bias": {"1": 5}}, "logit_bias"), ({"tools": [{"type": "function"}]}, "tools"),
     ({"response_format": {"type": "xml"}}, "response_format.type"), ({"response_format": "json"}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format.json_schema.schema"),
@@ -107,7 +108,7 @@ def test_engine_errors_are_renamed_to_the_wire_field():
 
 def test_completion_and_chunks_have_openai_shapes():
     call = parse_completion(body(stream=True, stream_options={"include_usage": True}))
-    full = completion_body(result(), call, model="m", tokenizer=None)
+    full = completion_body([result()], call, model="m", tokenizer=None)
     assert full["object"] == "chat.completion" and full["choices"][0]["message"] == {"role": "assistant",
                                                                                       "content": "Hello."}
     assert full["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
@@ -213,3 +214,13 @@ def test_pattern_c_names_the_field_the_client_sent_when_the_default_min_len_exce
     with pytest.raises(RequestError) as sent:
         parse_pattern_c({"messages": MSGS, "min_len": 50, "max_len": 10}, PatternCConfig())
     assert sent.value.field == "min_len"
+
+
+def test_n_asks_for_a_group_of_choices_counted_once_for_the_prompt():
+    """``n`` choices of one prompt (a GRPO group): the call generates the prompt ``n`` times, the limits count
+    ``n`` rows, and the answer has ``n`` choices whose usage counts the prompt once."""
+    call = parse_completion(body(n=3, seed=5))
+    assert call.n == 3 and call.prompt_count == 3 and call.options == {"seed": 5}
+    full = completion_body([result(), result(), result()], call, model="m", tokenizer=None)
+    assert [c["index"] for c in full["choices"]] == [0, 1, 2]
+    assert full["usage"] == {"prompt_tokens": 4, "completion_tokens": 9, "total_tokens": 13}

@@ -68,7 +68,8 @@ def test_fields_reach_the_engine_as_on_the_chat_route():
 
 @pytest.mark.parametrize(("fields", "field"), [
     ({}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": 5}, "prompt"), ({"prompt": [[1], "a", 3]}, "prompt[1]"),
-    ({"prompt": [[1, 300]]}, "prompt[0][1]"), ({"prompt": [1, True]}, "prompt[1]"), ({"prompt": "a", "n": 2}, "n"),
+    ({"prompt": [[1, 300]]}, "prompt[0][1]"), ({"prompt": [1, True]}, "prompt[1]"),
+    ({"prompt": "a", "n": 0}, "n"), ({"prompt": "a", "n": 2, "stream": True}, "n"),
     ({"prompt": "a", "best_of": 2}, "best_of"), ({"prompt": "a", "suffix": "z"}, "suffix"),
     ({"prompt": "a", "logprobs": True}, "logprobs"), ({"prompt": "a", "echo": "yes"}, "echo"),
     ({"prompt": "a", "max_tokens": 0}, "max_tokens"), ({"prompt": "a", "messages": []}, "messages"),
@@ -137,3 +138,13 @@ def test_fuzzed_bodies_parse_or_are_refused_by_field(fields):
         assert isinstance(err, RequestError) and err.field
         return
     assert call.prompts and len(call.texts) == len(call.prompts) and call.options["max_new_tokens"] >= 0
+
+
+def test_n_gives_each_prompt_n_choices_in_vllms_order():
+    call = parse(prompt=["ab", "c"], n=2, echo=True)
+    assert call.prompt_count == 4 and call.rows == [[1, 97, 98], [1, 97, 98], [1, 99], [1, 99]]
+    answers = [GenerationResult(text=t, raw_text=t, token_ids=(ord(t),), prompt_token_ids=(), finish_reason="length",
+                                stop_reason=None) for t in "wxyz"]
+    body = completion_body(call, answers, [None, None], model="m", tokenizer=TOK)
+    assert [c["text"] for c in body["choices"]] == ["abw", "abx", "cy", "cz"]
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}

@@ -98,7 +98,7 @@ def test_every_read_option_reaches_the_engine_by_its_name_and_back(model):
 
 def test_neutral_fields_take_their_neutral_values_and_refuse_others():
     neutral = [(attr, mark) for _, attr, mark in marked(ChatCompletionRequest) if isinstance(mark, Neutral)]
-    assert {"n", "frequency_penalty", "presence_penalty", "logit_bias", "tools"} <= {a for a, _ in neutral}
+    assert {"frequency_penalty", "presence_penalty", "logit_bias", "tools"} <= {a for a, _ in neutral}
     def chat(**fields):
         return ChatCompletionRequest.model_construct(**REQUIRED[ChatCompletionRequest], **fields)
 

@@ -46,7 +46,7 @@ class OpenAISampling(SamplingOptions):
     max_tokens: Annotated[int | None, Engine("generation.max_new_tokens", read=False)] = None
     stream: Annotated[bool | None, Wire("answered as server-sent events")] = None
     stream_options: Annotated[StreamOptions | None, Wire("the stream's usage chunk")] = None
-    n: Annotated[int | None, Neutral((1,))] = None
+    n: Annotated[int | None, Wire("choices per prompt: a GRPO group, the prompt's rows seeded as one call's")] = None
     user: Annotated[str | None, Wire("accepted and ignored")] = None
     engine: Annotated[EngineExtension | None, Wire("the engine extension")] = None
     min_tokens: Annotated[int | None, Engine("generation.min_new_tokens")] = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,11 @@ class CompletionCall(Sampling):
     messages: list[dict[str, Any]]
     logprobs: bool = False
     top_logprobs: int | None = None
-    prompt_count: int = 1
+
+    @property
+    def prompt_count(self) -> int:
+        """The rows this call generates: its prompt ``n`` times."""
+        return self.n
 
     @property
     def kwargs(self) -> dict[str, Any]:
@@ -91,13 +96,19 @@ def _logprobs(result: GenerationResult, call: CompletionCall, tokenizer: Any) ->
     return logprobs_content(result, tokenizer, 0 if call.top_logprobs is None else call.top_logprobs)
 
 
-def completion_body(result: GenerationResult, call: CompletionCall, *, model: str, tokenizer: Any) -> dict[str, Any]:
-    """The ``chat.completion`` object for one result."""
+def completion_body(results: Sequence[GenerationResult], call: CompletionCall, *, model: str,
+                    tokenizer: Any) -> dict[str, Any]:
+    """The ``chat.completion`` object: one choice per result (``n`` of them); ``usage`` counts the prompt once, as
+    OpenAI's and vLLM's servers do, and every choice's tokens."""
+    prompt = len(results[0].prompt_token_ids)
+    completion = sum(len(r.token_ids) for r in results)
     return {
         "id": completion_id(), "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
-                     "logprobs": _logprobs(result, call, tokenizer), "finish_reason": result.finish_reason}],
-        "usage": usage(result), "system_fingerprint": None,
+        "choices": [{"index": i, "message": {"role": "assistant", "content": r.text},
+                     "logprobs": _logprobs(r, call, tokenizer), "finish_reason": r.finish_reason}
+                    for i, r in enumerate(results)],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+        "system_fingerprint": None,
     }
 
 

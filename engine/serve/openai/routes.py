@@ -43,8 +43,8 @@ def router(served: ServedEngine) -> APIRouter:
     async def chat_completions(call: Call) -> Any:
         c = call.parsed
         if not c.stream:
-            return await call.whole(lambda: engine.agenerate([c.messages], **c.kwargs), body=lambda results:
-                                    chat.completion_body(results[0], c, model=model, tokenizer=engine.tokenizer))
+            return await call.whole(lambda: engine.agenerate([c.messages] * c.n, **c.kwargs), body=lambda results:
+                                    chat.completion_body(results, c, model=model, tokenizer=engine.tokenizer))
         cid, created = chat.completion_id(), int(time.time())
 
         async def open_stream() -> tuple[Any, list[Any]]:  # validation raises here, before any generation
@@ -77,8 +77,8 @@ def router(served: ServedEngine) -> APIRouter:
             async def run() -> tuple[list[Any], list[Any]]:
                 scores = await prompt_scores()
                 if not c.generates:
-                    return [None] * len(scores), scores
-                return await engine.acomplete(c.prompts, **c.kwargs, prepared=call.prepared), scores
+                    return [None] * c.prompt_count, scores
+                return await engine.acomplete(c.rows, **c.kwargs, prepared=call.prepared), scores
 
             return await call.whole(run, counted=lambda out: [r for r in out[0] if r is not None], body=lambda out:
                                     text.completion_body(c, out[0], out[1], model=model, tokenizer=engine.tokenizer))

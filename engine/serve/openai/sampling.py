@@ -4,7 +4,11 @@ field, by the name it carries), streaming, the stop policy, the ``engine`` exten
 
 Choices written down (OpenAI's reference leaves them open or this server cannot honour them):
 
-* ``n`` must be 1; fields OpenAI or vLLM have but the engine does not (``frequency_penalty``, ``presence_penalty``,
+* ``n`` (default 1) asks for ``n`` choices per prompt, a GRPO group: the prompt is generated ``n`` times in one
+  engine call, so with a ``seed`` its rows are seeded as the engine seeds rows of one call (distinct, reproducible,
+  never dependent on batch-mates: ``engine.rules.seeding``), and without one they are independent draws. The choices
+  count against ``serve.max_prompts_per_call``; a group is not streamed (``stream`` with ``n > 1`` is a 400).
+  Fields OpenAI or vLLM have but the engine does not (``frequency_penalty``, ``presence_penalty``,
   ``logit_bias``, tools) are accepted only at their neutral value (``Neutral`` in the body model), anything else is a
   400 naming the field. ``user`` is accepted and ignored.
 * vLLM's top-level sampling extras are taken as ``vllm serve`` takes them: ``top_k`` (-1 or 0: off), ``min_p``,
@@ -43,6 +47,8 @@ class Sampling:
     include_usage: bool
     json_schema: Any
     """``response_format``'s schema, for the engine's constrained decoding (None: free text)."""
+    n: int
+    """Choices per prompt."""
 
     def shared(self) -> dict[str, Any]:
         """These fields by name: what a route's call is built from."""
@@ -64,6 +70,12 @@ def parse_sampling(body: OpenAISampling, own: dict[str, Any]) -> Sampling:
                            "(GET /v1/models lists it)")
     options = {**own, **engine_options(body)}
     stream = bool(body.stream)
+    n = 1 if body.n is None else body.n
+    if n < 1:
+        raise RequestError("n", n, "must be at least 1", fix="send 1 for one choice, or more for a group")
+    if n > 1 and stream:
+        raise RequestError("n", n, "cannot be streamed: a stream carries one choice",
+                           fix="send stream: false for a group, or n: 1 to stream")
     include_usage = False
     if body.stream_options is not None:
         if not stream:
@@ -80,7 +92,7 @@ def parse_sampling(body: OpenAISampling, own: dict[str, Any]) -> Sampling:
     options, stop, plugins = engine_extension(body.engine, options, stop, options_from="by a top-level field",
                                               stop_field="stop" if body.stop else "stop_token_ids")
     return Sampling(model=body.model, options=options, stop=stop, plugins=plugins, stream=stream,
-                    include_usage=include_usage, json_schema=response_schema(body.response_format))
+                    include_usage=include_usage, json_schema=response_schema(body.response_format), n=n)
 
 
 def response_schema(value: Any) -> Any:

@@ -17,7 +17,8 @@ Choices written down:
   reads for log-likelihoods. Scoring needs a backend that scores (HF, vLLM); llama.cpp refuses ``echo`` with
   ``logprobs`` by name.
 * ``best_of`` (1 only), ``suffix`` (empty only) and the penalties are taken at their neutral value, as on the chat
-  route; ``n`` must be 1.
+  route. ``n`` gives each prompt ``n`` choices, as on the chat route: choice ``k`` answers prompt ``k // n`` (vLLM's
+  order), an echoed prompt is scored once and shown in each of its choices.
 * ``stream`` answers one prompt that generates (``max_tokens`` >= 1); several prompts, or scoring only, are a 400.
 * Streamed: the first chunk carries the echoed prompt (and its logprobs), the text deltas follow, the chunk with the
   ``finish_reason`` carries the answer's logprobs; all chunks' texts together equal the non-streamed ``text``.
@@ -54,7 +55,13 @@ class TextCompletionCall(Sampling):
 
     @property
     def prompt_count(self) -> int:
-        return len(self.prompts)
+        """The rows this call generates: each prompt ``n`` times."""
+        return len(self.prompts) * self.n
+
+    @property
+    def rows(self) -> list[list[int]]:
+        """The prompts as generated: each one ``n`` times in a row (choice ``k`` answers prompt ``k // n``)."""
+        return [p for p in self.prompts for _ in range(self.n)]
 
     @property
     def generates(self) -> bool:
@@ -145,7 +152,7 @@ def prepare(call: TextCompletionCall, served: Any) -> Any:
                            f"max_tokens {call.options['max_new_tokens']})",
                            fix="send one prompt and max_tokens >= 1 per streamed request, or stream: false")
     engine = served.engine
-    prepared = engine.prepare_plain(call.prompts, **call.kwargs)
+    prepared = engine.prepare_plain(call.rows, **call.kwargs)
     if call.scores_prompt:
         sequences = [call.prompts[i] for i in call.scored]
         engine.check_scoring(sequences, [1] * len(sequences), call.logprobs)
@@ -225,15 +232,18 @@ def choice_logprobs(call: TextCompletionCall, index: int, result: GenerationResu
 
 def completion_body(call: TextCompletionCall, results: Sequence[GenerationResult | None],
                     scores: Sequence[TokenScores | None], *, model: str, tokenizer: Any) -> dict[str, Any]:
-    """The ``text_completion`` object: one choice per prompt (``results[i]`` None when nothing was generated)."""
+    """The ``text_completion`` object: ``n`` choices per prompt, choice ``k`` answering prompt ``k // n``
+    (``results[k]`` None when nothing was generated; ``scores[i]``: prompt ``i``'s echoed scores). ``usage`` counts
+    each prompt once and every choice's tokens."""
     choices = []
-    prompt_tokens = completion_tokens = 0
-    for i, (result, score) in enumerate(zip(results, scores, strict=True)):
+    prompt_tokens = sum(len(p) for p in call.prompts)
+    completion_tokens = 0
+    for k, result in enumerate(results):
+        i = k // call.n
         answer = result.text if result is not None else ""
-        choices.append({"index": i, "text": (call.texts[i] if call.echo else "") + answer,
-                        "logprobs": choice_logprobs(call, i, result, score, tokenizer),
+        choices.append({"index": k, "text": (call.texts[i] if call.echo else "") + answer,
+                        "logprobs": choice_logprobs(call, i, result, scores[i], tokenizer),
                         "finish_reason": result.finish_reason if result is not None else "length"})
-        prompt_tokens += len(call.prompts[i])
         completion_tokens += len(result.token_ids) if result is not None else 0
     return {"id": completion_id(), "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "system_fingerprint": None,
