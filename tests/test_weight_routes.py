@@ -133,3 +133,14 @@ def test_a_backend_without_weight_loading_is_refused_by_name():
 
     [reply] = session(Plain(), [OPEN])
     assert reply.status_code == 400 and "cannot load a learner's weights" in reply.json()["error"]["message"]
+
+
+def test_a_push_without_an_open_communicator_is_refused_at_once_and_the_next_caller_is_unaffected():
+    """A push before ``/init_communicator/`` (or after closing) used to answer 200, fail in the background, and hand
+    that failure to the next unrelated ``/infer/``: it is a 409 naming the cause, nothing reaches the backend."""
+    backend = Recording()
+    push = ("POST", "/update_named_param/", {"name": "a", "dtype": "torch.float32", "shape": [2]})
+    replies = session(backend, [push, INFER, OPEN, ("POST", "/close_communicator/", None), push])
+    assert [r.status_code for r in replies] == [409, 200, 200, 200, 409]
+    assert "call /init_communicator/ first" in replies[0].json()["error"]["message"]
+    assert backend.calls == ["generate", "open 127.0.0.1:29500 2 tcp", "close"]

@@ -56,11 +56,13 @@ def parse_chat(body: ChatCompletionRequest, served: Any = None) -> CompletionCal
     >>> call = chat(max_tokens=8, temperature=0, stop="\\n")
     >>> call.options, call.stop
     ({'max_new_tokens': 8, 'temperature': 0}, {'strings': ['\\n']})
-    >>> chat(n=2)
+    >>> chat(n=3).prompt_count
+    3
+    >>> chat(n=2, stream=True)
     Traceback (most recent call last):
     ...
-    engine.errors.RequestError: n is not supported by this server, got 2. Fix: use 1 (send the request several \
-times for several samples).
+    engine.errors.RequestError: n cannot be streamed: a stream carries one choice, got 2. Fix: send stream: false \
+for a group, or n: 1 to stream.
     """
     logprobs, top = bool(body.logprobs), body.top_logprobs
     if top is not None and not logprobs:

@@ -30,7 +30,7 @@ from engine.serve.rollout.bodies import InitCommunicatorRequest, UpdateFlattened
 from engine.serve.service import ServedEngine
 from engine.serve.shared.bodies import Body
 from engine.serve.shared.calls import read_body
-from engine.serve.shared.errors import WeightSyncFailed, error_response
+from engine.serve.shared.errors import WeightSyncConflict, WeightSyncFailed, error_response
 from engine.weight_sync import check_metadatas, check_transport, torch_dtype
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,8 @@ class WeightCalls:
         self.pending: asyncio.Future[Any] | None = None
         self.pushed = False
         """A push arrived since the session last finished."""
+        self.opened = False
+        """A communicator was opened (``/init_communicator/``) and not closed since: pushes may come."""
 
     @property
     def backend(self) -> WeightLoading:
@@ -125,6 +127,9 @@ def router(served: ServedEngine) -> APIRouter:
 
     async def push(announced: dict[str, Any], what: str) -> Any:
         backend = calls.backend
+        if not calls.opened:  # the load would fail in the background and be answered to an unrelated caller
+            raise WeightSyncConflict("no communicator is open, so no tensor can arrive: call /init_communicator/ "
+                                     "first (swift's VLLMClient.init_communicator)")
         await calls.start(lambda: backend.load_weights(announced))
         calls.pushed = True
         return {"message": f"receiving {what}"}
@@ -143,6 +148,7 @@ def router(served: ServedEngine) -> APIRouter:
                                "workers and the learner", fix="take it from GET /get_world_size/, plus one")
         transport = check_transport(body.get("transport"))
         await calls.start(lambda: backend.open_weights(host, port, world_size, transport))
+        calls.opened = True
         return {"message": f"joining the learner's group on {host}:{port} ({transport})"}
 
     @weight_call("/update_named_param/", UpdateNamedParamRequest)
@@ -188,6 +194,7 @@ def router(served: ServedEngine) -> APIRouter:
         backend = calls.backend
         await calls.finish()
         await calls.run(backend.close_weights)
+        calls.opened = False
         return {"message": "closed"}
 
     return api

@@ -5,8 +5,8 @@ call path (:mod:`engine.serve.shared.calls`), the weight-sync routes, the API-ke
 handlers. :data:`STATUS` is the whole table, first match wins:
 
 >>> [(kind.__name__, status) for kind, status, _ in STATUS]  # doctest: +NORMALIZE_WHITESPACE
-[('Unauthenticated', 401), ('UnknownModel', 404), ('ClientGone', 499), ('WeightSyncFailed', 500),
- ('RequestTooLarge', 413), ('EngineError', 400), ('Exception', 500)]
+[('Unauthenticated', 401), ('UnknownModel', 404), ('ClientGone', 499), ('WeightSyncConflict', 409),
+ ('WeightSyncFailed', 500), ('RequestTooLarge', 413), ('EngineError', 400), ('Exception', 500)]
 >>> status_of(RequestTooLarge("stop.strings", 3, "holds too many")), status_of(RequestTooLarge("body", 9, "is big"))
 (400, 413)
 """
@@ -45,6 +45,11 @@ class Unauthenticated(EngineError):
                 "ENGINE_API_KEY)")
 
 
+class WeightSyncConflict(EngineError):
+    """A weight call the server's weight-sync state cannot take now (a push before any ``/init_communicator/``):
+    409, naming the cause, before anything is started."""
+
+
 class WeightSyncFailed(EngineError):
     """A background weight-sync call failed after its 200; the next weight call reports it (500)."""
 
@@ -56,6 +61,7 @@ STATUS: tuple[tuple[type[BaseException], int, str], ...] = (
     (Unauthenticated, 401, "authentication_error"),
     (UnknownModel, 404, "NotFoundError"),
     (ClientGone, 499, "invalid_request_error"),
+    (WeightSyncConflict, 409, "conflict_error"),
     (WeightSyncFailed, 500, "server_error"),
     (RequestTooLarge, 413, "invalid_request_error"),  # the body only (see status_of); a list over a limit is a 400
     (EngineError, 400, "invalid_request_error"),
