@@ -113,8 +113,6 @@ def engine_options(body: Any) -> dict[str, Any]:
 
 def leave_it_out(name: str, allowed: tuple[Any, ...]) -> str:
     """The fix of a refused ``Neutral`` field on OpenAI's surface."""
-    if name == "n":
-        return "use 1 (send the request several times for several samples)"
     return f"leave it out or send {allowed[0]!r}"
 
 
