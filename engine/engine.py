@@ -35,6 +35,7 @@ from engine.plugins import POST_DECODE, Plugin, PluginContext, create_plugins
 from engine.results import ResultBuilder
 from engine.rules.base import RuleSpec
 from engine.rules.min_length import is_sentence_end_token
+from engine.rules.processing import Processing
 from engine.rules.repeat import RepeatRule
 from engine.rules.stop import special_stop
 from engine.streaming import ResultStream
@@ -50,6 +51,20 @@ OptionsLike = GenerationOptions | Mapping[str, Any] | None
 StopLike = StopPolicy | Mapping[str, Any] | None
 PluginsLike = Sequence[Plugin | Mapping[str, Any]] | None
 SchemaLike = Mapping[str, Any] | str | None
+
+ProcessingLike = Processing | GenerationOptions | Mapping[str, Any] | None
+
+
+def processing_of(processing: ProcessingLike) -> Processing | None:
+    """The processing steps ``score`` re-scores with: generation options (validated as ``generation``'s) or
+    :class:`~engine.rules.processing.Processing`; None when they change nothing (the raw distribution)."""
+    if processing is None:
+        return None
+    if isinstance(processing, Mapping):
+        processing = GenerationOptions().merged(processing)
+    steps = processing if isinstance(processing, Processing) else Processing.of(processing)
+    return None if steps.is_identity else steps
+
 
 REQUEST_SECTIONS = ("generation", "stop", "vision", "repeat_terminate", "plugins", "serve")
 """Config sections that shape requests, not the loaded backend: :meth:`GenerationEngine.derive` may change them."""
@@ -244,6 +259,12 @@ class GenerationEngine:
         if opts.logprobs is not None and not backend.capabilities.logprobs:
             raise UnsupportedCapabilityError(f"backend {backend.name!r} cannot return logprobs; "
                                              "set generation.logprobs to null")
+        served_mode = self.config.model.logprobs_mode
+        if opts.logprobs_mode is not None and opts.logprobs_mode != served_mode:
+            raise ConfigError("generation.logprobs_mode", opts.logprobs_mode, f"differs from the mode this engine "
+                              f"serves ({served_mode!r}; fixed when it loads, as vLLM fixes it)",
+                              fix=f"start the engine with model.logprobs_mode: {opts.logprobs_mode} (engine-serve "
+                                  f"--logprobs-mode {opts.logprobs_mode}), or expect {served_mode}")
         guard = self.config.repeat_terminate
         rules: list[RuleSpec] = []
         if guard.enabled:
@@ -252,7 +273,7 @@ class GenerationEngine:
             ctx = self._plugin_context(plugins)
             rules += [spec for p in plugins if (spec := p.rule_spec(backend.name, ctx)) is not None]
         return SamplingPlan(options=opts, stop=policy, eos_token_ids=self.load_info.eos_token_ids, pixels=budget,
-                            rules=tuple(rules), json_schema=schema)
+                            rules=tuple(rules), json_schema=schema, logprobs_mode=served_mode)
 
     def prepare(self, requests: Sequence[RequestLike], *, options: OptionsLike = None, stop: StopLike = None,
                 plugins: PluginsLike = None,
@@ -319,12 +340,21 @@ class GenerationEngine:
         return plain_prompts(self.tokenizer, prompts, self.backend.capabilities.max_model_len), plan
 
     def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
-              top: int | None = None) -> list[TokenScores]:
+              top: int | None = None, processing: ProcessingLike = None) -> list[TokenScores]:
         """The model's log-probability of every token of ``sequences[i][starts[i]:]`` given the tokens before
         it, and whether it was the argmax there (the parts of lm-eval's loglikelihood); with ``top``, the ``top``
-        likeliest tokens at each of those positions too (an echoed prompt's logprobs)."""
-        self.check_scoring(sequences, starts, top)
-        return self.backend.score(sequences, starts, top) if sequences else []  # type: ignore[union-attr]
+        likeliest tokens at each of those positions too (an echoed prompt's logprobs).
+
+        ``processing`` (generation options such as ``{"temperature": 0.7, "top_p": 0.9}``) re-scores under the
+        distribution a sampled rollout was drawn from (``engine.rules.processing``: penalty, temperature, min-p,
+        top-k, top-p; not the rule masks): what ``processed_logprobs`` rollouts match, token for token. Each score
+        then carries its kept mass; ``{"temperature": T}`` alone is ms-swift's trainer-side re-scoring."""
+        steps = self.check_scoring(sequences, starts, top, processing)
+        if not sequences:
+            return []
+        if steps is None:
+            return self.backend.score(sequences, starts, top)  # type: ignore[union-attr]
+        return self.backend.score(sequences, starts, top, steps)  # type: ignore[union-attr]
 
     async def ascore(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
                      top: int | None = None) -> list[TokenScores]:
@@ -338,16 +368,24 @@ class GenerationEngine:
         backend = self.backend
         return await self.batcher().run_exclusive(lambda: backend.score(sequences, starts, top))  # type: ignore
 
-    def check_scoring(self, sequences: Sequence[Sequence[int]], starts: Sequence[int], top: int | None) -> None:
-        """Refuse what ``score`` cannot do here (the capability, the sequences, ``top``); nothing runs."""
+    def check_scoring(self, sequences: Sequence[Sequence[int]], starts: Sequence[int], top: int | None,
+                      processing: ProcessingLike = None) -> Processing | None:
+        """Refuse what ``score`` cannot do here (the capability, the sequences, ``top``, ``processing``); nothing
+        runs. Returns the processing steps to re-score with (None: the raw distribution)."""
         caps = self.backend.capabilities
         if not caps.scoring or not isinstance(self.backend, Scoring):
             raise UnsupportedCapabilityError(f"backend {self.backend.name!r} cannot score sequences here. Fix: use "
-                                             "hf or vllm, on a text model")
+                                             "hf or vllm, on a text model (vllm in a *_logprobs mode)")
+        steps = processing_of(processing)
+        if steps is not None and not caps.rescoring:
+            raise UnsupportedCapabilityError(f"backend {self.backend.name!r} cannot re-score under sampling "
+                                             "processing (it returns no full-vocabulary logits). Fix: re-score with "
+                                             "an hf engine on the same model, or leave processing unset")
         if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS):
             raise RequestError("top", top, f"must be an integer in [0, {MAX_LOGPROBS}]",
                                fix="ask for fewer alternatives")
         check_scored(sequences, starts, caps.max_model_len)
+        return steps
 
     async def agenerate(self, requests: Sequence[RequestLike], *, options: OptionsLike = None, stop: StopLike = None,
                         plugins: PluginsLike = None, json_schema: SchemaLike = None) -> list[GenerationResult]:

@@ -88,6 +88,8 @@ class ResultBuilder:
             **repeat_meta(events),  # reported by the guard itself, never inferred from the finish reason
             "plugins": [p.name for p in plugins],
         }
+        if out.logprobs is not None:  # which distribution they are (model.logprobs_mode): a learner checks it
+            meta["logprobs_mode"] = plan.logprobs_mode
         for plugin in plugins:
             meta.update(plugin.result_meta(generated_text=full_text, text=text, events=events))
         return GenerationResult(text=text, raw_text=raw_text, token_ids=tuple(ids), prompt_token_ids=tuple(prompt_ids),

@@ -154,8 +154,8 @@ def test_pattern_c_config_and_environment():
         PatternCConfig(temperature=0)  # greedy with top_p 0.95 would fail every request
     with pytest.raises(ConfigError, match=r"serve\.chat\.max_len"):
         PatternCConfig(min_len=100, max_len=50)
-    args = argparse.Namespace(config=None, backend="hf", model="/m", dtype=None, host=None, port=None,
-                              namespace=None, repeat_terminate_from=None)
+    args = argparse.Namespace(config=None, backend="hf", model="/m", dtype=None, logprobs_mode=None, host=None,
+                              port=None, namespace=None, repeat_terminate_from=None)
     config, _ = served_config(args, environ={"MIN_LEN": "60", "MAX_LEN": "150"})
     assert (config.serve.chat.min_len, config.serve.chat.max_len) == (60, 150)
     with pytest.raises(ConfigError, match="MAX_LEN"):

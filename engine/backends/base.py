@@ -35,6 +35,9 @@ class Capabilities:
     """Context length (prompt + output) of the loaded model; a prompt must be shorter. None: unknown."""
     scoring: bool = False
     """Scores given token sequences (``score``: per-token log-probs and is-greedy, for log-likelihoods)."""
+    rescoring: bool = False
+    """Re-scores under sampling processing (``score(..., processing=...)``: penalty, temperature, min-p, top-k,
+    top-p, as the draw used them), with the kept mass per token."""
     structured_outputs: bool = False
     """Constrains generation to a JSON Schema (``SamplingPlan.json_schema``)."""
     rules_problem: str | None = None
@@ -73,6 +76,9 @@ class SamplingPlan:
     json_schema: str | None = None
     """A JSON Schema (canonical JSON text) every row's output must follow, by construction: xgrammar on HF,
     structured outputs on vLLM. None: unconstrained."""
+    logprobs_mode: str = "raw_logprobs"
+    """What ``options.logprobs`` returns (``model.logprobs_mode``; vLLM was started with it): the raw model
+    distribution, or the processed one the draw used (``engine.rules.processing``)."""
 
     @property
     def terminal_token_ids(self) -> tuple[int, ...]:
@@ -119,6 +125,9 @@ class TokenScores:
     top: tuple[dict[int, float], ...] | None = None
     """Per scored token, ``top`` best token ids -> log-probability plus the scored token itself (the shape of a
     generated token's logprobs); None unless ``score(..., top=k)`` asked for them."""
+    kept_mass: tuple[float, ...] | None = None
+    """Per scored token, the probability its position's kept support held before truncation (after the penalty and
+    temperature; ``engine.rules.processing.kept_mass``); None unless ``score(..., processing=...)`` asked."""
 
     @property
     def total(self) -> float:
@@ -219,7 +228,7 @@ class AsyncScoring(Protocol):
     generation instead of waiting behind the engine-side batcher."""
 
     async def ascore(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
-                     top: int | None = None) -> list[TokenScores]:
+                     top: int | None = None, processing: Any = None) -> list[TokenScores]:
         ...
 
 
@@ -237,5 +246,5 @@ class Scoring(Protocol):
     log-probabilities, argmax flags and, with ``top``, the ``top`` best alternatives at every scored position."""
 
     def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
-              top: int | None = None) -> list[TokenScores]:
+              top: int | None = None, processing: Any = None) -> list[TokenScores]:
         ...

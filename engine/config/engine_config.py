@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.backends.registry import SPECS
-from engine.config.generation import GenerationOptions, StopPolicy
+from engine.config.generation import LOGPROBS_MODES, GenerationOptions, StopPolicy
 from engine.config.repeat import RepeatTerminateConfig
 from engine.config.serve import ServeConfig
 from engine.config.validation import build, check_range, check_type, did_you_mean
@@ -49,6 +49,11 @@ Fix: did you mean 'float16'? available: auto, bfloat16, float16, float32.
     """Rows end at the tokenizer's EOS (plus ``stop.token_ids``) only: a checkpoint's ``generation_config.json``
     ``eos_token_id`` list never applies by itself (vLLM would otherwise read it). True: every id in that list ends
     rows too, on every backend alike, and ``min_new_tokens`` holds them all back."""
+    logprobs_mode: str = "raw_logprobs"
+    """What returned logprobs are, one of :data:`LOGPROBS_MODES` (vLLM's ``--logprobs-mode`` and its exact
+    semantics). Fixed when the engine loads, as vLLM fixes it: a request may state the mode it expects
+    (``generation.logprobs_mode``) and is refused when it differs. ``processed_logprobs`` is what an importance-sampled
+    trainer needs (the probability of the token under the distribution it was drawn from); docs/serving.md."""
 
     def __post_init__(self) -> None:
         check_type("model.path", self.path, str, "a path string")
@@ -65,6 +70,9 @@ Fix: did you mean 'float16'? available: auto, bfloat16, float16, float32.
             check_type("model.attn_implementation", self.attn_implementation, str, "a string")
         check_type("model.trust_remote_code", self.trust_remote_code, bool, "true or false")
         check_type("model.checkpoint_eos", self.checkpoint_eos, bool, "true or false")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError("model.logprobs_mode", self.logprobs_mode, f"must be one of {', '.join(LOGPROBS_MODES)}",
+                              fix=did_you_mean(str(self.logprobs_mode), LOGPROBS_MODES))
         if self.max_model_len is not None:
             check_type("model.max_model_len", self.max_model_len, int, "an integer")
             check_range("model.max_model_len", self.max_model_len, low=1)

@@ -10,6 +10,10 @@ from engine.config.validation import check_range, check_type, merge
 from engine.errors import ConfigError
 
 MAX_LOGPROBS = 20
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+"""vLLM's names (``--logprobs-mode``): what returned logprobs are. ``raw_*``: the model's own distribution (before
+penalties, temperature, min-p, top-k, top-p, rule masks); ``processed_*``: the distribution the draw used (after all of
+them; tokens outside the kept support are -inf). ``*_logprobs`` are log-softmaxed, ``*_logits`` are not."""
 MIN_TEMPERATURE = 0.01
 """The smallest sampling temperature. vLLM raises anything in (0, 0.01) to 0.01 with a warning (below it logits
 overflow to inf and sampling returns NaN); the engine refuses such values instead, so that no backend samples
@@ -74,8 +78,11 @@ class GenerationOptions:
     min_new_tokens: int = 0
     """EOS and stop token ids are banned until this many tokens exist, in [0, max_new_tokens]."""
     logprobs: int | None = None
-    """Return the top-k log-probabilities (of the raw model distribution) per generated token, k in
-    [0, 20]; the chosen token is always included. None: no logprobs."""
+    """Return the top-k log-probabilities per generated token, k in [0, 20]; the chosen token is always included.
+    Which distribution they come from is the engine's ``model.logprobs_mode`` (raw by default). None: no logprobs."""
+    logprobs_mode: str | None = None
+    """The logprobs mode this request expects (``model.logprobs_mode``'s names); refused before generation when the
+    engine serves another, so a learner that needs processed logprobs cannot silently get raw ones. None: any."""
 
     def __post_init__(self) -> None:
         p = "generation"
@@ -100,6 +107,9 @@ class GenerationOptions:
         if self.logprobs is not None:
             check_type(f"{p}.logprobs", self.logprobs, int, "an integer")
             check_range(f"{p}.logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"{p}.logprobs_mode", self.logprobs_mode, f"must be one of {', '.join(LOGPROBS_MODES)}",
+                              fix="name the mode the engine serves (model.logprobs_mode), or leave it null")
         if self.is_greedy and self.top_p != 1.0:
             raise ConfigError(f"{p}.top_p", self.top_p, "has no effect with temperature 0 (greedy)",
                               fix="set generation.temperature > 0 to sample, or leave top_p at 1.0")

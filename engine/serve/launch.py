@@ -39,6 +39,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", help=f"override: backend ({', '.join(SPECS)})")
     p.add_argument("--model", help="override: model.path")
     p.add_argument("--dtype", help="override: model.dtype")
+    p.add_argument("--logprobs-mode", help="override: model.logprobs_mode (vLLM's names: raw_logprobs, "
+                   "processed_logprobs, raw_logits, processed_logits); reported by /health and /v1/models")
     p.add_argument("--host", help="override: serve.host (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="override: serve.port (0: any free port)")
     p.add_argument("--namespace", help="override: serve.namespace ('none' for bare responses)")
@@ -67,13 +69,15 @@ def served_config(args: argparse.Namespace, environ: Any = None) -> tuple[Any, A
             raise ConfigError("--config", args.config, "must hold a YAML mapping", fix="start with 'backend:'")
     if args.backend:
         data["backend"] = args.backend
-    if args.model or args.dtype:
+    if args.model or args.dtype or args.logprobs_mode:
         model = data.get("model") or {}
         model = {"path": model} if isinstance(model, str) else section(model, "model")
         if args.model:
             model["path"] = args.model
         if args.dtype:
             model["dtype"] = args.dtype
+        if args.logprobs_mode:
+            model["logprobs_mode"] = args.logprobs_mode
         data["model"] = model
     serve = section(data.get("serve"), "serve")
     for key in ("host", "port"):

@@ -73,6 +73,7 @@ class ServedEngine:
             "backend": backend.name,
             "model": self.model_name,
             "dtype": cfg.model.dtype,
+            "logprobs_mode": cfg.model.logprobs_mode,
             "runner": backend.runner,
             "engine_core": "child process" if self.spec.engine_core_in_child(self.settings) else "in-process",
             "repeat_terminate_active": self.guard_active,

@@ -140,6 +140,7 @@ class HfBackend(BackendBase, backend="hf"):
         self.vocab_size = int(text_config.vocab_size)
         self.capabilities = Capabilities(name=SPEC.name, logprobs=True, supports_vlm=processor is not None, hooks=HOOKS,
                                          max_model_len=min(lengths) if lengths else None, scoring=processor is None,
+                                         rescoring=processor is None,
                                          structured_outputs=processor is None)
         self._schemas: Any = None
 
@@ -215,7 +216,7 @@ class HfBackend(BackendBase, backend="hf"):
             pad_token_id=self.tokenizer.pad_token_id,
             bos_token_id=self.tokenizer.bos_token_id,
             return_dict_in_generate=True,
-            output_logits=opts.logprobs is not None,
+            output_logits=opts.logprobs is not None and plan.logprobs_mode.startswith("raw"),
             num_beams=1,
             do_sample=False,  # sampled plans too: the backend's last logits processor draws (hf.sampling)
         )
@@ -270,7 +271,7 @@ class HfBackend(BackendBase, backend="hf"):
         from transformers import LogitsProcessorList, StoppingCriteriaList
 
         from engine.backends.hf.rules import HfRowRules
-        from engine.backends.hf.sampling import RowSampler
+        from engine.backends.hf.sampling import RowSampler, ScoreTap
         from engine.rules.base import rule_sets
         from engine.rules.detok import text_stream
         from engine.rules.stop import StopStringWatch
@@ -295,10 +296,13 @@ class HfBackend(BackendBase, backend="hf"):
         # grammar allows and never revive a token it masked (row_apply.apply_decisions).
         masks = self._grammar_processors(plan, len(prompts), width)
         opts = plan.options
-        sampler = []
+        tap = ScoreTap() if opts.logprobs is not None and plan.logprobs_mode.startswith("processed") else None
+        sampler: list[Any] = []
         if not opts.is_greedy:  # warpers after every other processor, then one draw per row with its own seed
             sampler.append(RowSampler([p.seed for p in prompts], temperature=opts.temperature, top_k=opts.top_k,
-                                      top_p=opts.top_p, min_p=opts.min_p))
+                                      top_p=opts.top_p, min_p=opts.min_p, tap=tap))
+        elif tap is not None:  # greedy: the draw is the argmax of what every processor left (vLLM's greedy path)
+            sampler.append(tap)
         with torch.inference_mode():
             out = self.model.generate(**inputs, generation_config=self.generation_config(plan),
                                       stopping_criteria=StoppingCriteriaList([recorder]),
@@ -314,7 +318,8 @@ class HfBackend(BackendBase, backend="hf"):
             if stop_specs and stop_sets:
                 events.update(stopped_on_seen_token(stop_sets[row].events()))
             results.append(BackendOutput(token_ids=tuple(ids[:n]),
-                                         logprobs=self._logprobs(out.logits, row, n, ids, plan),
+                                         logprobs=self._logprobs(out.logits if tap is None else tap.steps, row, n,
+                                                                 ids, plan),
                                          prompt_token_ids=tuple(seen), events=events))
         return results
 
@@ -329,11 +334,14 @@ class HfBackend(BackendBase, backend="hf"):
         return [GrammarMask(self._schemas.compile(plan.json_schema), batch, prompt_len, self.vocab_size)]
 
     def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
-              top: int | None = None) -> list[TokenScores]:
+              top: int | None = None, processing: Any = None) -> list[TokenScores]:
         """Log-probabilities of ``sequences[i][starts[i]:]`` (each token given all before it) from one forward
         pass per batch of right-padded rows, whether each token was the model's argmax there, and with ``top`` the
-        ``top`` likeliest tokens at each position."""
+        ``top`` likeliest tokens at each position. With ``processing`` (``engine.rules.processing.Processing``) the
+        logits are processed as a sampled draw's were first, and each score carries its kept mass."""
         import torch
+
+        from engine.rules.processing import reprocess
 
         size = self.settings.max_batch_size or 8
         scores: list[TokenScores] = []
@@ -349,24 +357,35 @@ class HfBackend(BackendBase, backend="hf"):
                 logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
             for row, (seq, start) in enumerate(zip(chunk, offsets, strict=True)):
                 # The token at position p is predicted by the logits at p - 1.
-                lp = torch.log_softmax(logits[row, start - 1 : len(seq) - 1].float(), dim=-1)  # (n, vocab)
+                kept = None
+                if processing is None:
+                    lp = torch.log_softmax(logits[row, start - 1 : len(seq) - 1].float(), dim=-1)  # (n, vocab)
+                else:
+                    lp, mass = reprocess(logits[row, start - 1 : len(seq) - 1], processing, seq, start)
+                    kept = tuple(mass.tolist())
                 target = torch.tensor(list(seq[start:]), dtype=torch.long, device=lp.device)
                 chosen = lp.gather(-1, target[:, None])[:, 0]
                 greedy = lp.argmax(dim=-1) == target
                 scores.append(TokenScores(logprobs=tuple(chosen.tolist()), greedy=tuple(greedy.tolist()),
-                                          top=None if top is None else top_alternatives(lp, target, top)))
+                                          top=None if top is None else top_alternatives(lp, target, top),
+                                          kept_mass=kept))
         return scores
 
     @staticmethod
     def _logprobs(logits: Any, row: int, n: int, ids: list[int], plan: SamplingPlan) -> Any:
+        """Row ``row``'s top-k per step from ``logits`` (per step: batch x vocab, raw or as the draw saw them), as
+        ``plan.logprobs_mode`` says: log-softmaxed (``*_logprobs``) or as they are (``*_logits``)."""
         k = plan.options.logprobs
         if k is None:
             return None
         import torch
 
+        softmax = plan.logprobs_mode.endswith("logprobs")
         per_token = []
         for step in range(n):
-            lp = torch.log_softmax(logits[step][row].float(), dim=-1)  # (vocab,)
+            lp = logits[step][row].float()  # (vocab,)
+            if softmax:
+                lp = torch.log_softmax(lp, dim=-1)
             top = torch.topk(lp, k) if k else None
             entry = {int(t): float(v) for t, v in zip(top.indices, top.values, strict=True)} if top is not None else {}
             entry[ids[step]] = float(lp[ids[step]])

@@ -5,7 +5,8 @@ seeded call get different samples only by their position, and a row's sample cha
 HF backend therefore runs ``generate`` greedy and samples in its last logits processor: HF's own warpers in vLLM's
 order (temperature, min-p, top-k, top-p, after every other processor: penalties, min-length, row rules, grammar mask),
 then one draw per row from that row's own ``torch.Generator``; the processor returns scores where only the drawn
-token is finite, so greedy selection picks it. Raw logits (``output_logits``, the logprobs' source) are untouched.
+token is finite, so greedy selection picks it. Raw logits (``output_logits``, raw logprobs' source) are untouched;
+a :class:`ScoreTap` keeps the scores the draw used (processed logprobs' source, vLLM's ``processed_logprobs``).
 """
 
 from __future__ import annotations
@@ -42,20 +43,43 @@ class RowSampler:
     """
 
     def __init__(self, seeds: Sequence[int | None], *, temperature: float, top_k: int, top_p: float,
-                 min_p: float = 0.0) -> None:
+                 min_p: float = 0.0, tap: ScoreTap | None = None) -> None:
         import torch
 
         self.warpers = sampling_warpers(temperature, top_k, top_p, min_p)
         self.generators = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
+        self.tap = tap
 
     def __call__(self, input_ids: Any, scores: Any) -> Any:
         import torch
 
         for warp in self.warpers:
             scores = warp(input_ids, scores)
+        if self.tap is not None:
+            self.tap(input_ids, scores)
         probs = torch.softmax(scores.float(), dim=-1).cpu()  # (batch, vocab); the generators live on the CPU
         drawn = torch.full_like(scores, float("-inf"))
         for row, generator in enumerate(self.generators):
             token = torch.multinomial(probs[row], 1, generator=generator)
             drawn[row, token.to(scores.device)] = 0.0
         return drawn
+
+
+class ScoreTap:
+    """A logits processor that keeps a float32 copy of the scores it sees, one (batch, vocab) tensor per step, and
+    passes them on unchanged: last in a greedy call, or inside :class:`RowSampler` after its warpers, it holds the
+    distribution each token was drawn from (what vLLM's ``processed_logprobs`` report).
+
+    >>> import torch
+    >>> tap = ScoreTap()
+    >>> _ = tap(torch.zeros(1, 1), torch.tensor([[1.0, float("-inf")]]))
+    >>> tap.steps[0].tolist()
+    [[1.0, -inf]]
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[Any] = []
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        self.steps.append(scores.float().clone())
+        return scores

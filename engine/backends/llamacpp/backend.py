@@ -6,8 +6,8 @@ given. At load the GGUF's vocabulary is checked against that tokenizer, token by
 
 Rows run one after another through ``Llama.generate`` (one sequence per llama.cpp context; consecutive rows reuse the
 KV cache of a shared prompt prefix). Per token, :class:`~engine.backends.llamacpp.rules.LlamaCppRowStep` (the
-``logits_processor``) applies min_new_tokens, the repetition penalty, the row rules, the temperature and min-p;
-llama.cpp applies top-k, top-p and samples (greedy when the options are). The loop here ends a row on a terminal
+``logits_processor``) applies min_new_tokens, the repetition penalty, the row rules, the temperature, min-p, top-k
+and top-p; llama.cpp samples from what it leaves (greedy when the options are). The loop here ends a row on a terminal
 id, a stop string (found on the row's text with the engine's stop rule; the engine still truncates ``text``), a
 stopping rule, ``max_new_tokens`` or the context length.
 """
@@ -183,16 +183,17 @@ class LlamaCppBackend(BackendBase, backend="llamacpp"):
                                min_new_tokens=opts.min_new_tokens, rules=rules, eos_id=plan.eos_token_ids[0],
                                repetition_penalty=opts.repetition_penalty,
                                temperature=None if opts.is_greedy else opts.temperature, min_p=opts.min_p,
-                               logprobs=opts.logprobs is not None)
+                               top_k=opts.top_k, top_p=opts.top_p, logprobs=opts.logprobs is not None,
+                               logprobs_mode=plan.logprobs_mode)
         stops = StopStringWatch(plan.stop.strings, text_stream(text_source),
                                 min_new_tokens=opts.min_new_tokens) if plan.stop.strings else None
         budget = min(opts.max_new_tokens, self.n_ctx - len(prompt.token_ids))
         llm.set_seed(self._seed(prompt))
         tokens: list[int] = []
         logprobs: list[dict[int, float]] = []
-        generator = llm.generate(list(prompt.token_ids), temp=0.0 if opts.is_greedy else 1.0, top_k=opts.top_k,
-                                 top_p=opts.top_p, min_p=0.0, typical_p=1.0, repeat_penalty=1.0,
-                                 logits_processor=[step])
+        generator = llm.generate(list(prompt.token_ids), temp=0.0 if opts.is_greedy else 1.0, top_k=0,
+                                 top_p=1.0, min_p=0.0, typical_p=1.0, repeat_penalty=1.0,
+                                 logits_processor=[step])  # the step truncated: llama.cpp draws from what it left
         try:
             for token in generator:
                 token = int(token)

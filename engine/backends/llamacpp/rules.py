@@ -5,9 +5,10 @@ and one row of logits in token-id order) and samples from what it returns. :clas
 callable for one row. It applies, in HF's order: ``min_new_tokens`` (terminal ids banned until then),
 ``repetition_penalty`` (HF's rule), the row's rules (the shared :class:`~engine.rules.base.RuleSet`, decided and
 applied by :mod:`engine.backends.row_apply` on a zero-copy torch view of the row, exactly as on HF and vLLM), then
-the temperature and min-p; llama.cpp's own top-k / top-p and sampler come after (vLLM's order; llama.cpp's
-own min-p, which it would apply after top-p, stays off). It notes the raw
-log-probabilities before any edit when logprobs are asked for (HF's ``output_logits``, vLLM's raw logprobs).
+the temperature, min-p, top-k and top-p (vLLM's order and rule, :mod:`engine.rules.processing`); llama.cpp's own
+sampler then draws from exactly that (its top-k, top-p and min-p stay off). When logprobs are asked for it keeps
+the row as the mode says: the raw scores before any edit (HF's ``output_logits``, vLLM's raw logprobs) or the
+processed ones the draw used.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class LlamaCppRowStep:
 
     def __init__(self, *, prompt_len: int, terminal_ids: Sequence[int], min_new_tokens: int, rules: RuleSet | None,
                  eos_id: int, repetition_penalty: float = 1.0, temperature: float | None = None,
-                 min_p: float = 0.0, logprobs: bool = False) -> None:
+                 min_p: float = 0.0, top_k: int = 0, top_p: float = 1.0, logprobs: bool = False,
+                 logprobs_mode: str = "raw_logprobs") -> None:
         self.prompt_len = prompt_len
         self.terminal_ids = list(terminal_ids)
         self.min_new_tokens = min_new_tokens
@@ -41,10 +43,14 @@ class LlamaCppRowStep:
         self.repetition_penalty = repetition_penalty
         self.temperature = temperature
         self.min_p = min_p
+        self.top_k = top_k
+        self.top_p = top_p
         self.logprobs = logprobs
+        self.mode = logprobs_mode
         self.generated = 0
         self.last_logprobs: Any = None
-        """The raw log-softmax of the latest step (when ``logprobs``)."""
+        """The latest step's row as ``logprobs_mode`` says (when ``logprobs``): raw or processed, log-softmaxed or
+        as logits."""
 
     def feed(self, token: int) -> None:
         """The token llama.cpp just sampled for this row (the next call decides the token after it)."""
@@ -55,9 +61,8 @@ class LlamaCppRowStep:
     def __call__(self, input_ids: Any, scores: Any) -> Any:
         import numpy as np
 
-        if self.logprobs:
-            shifted = scores.astype(np.float64) - float(scores.max())
-            self.last_logprobs = shifted - np.log(np.exp(shifted).sum())
+        if self.logprobs and self.mode.startswith("raw"):
+            self.last_logprobs = self._kept(scores)
         if self.generated < self.min_new_tokens:
             scores[self.terminal_ids] = -np.inf
         if self.repetition_penalty != 1.0:
@@ -75,10 +80,28 @@ class LlamaCppRowStep:
             scores /= self.temperature
         if self.min_p:  # p < min_p * p_max, in logits: below the top logit by more than -log(min_p)
             scores[scores < scores.max() + math.log(self.min_p)] = -np.inf
+        if self.top_k or self.top_p < 1:
+            import torch
+
+            from engine.rules.processing import truncate
+
+            truncate(torch.from_numpy(scores)[None, :], self.top_k, self.top_p)  # in place, on llama.cpp's array
+        if self.logprobs and self.mode.startswith("processed"):
+            self.last_logprobs = self._kept(scores)
         return scores
 
+    def _kept(self, scores: Any) -> Any:
+        """A float64 copy of a row, log-softmaxed for the ``*_logprobs`` modes."""
+        import numpy as np
+
+        row = scores.astype(np.float64)
+        if self.mode.endswith("logits"):
+            return row
+        shifted = row - float(row.max())
+        return shifted - np.log(np.exp(shifted).sum())
+
     def top_logprobs(self, token: int, k: int) -> dict[int, float]:
-        """The latest step's top-``k`` raw log-probabilities and the sampled ``token``'s (HF's and vLLM's shape)."""
+        """The latest step's top-``k`` log-probabilities and the sampled ``token``'s (HF's and vLLM's shape)."""
         import numpy as np
 
         lp = self.last_logprobs

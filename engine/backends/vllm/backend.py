@@ -86,6 +86,7 @@ def llm_kwargs(model: ModelConfig, settings: VllmConfig) -> dict[str, Any]:
         "enforce_eager": settings.enforce_eager,
         "tensor_parallel_size": settings.tensor_parallel_size,
         "data_parallel_size": settings.data_parallel_size,
+        "logprobs_mode": model.logprobs_mode,  # vLLM's own steps and names; the other backends follow them
     }
     if model.max_model_len is not None:
         kwargs["max_model_len"] = model.max_model_len
@@ -148,7 +149,9 @@ def capabilities(model_config: Any, settings: VllmConfig, plan: Any) -> Capabili
     multimodal = bool(model_config.is_multimodal_model)
     return Capabilities(name=SPEC.name, logprobs=True, hooks=HOOKS if plan.problem is None else frozenset(),
                         supports_vlm=multimodal and settings.limit_images_per_prompt > 0,
-                        max_model_len=int(model_config.max_model_len), scoring=True,
+                        max_model_len=int(model_config.max_model_len),
+                        # in a logits mode vLLM's prompt "logprobs" are logits: scores would not be log-probabilities
+                        scoring=str(model_config.logprobs_mode).endswith("logprobs"),
                         structured_outputs=not multimodal, rules_problem=plan.problem)
 
 

@@ -37,7 +37,8 @@ def router(served: ServedEngine) -> APIRouter:
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model, "object": "model", "created": int(served.started),
                                             "owned_by": "engine", "root": engine.config.model.path,
-                                            "max_model_len": engine.backend.capabilities.max_model_len}]}
+                                            "max_model_len": engine.backend.capabilities.max_model_len,
+                                            "logprobs_mode": engine.config.model.logprobs_mode}]}
 
     @chats.route(api, "/v1/chat/completions")
     async def chat_completions(call: Call) -> Any:

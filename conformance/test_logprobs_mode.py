@@ -1,0 +1,140 @@
+"""One logprob contract on every backend: ``model.logprobs_mode: processed_logprobs`` (vLLM's names and steps) reports
+the distribution each token was drawn from, equal across HF, vLLM and llama.cpp in float32; a trainer that re-scores
+with the same processing (``engine.score(..., processing=...)``) gets importance weights of 1; one that re-scores with
+the temperature only (ms-swift's trainer) or reads raw logprobs does not, by the amounts this check measures.
+
+Seeded samples differ across backends (their random streams differ), so a sampled row is compared across backends
+at every step whose prefix both rows share (the first step always): the kept support (every finite entry of the
+top-20 under ``top_k: 20``), its values and each backend's drawn token. A greedy penalised run (with a min-length ban)
+compares every step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from conformance.precision import REFERENCE_TOL
+from engine.errors import ConfigError
+from fixtures import load_prompts
+
+PROMPTS = [p["messages"] for p in load_prompts("chat")[:4]]
+PROCESSING = {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.3}
+SAMPLED = {"max_new_tokens": 8, "seed": 11, "logprobs": 20, **PROCESSING}
+GREEDY = {"max_new_tokens": 8, "repetition_penalty": 1.3, "min_new_tokens": 3, "logprobs": 5}
+PROCESSED = {"logprobs_mode": "processed_logprobs"}
+"""The processed engines' model section (the session's dtype: these checks run in the float32 pass only)."""
+WEIGHT_TOL = 1e-3
+"""|importance weight - 1| of a float32 rollout re-scored as it was drawn: cached decode against one forward pass
+(HF on itself measures ~1e-5) plus the cross-backend float32 bound."""
+
+
+def processed(pool, backend):
+    return pool.engine(backend, pool.options.model, model=PROCESSED)
+
+
+def kept(step: dict[int, float]) -> dict[int, float]:
+    return {t: v for t, v in step.items() if math.isfinite(v)}
+
+
+@pytest.mark.servable
+def test_processed_logprobs_are_one_contract_on_every_backend(pool, backend_names):
+    rows = {b: processed(pool, b).generate(PROMPTS, options=SAMPLED) for b in backend_names}
+    greedy = {b: processed(pool, b).generate(PROMPTS, options=GREEDY) for b in backend_names}
+    for b, results in rows.items():
+        for i, r in enumerate(results):
+            assert r.meta["logprobs_mode"] == "processed_logprobs", f"{b} row {i}: {r.meta.get('logprobs_mode')}"
+            for s, (token, step) in enumerate(zip(r.token_ids, r.logprobs, strict=True)):
+                support = kept(step)
+                assert token in support, f"{b} row {i} step {s}: drew {token}, outside its kept support {support}"
+                assert len(support) <= PROCESSING["top_k"], f"{b} row {i} step {s}: {len(support)} kept tokens"
+                mass = sum(math.exp(v) for v in support.values())
+                assert abs(mass - 1) < 1e-4, f"{b} row {i} step {s}: the kept support sums to {mass}, not 1"
+    first, *others = backend_names
+    compared = 0
+    for b in others:
+        for i, (ref, got) in enumerate(zip(rows[first], rows[b], strict=True)):
+            for s in range(min(len(ref.token_ids), len(got.token_ids))):
+                want, have = kept(ref.logprobs[s]), kept(got.logprobs[s])
+                assert want.keys() == have.keys(), f"{first} vs {b} row {i} step {s}: kept {sorted(want)} vs " \
+                                                   f"{sorted(have)}"
+                worst = max(abs(want[t] - have[t]) for t in want)
+                assert worst <= REFERENCE_TOL, f"{first} vs {b} row {i} step {s}: processed logprobs {worst} apart"
+                compared += 1
+                if ref.token_ids[s] != got.token_ids[s]:
+                    break  # the prefixes part here: later steps condition on different tokens
+        for i, (ref, got) in enumerate(zip(greedy[first], greedy[b], strict=True)):
+            assert ref.token_ids == got.token_ids, f"{first} vs {b} greedy row {i}: {ref.token_ids} vs {got.token_ids}"
+            for s, (want, have) in enumerate(zip(ref.logprobs, got.logprobs, strict=True)):
+                worst = max(abs(want[t] - have[t]) for t in want.keys() & have.keys())
+                assert worst <= REFERENCE_TOL, f"{first} vs {b} greedy row {i} step {s}: {worst} apart"
+    assert compared >= len(PROMPTS) * len(others)
+
+
+@pytest.mark.servable
+def test_min_length_ban_shows_in_processed_logprobs(pool, backend):
+    """A token the engine forbids (here EOS under ``min_new_tokens``) has processed logprob -inf while it is banned,
+    and its raw logprob is the model's own: every backend reports the ban the same way."""
+    engine = processed(pool, backend)
+    eos = engine.tokenizer.eos_token_id
+    say = [[{"role": "user", "content": "Reply with one word: yes or no. Is water wet?"}]]
+    free = engine.generate(say, options={"max_new_tokens": 6})[0]
+    ended = len(free.token_ids)
+    assert free.token_ids[-1] == eos and ended < 6, f"{backend}: the prompt was meant to end early: {free.token_ids}"
+    ban = engine.generate(say, options={"max_new_tokens": 6, "min_new_tokens": ended + 1, "logprobs": 20})[0]
+    step = ban.logprobs[ended - 1]  # where the free row drew EOS
+    assert step.get(eos, float("-inf")) == float("-inf"), f"{backend}: banned EOS reported {step.get(eos)}"
+
+
+@pytest.mark.servable
+def test_importance_weights_are_one_when_the_trainer_rescores_as_the_rollout_drew(pool, backend, summary_note):
+    """Rollouts in processed mode, re-scored by an HF trainer (``engine.score``) with the same processing: every
+    token's weight is 1. Re-scored with the temperature only (ms-swift's trainer), or read raw (this server before
+    ``logprobs_mode``), the weights are off: each combination is measured and noted."""
+    rollout = processed(pool, backend).generate(PROMPTS, options=SAMPLED)
+    raw = pool.text_engine(backend).generate(PROMPTS, options=SAMPLED)
+    trainer = pool.reference("hf", pool.options.model)
+
+    def weights(results, processing):
+        seqs = [list(r.prompt_token_ids) + list(r.token_ids) for r in results]
+        scores = trainer.score(seqs, [len(r.prompt_token_ids) for r in results], processing=processing)
+        return [math.exp(t - r.logprobs[k][tok]) for r, s in zip(results, scores, strict=True)
+                for k, (tok, t) in enumerate(zip(r.token_ids, s.logprobs, strict=True))]
+
+    matched = weights(rollout, PROCESSING)
+    worst = max(abs(w - 1) for w in matched)
+    assert worst <= WEIGHT_TOL, f"{backend}: processed rollout re-scored as drawn, weight off 1 by {worst}"
+    tempered = {"temperature": PROCESSING["temperature"]}  # ms-swift's trainer: temperature only, full vocabulary
+    mixed = {"processed rollout, temperature-only trainer": weights(rollout, tempered),
+             "raw rollout, temperature-only trainer": weights(raw, tempered),
+             "raw rollout, processed trainer": weights(raw, PROCESSING)}
+    for name, ws in mixed.items():
+        outside = sum(not 0.9 <= w <= 1.1 for w in ws) / len(ws)
+        summary_note(f"{backend} {name}: mean weight {sum(ws) / len(ws):.3f}, {outside:.0%} of {len(ws)} tokens "
+                     f"outside [0.9, 1.1] (matched: worst {worst:.1e})")
+        assert max(abs(w - 1) for w in ws) > 0.05, f"{backend} {name}: no bias measured, the check has no teeth"
+
+
+def test_kept_mass_is_the_gap_to_temperature_only_rescoring(pool):
+    """Without a penalty, processed logprobs exceed temperature-only ones by exactly -log(kept mass) per token (the
+    trap of vLLM-processed rollouts against ms-swift's re-scoring), and ``engine.score`` reports that mass."""
+    trainer = pool.reference("hf", pool.options.model)
+    rows = trainer.generate(PROMPTS, options={**SAMPLED, "repetition_penalty": 1.0})
+    seqs = [list(r.prompt_token_ids) + list(r.token_ids) for r in rows]
+    starts = [len(r.prompt_token_ids) for r in rows]
+    truncated = trainer.score(seqs, starts, processing={**PROCESSING, "repetition_penalty": 1.0})
+    tempered = trainer.score(seqs, starts, processing={"temperature": PROCESSING["temperature"]})
+    for i, (p, t) in enumerate(zip(truncated, tempered, strict=True)):
+        for k, (a, b, mass) in enumerate(zip(p.logprobs, t.logprobs, p.kept_mass, strict=True)):
+            assert 0 < mass <= 1 + 1e-6, f"row {i} token {k}: kept mass {mass}"
+            assert abs((a - b) + math.log(mass)) < 1e-4, f"row {i} token {k}: gap {a - b}, -log mass {-math.log(mass)}"
+    assert any(m < 0.99 for s in truncated for m in s.kept_mass), "top-p/top-k cut nothing: the check has no teeth"
+
+
+@pytest.mark.servable
+def test_a_request_expecting_another_mode_is_refused_before_generation(engine, backend, count_backend_calls):
+    calls = count_backend_calls(engine)
+    with pytest.raises(ConfigError, match=r"generation\.logprobs_mode") as err:
+        engine.generate(PROMPTS[:1], options={"max_new_tokens": 4, "logprobs": 1,
+                                              "logprobs_mode": "processed_logprobs"})
+    assert "raw_logprobs" in str(err.value) and calls == []
