@@ -13,6 +13,7 @@ GPU-only, not run here: the ``nccl`` transport with swift's ``VLLMClient.init_co
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 
@@ -89,3 +90,86 @@ def test_pushed_weights_answer_like_the_perturbed_checkpoint(pool, backend, pert
     expected = pool.engine(backend, path).generate(PROMPTS, options={"max_new_tokens": GREEDY["max_tokens"]})
     assert [r.token_ids for r in after] == [r.token_ids for r in expected], "served answers after the push"
     assert [r.token_ids for r in before] != [r.token_ids for r in after], "the push changed no answer"
+
+
+def push(sync, tensors: dict) -> None:
+    """One training step's push as the test's learner sends it: the named tensor, then one swift bucket."""
+    from swift.rlhf_trainers.utils import FlattenedTensorBucket
+
+    sync.update_named_param(NAMED, tensors[NAMED])
+    bucket = FlattenedTensorBucket(named_tensors=[(name, tensors[name]) for name in BUCKET])
+    sync.update_flattened_params(bucket.get_metadata(), bucket.get_flattened_tensor())
+    sync.reset_prefix_cache()  # what swift's trainer calls after every update; the session ends here
+
+
+def test_pushes_under_load_round_trip_exactly(pool, backend, perturbed):
+    """The GRPO loop as trainers run it: rollouts in flight while the learner pushes (this killed vLLM's engine
+    core: its layerwise reload ran under a generating batch), three cycles of perturbed weights and the original ones
+    back. Every in-flight row runs on one set of weights (old or new, never a mix); after each round trip the
+    answers and logprobs equal the ones before, bit for bit in float32; pushing the same weights again changes
+    nothing; ``/health`` still answers ok (and would say ``dead`` otherwise)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from safetensors.torch import load_file
+
+    from conformance.conftest import unavailable_reason
+    from engine.client import RolloutClient, launch_server
+    from engine.weight_sync import WeightSyncClient
+
+    if unavailable_reason(backend):
+        pytest.skip(unavailable_reason(backend))
+    if backend == "llamacpp":
+        pytest.skip("llamacpp loads no learner's weights (refused by name: "
+                    "test_pushed_weights_answer_like_the_perturbed_checkpoint)")
+    _, changed = perturbed
+    looper = str(fixture_path("tiny-looper"))
+    original = {name: t for name, t in load_file(str(fixture_path("tiny-looper") / "model.safetensors")).items()
+                if name in changed}
+    scored = {**GREEDY, "logprobs": True, "top_logprobs": 2}
+    long = {**GREEDY, "max_tokens": 48}
+    handle = launch_server({**pool.config(backend, looper), "serve": {"port": 0}})
+    try:
+        with RolloutClient(handle.url, health_timeout=30) as client:
+            def answers():  # one prompt at a time: bit-exact needs the same batches (vLLM is not batch invariant)
+                return [(r.token_ids, r.logprobs) for p in PROMPTS for r in client.infer([p], scored)]
+
+            def rows(during):
+                return [r.token_ids for r in during]
+
+            before = answers()
+            old_long = rows(client.infer(PROMPTS, long))
+            with WeightSyncClient(handle.url, transport="tcp") as sync:
+                push(sync, changed)
+                new_long = rows(client.infer(PROMPTS, long))
+                push(sync, original)
+                assert answers() == before, "answers after pushing the original weights back"
+                for cycle in range(3):
+                    with ThreadPoolExecutor(len(PROMPTS)) as threads:
+                        flying = [threads.submit(client.infer, [p], long) for p in PROMPTS]
+                        push(sync, changed)
+                        landed = [f.result()[0].token_ids for f in flying]
+                    for i, got in enumerate(landed):
+                        assert got in (old_long[i], new_long[i]), f"cycle {cycle} row {i}: a mix of two weight sets"
+                    assert rows(client.infer(PROMPTS, long)) == new_long, f"cycle {cycle}: the push did not land"
+                    push(sync, original)
+                    assert answers() == before, f"cycle {cycle}: the round trip is not exact"
+                push(sync, original)
+                assert answers() == before, "pushing the weights already loaded changed an answer"
+            health = httpx.get(f"{handle.url}/health", timeout=30)
+            if backend == "vllm":  # an engine core that died: /health must say so (it answered 200 before)
+                import psutil
+
+                for child in psutil.Process(handle.process.pid).children(recursive=True):
+                    child.kill()
+                dead = httpx.get(f"{handle.url}/health", timeout=30)
+                for _ in range(100):
+                    if dead.status_code != 200:
+                        break
+                    time.sleep(0.1)
+                    dead = httpx.get(f"{handle.url}/health", timeout=30)
+                assert dead.status_code == 503 and dead.json()["status"] == "dead", dead.text
+    finally:
+        handle.stop()
+    assert old_long != new_long, "the perturbed weights changed no answer: the check has no teeth"
+    assert health.status_code == 200 and health.json()["status"] == "ok", health.text

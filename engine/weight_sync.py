@@ -66,11 +66,14 @@ def check_transport(transport: Any) -> str:
     return str(transport)
 
 
-def open_communicator(host: str, port: int, rank: int, world_size: int, transport: str, device: Any = None) -> Any:
-    """Join the learner's group as ``rank`` (rank 0 hosts its TCP store on ``host:port``) with ``transport``."""
+def open_communicator(host: str, port: int, rank: int, world_size: int, transport: str, device: Any = None,
+                      timeout_s: float = 300.0) -> Any:
+    """Join the learner's group as ``rank`` (rank 0 hosts its TCP store on ``host:port``) with ``transport``; rank
+    0 waits ``timeout_s`` at most for the others to join."""
     from vllm.distributed.utils import StatelessProcessGroup
 
-    group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size)
+    group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size,
+                                         store_timeout=max(1, int(timeout_s)))
     if transport == "nccl":
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
 
@@ -78,14 +81,113 @@ def open_communicator(host: str, port: int, rank: int, world_size: int, transpor
     return TcpCommunicator(group)
 
 
-def torch_dtype(name: str) -> Any:
-    """``"torch.float32"`` or ``"float32"`` as a torch dtype, refused by name when it is none."""
+class Joining:
+    """A learner group being joined on a thread of its own (rank 0's store waits for the learner): the caller goes
+    on (generation is never held back by a learner that is slow to join), and :meth:`joined` waits for the group or
+    raises the join's failure (e.g. the learner never came within the timeout).
+
+    >>> Joining(lambda: "group").joined()
+    'group'
+    """
+
+    def __init__(self, join: Any) -> None:
+        import threading
+
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self._result = join()
+            except BaseException as err:  # kept for joined(): the join's failure is the next weight call's
+                self._error = err
+
+        self._thread = threading.Thread(target=run, name="engine-weight-join", daemon=True)
+        self._thread.start()
+
+    def joined(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise RuntimeError(f"the learner's group could not be joined: {self._error}") from self._error
+        return self._result
+
+
+def announced_tensors(announced: Mapping[str, Any]) -> list[tuple[str, str, Sequence[int]]]:
+    """(field, name, shape) of every tensor a push announces (a named one, or a bucket's)."""
+    if "metadatas" in announced:
+        return [(f"metadatas[{i}].name", m["name"], m["shape"]) for i, m in enumerate(announced["metadatas"])]
+    return [("name", announced["name"], announced["shape"])]
+
+
+WIDE_OPEN = frozenset({"0.0.0.0", "::", ""})
+"""The wildcard addresses swift's client asks the server to bind its group store on."""
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+MAX_TENSOR_ELEMENTS = 2**36
+"""Most elements one announced tensor may have (256 GiB in float32): a shape beyond it is no model's."""
+
+
+def store_host(asked: Any, serve_host: str, allowed: Sequence[str] = ()) -> str:
+    """Where ``/init_communicator/`` may open the group's store: loopback, the server's own ``serve.host`` (the
+    wildcard swift's client sends means that one), or an address the operator listed in ``serve.weight_sync_hosts``.
+
+    >>> store_host("0.0.0.0", "127.0.0.1"), store_host("::1", "10.0.0.5")
+    ('127.0.0.1', '::1')
+    >>> store_host("203.0.113.9", "127.0.0.1")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: host ... is not loopback, this server's address (127.0.0.1) or a listed one...
+    """
+    if not isinstance(asked, str):
+        raise RequestError("host", asked, "must be a host name or address", fix="e.g. 127.0.0.1")
+    if asked in WIDE_OPEN:
+        return serve_host
+    if asked in LOOPBACK or asked.startswith("127.") or asked == serve_host or asked in allowed:
+        return asked
+    raise RequestError("host", asked, f"is not loopback, this server's address ({serve_host}) or a listed one: the "
+                       "group's store would listen there and unpickle what reaches it",
+                       fix="send 0.0.0.0 (this server's address) or 127.0.0.1, or list the address in "
+                           "serve.weight_sync_hosts")
+
+
+def torch_dtype(name: str, field: str = "dtype") -> Any:
+    """``"torch.float32"`` or ``"float32"`` as a torch dtype of weights, refused by name when it is none.
+
+    >>> torch_dtype("torch.qint8")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: dtype is not a floating dtype weights are pushed in, got 'torch.qint8'. Fix: ...
+    """
     import torch
 
-    dtype = getattr(torch, str(name).rsplit(".", 1)[-1], None)
-    if not isinstance(dtype, torch.dtype):
-        raise RequestError("dtype", name, "is not a torch dtype", fix='e.g. "torch.float32"')
-    return dtype
+    short = str(name).rsplit(".", 1)[-1]
+    if short not in WEIGHT_DTYPES:
+        raise RequestError(field, name, "is not a floating dtype weights are pushed in",
+                           fix=f"one of {', '.join('torch.' + d for d in WEIGHT_DTYPES)}")
+    return getattr(torch, short)
+
+
+def check_shape(shape: Any, field: str = "shape") -> list[int]:
+    """A tensor shape: a list of sizes whose product is a model tensor's size at most.
+
+    >>> check_shape([576, 49152])
+    [576, 49152]
+    >>> check_shape([1e30])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: shape must be a list of integer sizes..., got [1e+30]. Fix: e.g. [576, 49152].
+    """
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        raise RequestError(field, shape, f"must be a list of integer sizes with at most {MAX_TENSOR_ELEMENTS} "
+                           "elements in all", fix="e.g. [576, 49152]")
+    count = 1
+    for d in shape:
+        count *= d
+    if count > MAX_TENSOR_ELEMENTS:
+        raise RequestError(field, shape, f"must be a list of integer sizes with at most {MAX_TENSOR_ELEMENTS} "
+                           "elements in all", fix="send the parameter's own shape (GET /get_model_state_keys/)")
+    return list(shape)
 
 
 def receive_named(communicator: Any, name: str, dtype: str, shape: Sequence[int]) -> list[tuple[str, Any]]:
@@ -136,10 +238,25 @@ def check_metadatas(metadatas: Any) -> list[dict[str, Any]]:
         if not isinstance(meta, Mapping) or not {"name", "shape", "dtype", "start_idx", "end_idx"} <= set(meta):
             raise RequestError(f"metadatas[{i}]", meta, "must hold name, shape, dtype, start_idx and end_idx",
                                fix="send swift's FlattenedTensorMetadata fields")
+        if not isinstance(meta["name"], str) or not meta["name"]:
+            raise RequestError(f"metadatas[{i}].name", meta["name"], "must be a parameter name",
+                               fix="e.g. model.norm.weight")
+        shape = check_shape(meta["shape"], f"metadatas[{i}].shape")
+        dtype = torch_dtype(meta["dtype"], f"metadatas[{i}].dtype")
+        for key in ("start_idx", "end_idx"):
+            if isinstance(meta[key], bool) or not isinstance(meta[key], int):
+                raise RequestError(f"metadatas[{i}].{key}", meta[key], "must be an integer byte offset",
+                                   fix="send the bucket's metadata unchanged")
         if meta["start_idx"] != end or meta["end_idx"] <= meta["start_idx"]:
             raise RequestError(f"metadatas[{i}].start_idx", meta["start_idx"], f"must be {end}, the previous end, "
                                "with end_idx after it", fix="send the bucket's metadata unchanged")
-        torch_dtype(meta["dtype"])
+        count = 1
+        for d in shape:
+            count *= d
+        size = count * dtype.itemsize
+        if meta["end_idx"] - meta["start_idx"] != size:
+            raise RequestError(f"metadatas[{i}].end_idx", meta["end_idx"], f"must be start_idx + {size} (the bytes "
+                               f"of shape {shape} in {meta['dtype']})", fix="send the bucket's metadata unchanged")
         end = meta["end_idx"]
     return [dict(m) for m in metadatas]
 

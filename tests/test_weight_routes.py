@@ -44,11 +44,16 @@ class Recording:
     def generate(self, prompts, plan):
         raise AssertionError("not used")
 
-    def open_weights(self, host, port, world_size, transport):
-        self._note(f"open {host}:{port} {world_size} {transport}")
+    def open_weights(self, host, port, world_size, transport, timeout_s=300.0):
+        self.calls.append(f"open {host}:{port} {world_size} {transport}")  # the join: a thread of its own
+
+    def check_announced(self, announced):
+        pass
 
     def load_weights(self, announced):
         self._note("load " + (announced["name"] if "name" in announced else f"{len(announced['metadatas'])} tensors"))
+        if announced.get("name") == "broken":
+            raise RuntimeError("the learner sent nothing")
         return 1
 
     def finish_weights(self):
@@ -66,8 +71,8 @@ class Recording:
 
 
 class Engine:
-    def __init__(self, backend) -> None:
-        self.config = EngineConfig.from_dict({"backend": "hf", "model": {"path": "/models/m"}})
+    def __init__(self, backend, serve=None) -> None:
+        self.config = EngineConfig.from_dict({"backend": "hf", "model": {"path": "/models/m"}, "serve": serve or {}})
         self.backend, self.tokenizer = backend, None
         self._batcher = AsyncBatcher(backend)
 
@@ -76,11 +81,14 @@ class Engine:
 
     async def agenerate(self, requests, **kwargs):
         self.backend.calls.append("generate")
+        if "slow" in str(requests[0]):
+            await asyncio.sleep(0.3)
+            self.backend.calls.append("generated slowly")
         return [ANSWER for _ in requests]
 
 
-def session(backend, calls):
-    app = create_app(ServedEngine(Engine(backend), Activation(None, "test")), close_engine=False)
+def session(backend, calls, serve=None):
+    app = create_app(ServedEngine(Engine(backend, serve), Activation(None, "test")), close_engine=False)
 
     async def run():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine.test") as client:
@@ -97,15 +105,85 @@ def test_a_push_session_ends_before_the_next_generation_and_runs_on_the_batchers
     backend = Recording()
     replies = session(backend, [
         OPEN, ("POST", "/update_named_param/", {"name": "a", "dtype": "torch.float32", "shape": [2]}),
-        ("POST", "/update_flattened_params/", {"metadatas": META}), INFER,
-        ("POST", "/reset_prefix_cache/", None), ("POST", "/reset_encoder_cache/", None),
+        ("POST", "/update_flattened_params/", {"metadatas": META}), ("POST", "/process_weights_after_loading/", None),
+        INFER, ("POST", "/reset_prefix_cache/", None), ("POST", "/reset_encoder_cache/", None),
         ("POST", "/reset_mm_cache/", None), ("GET", "/get_model_state_keys/", None),
         ("POST", "/close_communicator/", None)])
-    assert [r.status_code for r in replies] == [200] * 9
-    assert replies[7].json() == {"keys": ["a", "b"]}
+    assert [r.status_code for r in replies] == [200] * 10
+    assert replies[8].json() == {"keys": ["a", "b"]}
     assert backend.calls == ["open 127.0.0.1:29500 2 tcp", "load a", "load 2 tensors", "finish", "generate",
                              "reset prefix", "reset encoder", "reset mm", "keys", "close"]
     assert backend.threads == {"engine-batcher_0"}, "the model is touched only between two generate calls"
+
+
+def test_a_push_waits_for_the_generations_in_flight():
+    """A push that arrives while a generation runs loads only after it ended (vLLM's layerwise reload under a
+    generating batch killed its engine core): that row runs wholly on the old weights."""
+    backend = Recording()
+    app = create_app(ServedEngine(Engine(backend), Activation(None, "test")), close_engine=False)
+    slow = {"infer_requests": [{"messages": [{"role": "user", "content": "slow"}]}]}
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine.test") as client:
+            await client.post(OPEN[1], json=OPEN[2])
+            generating = asyncio.ensure_future(client.post("/infer/", json=slow))
+            await asyncio.sleep(0.05)
+            pushed = await client.post("/update_named_param/", json={"name": "a", "dtype": "torch.float32",
+                                                                      "shape": [2]})
+            done = await generating
+            settled = await client.post("/reset_prefix_cache/")
+            return [pushed.status_code, done.status_code, settled.status_code]
+
+    assert asyncio.run(run()) == [200, 200, 200]
+    assert backend.calls[1:] == ["generate", "generated slowly", "load a", "finish", "reset prefix"]
+
+
+def test_a_generation_arriving_mid_session_waits_for_the_whole_step():
+    """A generation that arrives between two pushes of one training step waits for the learner's cache reset (the
+    end of the step): it never runs on a half-pushed model."""
+    backend = Recording()
+    app = create_app(ServedEngine(Engine(backend), Activation(None, "test")), close_engine=False)
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine.test") as client:
+            await client.post(OPEN[1], json=OPEN[2])
+            await client.post("/update_named_param/", json={"name": "a", "dtype": "torch.float32", "shape": [2]})
+            waiting = asyncio.ensure_future(client.post(INFER[1], json=INFER[2]))
+            await asyncio.sleep(0.1)
+            await client.post("/update_flattened_params/", json={"metadatas": META})
+            await client.post("/reset_prefix_cache/")
+            return (await waiting).status_code
+
+    assert asyncio.run(run()) == 200
+    assert backend.calls[1:] == ["load a", "load 2 tensors", "finish", "reset prefix", "generate"] or \
+        backend.calls[1:] == ["load a", "load 2 tensors", "finish", "generate", "reset prefix"]
+
+
+def test_a_failed_push_is_the_next_weight_calls_never_a_generations():
+    """A load that fails in the background (after its 200) is answered to the learner's next weight call; the
+    generation between them runs (the session is ended first) and gets its 200."""
+    backend = Recording()
+    replies = session(backend, [OPEN, ("POST", "/update_named_param/", {"name": "broken", "dtype": "torch.float32",
+                                                                         "shape": [2]}),
+                                INFER, ("POST", "/reset_prefix_cache/", None), ("POST", "/reset_prefix_cache/", None)],
+                      serve={"weight_sync_session_timeout_s": 0.2})  # the generation ends the silent session
+    assert [r.status_code for r in replies] == [200, 200, 200, 500, 200]
+    assert "the learner sent nothing" in replies[3].json()["error"]["message"]
+    assert backend.calls[1:] == ["load broken", "finish", "generate", "reset prefix"]
+
+
+@pytest.mark.parametrize(("host", "opened"), [("0.0.0.0", "127.0.0.1"), ("::", "127.0.0.1"), ("127.0.0.1", "127.0.0.1"),
+                                              ("203.0.113.9", None)])
+def test_the_group_store_listens_only_on_loopback_or_the_servers_own_address(host, opened):
+    """swift's client asks for the wildcard; the store then listens where the HTTP server does (127.0.0.1 here),
+    never on every interface of a server that serves loopback only, nor on an address a client names."""
+    backend = Recording()
+    reply, _closed = session(backend, [("POST", "/init_communicator/", {**OPEN[2], "host": host}),
+                                       ("POST", "/close_communicator/", None)])
+    if opened is None:
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "host" and backend.calls == ["close"]
+    else:
+        assert reply.status_code == 200 and backend.calls == [f"open {opened}:29500 2 tcp", "close"]
 
 
 @pytest.mark.parametrize(("route", "body", "field"), [
@@ -119,6 +197,10 @@ def test_a_push_session_ends_before_the_next_generation_and_runs_on_the_batchers
     ("/update_named_param/", {"name": "a", "dtype": "torch.float32", "shape": "2"}, "shape"),
     ("/update_flattened_params/", {"metadatas": [META[0], {**META[1], "start_idx": 9}]}, "metadatas[1].start_idx"),
     ("/update_flattened_params/", {"metadatas": []}, "metadatas"),
+    ("/update_named_param/", {"name": "a", "dtype": "torch.qint8", "shape": [2]}, "dtype"),
+    ("/update_named_param/", {"name": "a", "dtype": "torch.float32", "shape": [10**30]}, "shape"),
+    ("/update_flattened_params/", {"metadatas": [{**META[0], "end_idx": "8"}]}, "metadatas[0].end_idx"),
+    ("/update_flattened_params/", {"metadatas": [{**META[0], "end_idx": 10**300}]}, "metadatas[0].end_idx"),
 ])
 def test_a_malformed_call_is_refused_by_field_and_reaches_no_backend(route, body, field):
     backend = Recording()

@@ -188,8 +188,13 @@ class WeightLoading(Protocol):
     """A backend that takes a learner's weights while it serves (``engine.weight_sync``); the served engine calls
     these off its event loop, one at a time, never during a ``generate`` of a backend that batches through it."""
 
-    def open_weights(self, host: str, port: int, world_size: int, transport: str) -> None:
-        """Join the learner's group (blocks until the learner joins too)."""
+    def open_weights(self, host: str, port: int, world_size: int, transport: str, timeout_s: float = 300.0) -> None:
+        """Start joining the learner's group without holding generation back; the join (``timeout_s`` at most)
+        completes, or fails, at the next ``load_weights``."""
+        ...
+
+    def check_announced(self, announced: dict[str, Any]) -> None:
+        """Refuse, before anything is received, tensors the model cannot take (names, shapes, dtypes), by field."""
         ...
 
     def load_weights(self, announced: dict[str, Any]) -> int:

@@ -103,6 +103,16 @@ got 'response'. Fix: pick another key, e.g. 'coordexp'.
     """Most stop strings in one request."""
     max_stop_string_chars: int = 256
     """Longest stop string, in characters (each generated token is searched for the longest one)."""
+    weight_sync_hosts: tuple[str, ...] = ()
+    """Addresses besides loopback and ``host`` on which ``/init_communicator/`` may open the learner's group store
+    (its rank 0 listens there, and what it receives is unpickled: expose it no wider than the HTTP port). swift's
+    client asks for the wildcard (``0.0.0.0``), which binds ``host``. Empty: loopback and ``host`` only."""
+    weight_sync_join_timeout_s: float = 60.0
+    """How long ``/init_communicator/`` waits for the learner to join, in (0, 3600]; generation goes on meanwhile,
+    and a learner that never joins fails the next weight call, not the server."""
+    weight_sync_session_timeout_s: float = 30.0
+    """How long generations wait for a learner's open push session to end (its cache reset, as swift's trainer sends
+    after every update) after its last push, in (0, 3600]; then they end it themselves."""
     chat: PatternCConfig = field(default_factory=PatternCConfig)
     """Defaults of the Pattern C ``POST /chat`` endpoint."""
 
@@ -126,6 +136,16 @@ got 'response'. Fix: pick another key, e.g. 'coordexp'.
         check_range("serve.max_batch_size", self.max_batch_size, low=1)
         check_type("serve.drain_timeout_s", self.drain_timeout_s, (int, float), "a number")
         check_range("serve.drain_timeout_s", self.drain_timeout_s, low=0)
+        check_type("serve.weight_sync_hosts", self.weight_sync_hosts, (tuple, list), "a list of addresses")
+        for i, address in enumerate(self.weight_sync_hosts):
+            check_type(f"serve.weight_sync_hosts[{i}]", address, str, "an address string")
+        check_type("serve.weight_sync_join_timeout_s", self.weight_sync_join_timeout_s, (int, float), "a number")
+        check_range("serve.weight_sync_join_timeout_s", self.weight_sync_join_timeout_s, low=0, high=3600,
+                    low_open=True)
+        check_type("serve.weight_sync_session_timeout_s", self.weight_sync_session_timeout_s, (int, float),
+                   "a number")
+        check_range("serve.weight_sync_session_timeout_s", self.weight_sync_session_timeout_s, low=0, high=3600,
+                    low_open=True)
         for name in ("max_body_bytes", "max_prompts_per_call", "max_stop_strings", "max_stop_string_chars"):
             check_type(f"serve.{name}", getattr(self, name), int, "an integer")
             check_range(f"serve.{name}", getattr(self, name), low=1)

@@ -5,6 +5,7 @@ The HTTP layer only translates; every generation goes through ``GenerationEngine
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -35,6 +36,16 @@ class ServedEngine:
         """What must finish before the next generation starts (a learner's weight push: ``weights_routes``)."""
         self.in_flight = 0
         self.started = time.time()
+
+    async def idle(self) -> None:
+        """Wait until no generation is in flight (a weight push waits for it; new generations wait at the gates)."""
+        while self.in_flight:
+            await asyncio.sleep(0.005)
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine can no longer generate (its backend says so), or None while it can."""
+        return getattr(self.engine.backend, "dead_reason", None)
 
     async def ready(self) -> None:
         """Wait for every gate (see ``gates``); a gate's failure is the waiting request's."""
@@ -68,8 +79,9 @@ class ServedEngine:
         folder and the subtree's file."""
         cfg = self.engine.config
         backend = self.engine.backend
+        dead = self.dead_reason
         report = {
-            "status": "ok",
+            "status": "ok" if dead is None else "dead",
             "backend": backend.name,
             "model": self.model_name,
             "dtype": cfg.model.dtype,
@@ -84,6 +96,8 @@ class ServedEngine:
             "max_model_len": backend.capabilities.max_model_len,
             "uptime_s": round(time.time() - self.started, 3),
         }
+        if dead is not None:
+            report["error"] = dead
         if detailed:
             report["model_path"] = cfg.model.path
         return report

@@ -146,10 +146,24 @@ class HfBackend(BackendBase, backend="hf"):
 
     # -- weight sync (engine.weight_sync): this process is the group's rank 0 ------------------------------------
 
-    def open_weights(self, host: str, port: int, world_size: int, transport: str) -> None:
-        from engine.weight_sync import open_communicator
+    def open_weights(self, host: str, port: int, world_size: int, transport: str, timeout_s: float = 300.0) -> None:
+        from engine.weight_sync import Joining, open_communicator
 
-        self.weights = open_communicator(host, port, 0, world_size, transport, device=self.device)
+        self.weights = Joining(lambda: open_communicator(host, port, 0, world_size, transport, device=self.device,
+                                                         timeout_s=timeout_s))
+
+    def check_announced(self, announced: dict[str, Any]) -> None:
+        """Every announced name is a parameter of the model, with its shape (any floating dtype converts)."""
+        from engine.weight_sync import announced_tensors
+
+        state = self.model.state_dict()
+        for field, name, shape in announced_tensors(announced):
+            if name not in state:
+                raise RequestError(field, name, "is not a parameter of the served model",
+                                   fix="send the names GET /get_model_state_keys/ lists")
+            if tuple(shape) != tuple(state[name].shape):
+                raise RequestError(field, name, f"has shape {list(shape)} but the model's is "
+                                   f"{list(state[name].shape)}", fix="push the parameter with its own shape")
 
     def load_weights(self, announced: dict[str, Any]) -> int:
         """Receive the announced tensors and copy them into the model's state (tied weights follow)."""
@@ -159,10 +173,11 @@ class HfBackend(BackendBase, backend="hf"):
 
         if getattr(self, "weights", None) is None:
             raise RequestError("communicator", None, "is not open", fix="POST /init_communicator/ first")
+        communicator = self.weights.joined()
         if "metadatas" in announced:
-            received = receive_flattened(self.weights, announced["metadatas"])
+            received = receive_flattened(communicator, announced["metadatas"])
         else:
-            received = receive_named(self.weights, announced["name"], announced["dtype"], announced["shape"])
+            received = receive_named(communicator, announced["name"], announced["dtype"], announced["shape"])
         state = self.model.state_dict()
         unknown = [name for name, _ in received if name not in state]
         if unknown:

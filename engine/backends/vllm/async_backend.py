@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
@@ -191,8 +192,19 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
 
     # -- weight sync (engine.weight_sync): every worker of the engine core receives and loads ----------------------
 
-    def open_weights(self, host: str, port: int, world_size: int, transport: str) -> None:
-        self._call(self.llm.collective_rpc("engine_open_weights", args=(host, port, world_size, transport)))
+    def open_weights(self, host: str, port: int, world_size: int, transport: str, timeout_s: float = 300.0) -> None:
+        self._call(self.llm.collective_rpc("engine_open_weights", args=(host, port, world_size, transport, timeout_s)))
+
+    def check_announced(self, announced: dict[str, Any]) -> None:
+        """Names are checkpoint names here (vLLM fuses q, k and v when loading): the generic checks only
+        (``engine.weight_sync``: dtypes, shapes, byte ranges), made when the body was read."""
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine core cannot generate any more (it died), or None while it can."""
+        if getattr(self.llm, "errored", False):
+            return f"vLLM's engine core is dead: {getattr(self.llm, 'dead_error', None) or 'it exited'}"
+        return None
 
     def load_weights(self, announced: dict[str, Any]) -> int:
         return int(self._call(self.llm.collective_rpc("engine_load_weights", args=(announced,)))[0])
@@ -206,8 +218,15 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
     def state_keys(self) -> list[str]:
         return list(self._call(self.llm.collective_rpc("engine_state_keys"))[0])
 
-    def reset_cache(self, kind: str) -> None:
-        self._call(getattr(self.llm, f"reset_{kind}_cache")())
+    def reset_cache(self, kind: str, attempts: int = 50) -> None:
+        """Reset vLLM's ``kind`` cache. The served engine calls it with no row in flight, but the engine core frees a
+        finished row's blocks a step after its answer left: a refused prefix reset (vLLM keeps blocks a row holds,
+        and says so only by returning False) is tried again, every 0.1 s, ``attempts`` times at most."""
+        for _ in range(attempts):
+            if self._call(getattr(self.llm, f"reset_{kind}_cache")()) is not False:
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"vLLM did not reset its {kind} cache: requests still hold its blocks")
 
     async def rule_events(self, keys: Sequence[str]) -> dict[str, dict[str, Any]]:
         """The rule events of finished requests, from the engine-core process where the processor ran."""

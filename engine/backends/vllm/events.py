@@ -22,12 +22,15 @@ class RuleEventsWorker:
 
         return EVENTS.collect(keys)
 
-    def engine_open_weights(self, host: str, port: int, world_size: int, transport: str) -> None:
-        """Join the learner's group at this worker's rank (``engine.weight_sync.open_communicator``)."""
-        from engine.weight_sync import open_communicator
+    def engine_open_weights(self, host: str, port: int, world_size: int, transport: str,
+                            timeout_s: float = 300.0) -> None:
+        """Start joining the learner's group at this worker's rank on a thread of its own, so the engine core goes on
+        generating while the learner joins (``engine.weight_sync.Joining``); the next load waits for it."""
+        from engine.weight_sync import Joining, open_communicator
 
-        self.engine_weights = open_communicator(host, port, self.rank, world_size, transport,  # type: ignore[attr-defined]
-                                                device=getattr(self, "device", None))
+        rank, device = self.rank, getattr(self, "device", None)  # type: ignore[attr-defined]
+        self.engine_weights = Joining(lambda: open_communicator(host, port, rank, world_size, transport,
+                                                                device=device, timeout_s=timeout_s))
 
     def engine_load_weights(self, announced: dict[str, Any]) -> int:
         """Receive what the learner announced (one named tensor, or a flattened bucket) and load it into the model
@@ -37,9 +40,10 @@ class RuleEventsWorker:
         ends the session. Returns the tensor count."""
         from engine.weight_sync import receive_flattened, receive_named
 
-        communicator = getattr(self, "engine_weights", None)
-        if communicator is None:
+        joining = getattr(self, "engine_weights", None)
+        if joining is None:
             raise RuntimeError("no learner group is open: call /init_communicator/ first")
+        communicator = joining.joined()
         if "metadatas" in announced:
             weights = receive_flattened(communicator, announced["metadatas"])
         else:

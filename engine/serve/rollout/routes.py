@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from engine.serve.rollout import infer as wire
 from engine.serve.rollout.bodies import InferRequest
@@ -27,8 +27,9 @@ def router(served: ServedEngine) -> APIRouter:
 
     @api.get("/health")
     @api.get("/health/")
-    async def health(request: Request) -> dict[str, Any]:
-        return served.health(detailed=served.sent_the_key(request.scope["headers"]))
+    async def health(request: Request) -> Any:
+        report = served.health(detailed=served.sent_the_key(request.scope["headers"]))
+        return report if report["status"] == "ok" else JSONResponse(report, status_code=503)  # a dead engine
 
     @api.get("/get_world_size/")
     async def world_size() -> dict[str, int]:

@@ -4,21 +4,30 @@
 What moves and how: :mod:`engine.weight_sync`. Their bodies: ``rollout/bodies.py``.
 
 Pushes form a session that ends (the loaded weights take effect, ``WeightLoading.finish_weights``) at the next
-``/process_weights_after_loading/``, ``/reset_prefix_cache/``, key listing or closing, and in any case before the
-next generation starts. On vLLM a session must carry every tensor of each fused layer it touches (q, k and v
-together; gate and up together), as a training step's full push does: vLLM rebuilds such a layer from what the
-session brought.
+``/process_weights_after_loading/``, ``/reset_prefix_cache/``, key listing or closing; generations wait for that
+(one training step's weights, whole: never a half-pushed model), or end it themselves when the learner has been
+silent for ``serve.weight_sync_session_timeout_s``. On vLLM a session must carry every tensor of each fused layer it
+touches (q, k and v together; gate and up together), as a training step's full push does: vLLM rebuilds such a layer
+from what the session brought.
 
 An opening or a push answers at once (the learner joins or broadcasts only after the answer, as swift's server
-does) and runs in the background; the next weight call waits for it and reports its failure. The backend does the
-work off the event loop: vLLM in its engine core (which serializes it with generation steps), HF on the batcher's
-thread (never during a ``generate``). A backend without weight loading (llama.cpp) is refused by name.
+does) and runs in the background; the next *weight* call waits for it and reports its failure (a generation never
+hears a learner's failure: the session is ended and the rows run). What a push announces is checked first (dtypes,
+shapes, bucket byte ranges; on HF the names and shapes against the model): a 400 for the push itself. A push waits
+for the generations in flight to end (new ones wait at the gate), so each row runs on one set of weights and no load
+runs under a generating batch (vLLM's layerwise reload leaves layers on the meta device until the session ends).
+The join runs on a thread of its own with ``serve.weight_sync_join_timeout_s``: generation goes on while the learner
+joins. The group's store listens only on loopback or this server's ``serve.host`` (swift's wildcard means the
+latter) unless ``serve.weight_sync_hosts`` lists more. The backend does the loading off the event loop: vLLM in its
+engine core (which serializes it with generation steps), HF on the batcher's thread (never during a ``generate``).
+A backend without weight loading (llama.cpp) is refused by name.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +40,7 @@ from engine.serve.service import ServedEngine
 from engine.serve.shared.bodies import Body
 from engine.serve.shared.calls import read_body
 from engine.serve.shared.errors import WeightSyncConflict, WeightSyncFailed, error_response
-from engine.weight_sync import check_metadatas, check_transport, torch_dtype
+from engine.weight_sync import check_metadatas, check_shape, check_transport, store_host, torch_dtype
 
 log = logging.getLogger(__name__)
 BODIES = {"/init_communicator/": InitCommunicatorRequest, "/update_named_param/": UpdateNamedParamRequest,
@@ -41,13 +50,22 @@ CACHES = ("prefix", "encoder", "mm")
 
 
 class WeightCalls:
-    """The served engine's weight-sync state: the background call under way, run one at a time."""
+    """The served engine's weight-sync state: the background call under way, run one at a time, and a failure kept
+    for the next weight call (never for a generation: a learner's mistake is the learner's to hear)."""
 
     def __init__(self, served: ServedEngine) -> None:
         self.served = served
         self.pending: asyncio.Future[Any] | None = None
+        self.failed: BaseException | None = None
+        """A background call's failure that no weight call has heard yet."""
         self.pushed = False
         """A push arrived since the session last finished."""
+        self.ended = asyncio.Event()
+        """Set while no push session is open: generations wait for it (one training step's weights, whole)."""
+        self.ended.set()
+        self.last_push = 0.0
+        self.holding = False
+        """A cache reset is waiting for the rows in flight: new generations wait for it too."""
         self.opened = False
         """A communicator was opened (``/init_communicator/``) and not closed since: pushes may come."""
 
@@ -59,31 +77,79 @@ class WeightCalls:
                                              "serving. Fix: serve the model with hf or vllm")
         return backend
 
-    def run(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
-        """``fn()`` off the event loop: on the batcher's thread for a backend that batches through it (HF), else a
-        worker thread (vLLM's engine core serializes the call itself)."""
-        if isinstance(self.served.engine.backend, AsyncGenerating):
+    def run(self, fn: Callable[[], Any], *, exclusive: bool = True) -> asyncio.Future[Any]:
+        """``fn()`` off the event loop: on the batcher's thread for a backend that batches through it (HF) when it
+        touches the model (``exclusive``), else a worker thread (vLLM's engine core serializes the call itself)."""
+        if not exclusive or isinstance(self.served.engine.backend, AsyncGenerating):
             return asyncio.ensure_future(asyncio.to_thread(fn))
         return asyncio.ensure_future(self.served.engine.batcher().run_exclusive(fn))
 
-    async def settle(self) -> None:
-        """Wait for the background call; its failure is this call's (then forgotten)."""
+    async def _wait(self) -> None:
+        """Wait for the background call; its failure is kept for the next weight call."""
         pending, self.pending = self.pending, None
-        if pending is not None:
+        if pending is None:
+            return
+        try:
             await pending
+        except Exception as err:
+            self.failed = err
 
-    async def finish(self) -> None:
-        """Wait for the background call and end the push session, if one is open (before generating, resetting
-        the prefix cache, listing keys or closing)."""
-        await self.settle()
+    async def settle(self) -> None:
+        """Wait for the background call; an unheard failure is this weight call's (then forgotten)."""
+        await self._wait()
+        failed, self.failed = self.failed, None
+        if failed is not None:
+            raise failed
+
+    async def before_generation(self) -> None:
+        """The generation gate: while a push session is open, wait for the learner to end it (its cache reset,
+        ``/process_weights_after_loading/`` or closing), so every row runs on one training step's weights, never on a
+        half-pushed model; a learner silent for ``serve.weight_sync_session_timeout_s`` has its session ended here.
+        A failed push is not the generation's: it stays for the learner's next weight call."""
+        while self.holding:  # a cache reset under way: rows after it must not reuse the old weights' blocks
+            await self.ended.wait()
+        while self.pushed:
+            left = self.last_push + self.served.serve.weight_sync_session_timeout_s - time.monotonic()
+            if left <= 0:
+                log.warning("engine.serve: a weight session open for %.0f s with no push: ending it before "
+                            "generating", self.served.serve.weight_sync_session_timeout_s)
+                break
+            try:
+                await asyncio.wait_for(self.ended.wait(), timeout=left)
+            except TimeoutError:
+                continue
+        await self._end_session()
+
+    async def _end_session(self) -> None:
+        """Wait for the background call, then make the session's weights take effect (failures kept)."""
+        await self._wait()
         if self.pushed:
             self.pushed = False
-            await self.run(self.backend.finish_weights)
+            try:
+                await self.run(self.backend.finish_weights)
+            except Exception as err:
+                log.error("engine.serve: ending a weight session failed: %s", err)
+                self.failed = self.failed or err
+            finally:
+                self.ended.set()
 
-    async def start(self, fn: Callable[[], Any]) -> None:
-        """Wait for the previous call, then start ``fn`` in the background."""
+    async def finish(self) -> None:
+        """Wait for the background call and end the push session (a weight call: resets, key listing, closing);
+        a failure is this call's."""
+        await self._end_session()
         await self.settle()
-        self.pending = self.run(fn)
+
+    async def start(self, fn: Callable[[], Any], *, drain: bool = False, exclusive: bool = True) -> None:
+        """Wait for the previous call, then start ``fn`` in the background; with ``drain``, only once no generation
+        is in flight (new ones wait at the gate for it): a load never runs under a generating batch."""
+        await self.settle()
+
+        async def call() -> Any:
+            if drain:
+                await self.served.idle()
+            return await self.run(fn, exclusive=exclusive)
+
+        self.pending = asyncio.ensure_future(call())
         self.pending.add_done_callback(_log_failure)
 
 
@@ -103,7 +169,7 @@ def _int(body: dict[str, Any], key: str, low: int, high: int | None = None) -> i
 def router(served: ServedEngine) -> APIRouter:
     api = APIRouter()
     calls = WeightCalls(served)
-    served.gates.append(calls.finish)
+    served.gates.append(calls.before_generation)
 
     def weight_call(path: str, body: type[Body] | None = None, method: str = "POST") -> Callable[[Any], Any]:
         """Register ``handler`` (given the checked body as a dict when ``body`` names its model) at ``path``: its
@@ -130,16 +196,16 @@ def router(served: ServedEngine) -> APIRouter:
         if not calls.opened:  # the load would fail in the background and be answered to an unrelated caller
             raise WeightSyncConflict("no communicator is open, so no tensor can arrive: call /init_communicator/ "
                                      "first (swift's VLLMClient.init_communicator)")
-        await calls.start(lambda: backend.load_weights(announced))
-        calls.pushed = True
+        backend.check_announced(announced)  # names and shapes the model cannot take: this call's 400
+        await calls.start(lambda: backend.load_weights(announced), drain=True)
+        calls.pushed, calls.last_push = True, time.monotonic()
+        calls.ended.clear()
         return {"message": f"receiving {what}"}
 
     @weight_call("/init_communicator/", InitCommunicatorRequest)
     async def init_communicator(body: dict[str, Any]) -> Any:
         backend = calls.backend
-        host = body.get("host")
-        if not isinstance(host, str) or not host:
-            raise RequestError("host", host, "must be a host name or address", fix="e.g. 127.0.0.1")
+        host = store_host(body.get("host"), served.serve.host, served.serve.weight_sync_hosts)
         port = _int(body, "port", 1, 65535)
         expected = served.world_size() + 1
         world_size = _int(body, "world_size", 2)
@@ -147,7 +213,8 @@ def router(served: ServedEngine) -> APIRouter:
             raise RequestError("world_size", world_size, f"must be {expected}: this server's {expected - 1} "
                                "workers and the learner", fix="take it from GET /get_world_size/, plus one")
         transport = check_transport(body.get("transport"))
-        await calls.start(lambda: backend.open_weights(host, port, world_size, transport))
+        timeout = served.serve.weight_sync_join_timeout_s
+        await calls.start(lambda: backend.open_weights(host, port, world_size, transport, timeout), exclusive=False)
         calls.opened = True
         return {"message": f"joining the learner's group on {host}:{port} ({transport})"}
 
@@ -156,9 +223,7 @@ def router(served: ServedEngine) -> APIRouter:
         if not isinstance(body.get("name"), str) or not body["name"]:
             raise RequestError("name", body.get("name"), "must be a parameter name", fix="e.g. lm_head.weight")
         torch_dtype(body.get("dtype"))
-        shape = body.get("shape")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise RequestError("shape", shape, "must be a list of sizes", fix="e.g. [576, 49152]")
+        shape = check_shape(body.get("shape"))
         return await push({"name": body["name"], "dtype": body["dtype"], "shape": shape}, body["name"])
 
     @weight_call("/update_flattened_params/", UpdateFlattenedParamsRequest)
@@ -177,7 +242,14 @@ def router(served: ServedEngine) -> APIRouter:
         async def reset() -> Any:
             backend = calls.backend
             await calls.finish()
-            await calls.run(lambda: backend.reset_cache(kind))
+            calls.holding = True  # vLLM resets no block a running row holds: drain first, hold new rows meanwhile
+            calls.ended.clear()
+            try:
+                await served.idle()
+                await calls.run(lambda: backend.reset_cache(kind))
+            finally:
+                calls.holding = False
+                calls.ended.set()
             return {"message": f"{kind} cache reset"}
 
     for kind in CACHES:
