@@ -128,9 +128,23 @@ def test_pushes_under_load_round_trip_exactly(pool, backend, perturbed):
                 if name in changed}
     scored = {**GREEDY, "logprobs": True, "top_logprobs": 2}
     long = {**GREEDY, "max_tokens": 48}
-    handle = launch_server({**pool.config(backend, looper), "serve": {"port": 0}})
+    handle = launch_server({**pool.config(backend, looper), "serve": {"port": 0, "weight_sync_join_timeout_s": 5}})
     try:
         with RolloutClient(handle.url, health_timeout=30) as client:
+            # A learner that opens a group and never joins: generation goes on (it used to wait up to 300 s for the
+            # join, on HF's batcher thread or in vLLM's engine core), and no address but loopback or the server's own
+            # is bound.
+            stranger = httpx.post(f"{handle.url}/init_communicator/", timeout=30,
+                                  json={"host": "203.0.113.9", "port": 29555, "world_size": 2, "transport": "tcp"})
+            assert stranger.status_code == 400 and stranger.json()["error"]["param"] == "host", stranger.text
+            opened = httpx.post(f"{handle.url}/init_communicator/", timeout=30,
+                                json={"host": "0.0.0.0", "port": 29556, "world_size": 2, "transport": "tcp"})
+            assert opened.status_code == 200, opened.text
+            waiting = httpx.post(f"{handle.url}/infer/", timeout=15, json={
+                "infer_requests": [{"messages": PROMPTS[0]}], "request_config": {"max_tokens": 4}})
+            assert waiting.status_code == 200, waiting.text
+            httpx.post(f"{handle.url}/close_communicator/", timeout=30)
+
             def answers():  # one prompt at a time: bit-exact needs the same batches (vLLM is not batch invariant)
                 return [(r.token_ids, r.logprobs) for p in PROMPTS for r in client.infer([p], scored)]
 
