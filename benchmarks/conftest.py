@@ -186,14 +186,16 @@ class BenchSession:
                               lambda: self.engine(backend).derive(repeat_terminate=REPEAT_GUARD))
         return self._keep(("engine", backend, "plain"), lambda: GenerationEngine(self.config_for(backend)))
 
-    def engine_in(self, backend: str, dtype: str) -> Any:
-        """``backend``'s engine with the model in ``dtype``: the run's own engine when that is its dtype, else one
-        more engine, kept for the run (vLLM's count in ``VLLM_ENGINES_AT_ONCE``)."""
+    def engine_in(self, backend: str, dtype: str, logprobs_mode: str = "raw_logprobs") -> Any:
+        """``backend``'s engine with the model in ``dtype`` and ``logprobs_mode``: the run's own engine when those are
+        its own, else one more engine, kept for the run (vLLM's count in ``VLLM_ENGINES_AT_ONCE``)."""
         from engine import GenerationEngine
 
-        if dtype == self.dtype:
+        if dtype == self.dtype and logprobs_mode == "raw_logprobs":
             return self.engine(backend)
-        return self._keep(("engine", backend, dtype), lambda: GenerationEngine(self.config_for(backend, dtype=dtype)))
+        config = self.config_for(backend, dtype=dtype)
+        config["model"]["logprobs_mode"] = logprobs_mode
+        return self._keep(("engine", backend, dtype, logprobs_mode), lambda: GenerationEngine(config))
 
     def raw_vllm(self) -> Any:
         """A bare ``vllm.LLM`` with the engine's own arguments, minus what the engine adds."""

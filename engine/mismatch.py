@@ -77,9 +77,38 @@ def chosen_logprobs(result: Any) -> list[float]:
     return [step[token] for step, token in zip(result.logprobs, result.token_ids, strict=True)]
 
 
-def rescore_mismatch(rollout: Sequence[Any], trainer: Any) -> Mismatch:
+def rescored(rollout: Sequence[Any], trainer: Any, processing: Any = None) -> list[list[float]]:
+    """The trainer's teacher-forced logprobs of each rollout's tokens (``engine.score``; with ``processing``, under
+    the sampling steps a processed-logprobs rollout reports: ``engine.rules.processing``)."""
+    sequences = [list(r.prompt_token_ids) + list(r.token_ids) for r in rollout]
+    starts = [len(r.prompt_token_ids) for r in rollout]
+    scores = trainer.score(sequences, starts) if processing is None else trainer.score(sequences, starts,
+                                                                                       processing=processing)
+    return [list(s.logprobs) for s in scores]
+
+
+def rescore_mismatch(rollout: Sequence[Any], trainer: Any, processing: Any = None) -> Mismatch:
     """Rescore ``rollout`` (``GenerationResult``s with logprobs) teacher-forced on ``trainer`` (an engine that
-    scores, e.g. HF) and compare."""
-    scores = trainer.score([list(r.prompt_token_ids) + list(r.token_ids) for r in rollout],
-                           [len(r.prompt_token_ids) for r in rollout])
-    return logprob_mismatch([chosen_logprobs(r) for r in rollout], [s.logprobs for s in scores])
+    scores, e.g. HF; ``processing`` as in :func:`rescored`) and compare."""
+    return logprob_mismatch([chosen_logprobs(r) for r in rollout], rescored(rollout, trainer, processing))
+
+
+def token_weights(rollout: Sequence[Sequence[float]], trainer: Sequence[Sequence[float]]) -> list[float]:
+    """Every token's importance weight ``exp(trainer - rollout)`` (a -inf rollout logprob, a token outside what
+    the rollout reports as its support, gives inf).
+
+    >>> [round(w, 4) for w in token_weights([[-1.0, -2.0]], [[-1.0, -1.5]])]
+    [1.0, 1.6487]
+    """
+    return [math.exp(t - r) if math.isfinite(r) else math.inf
+            for mine, theirs in zip(rollout, trainer, strict=True) for r, t in zip(mine, theirs, strict=True)]
+
+
+def agreement(weights: Sequence[float]) -> float:
+    """The worst token weight folded below 1, ``min(min(w, 1 / w))``: 1 when the trainer sees exactly what the
+    rollout drew, 0.99 when some token is 1 % off (the release band of ``rollout_vs_trainer``'s float32 cases).
+
+    >>> agreement([1.0, 1.02, 0.995])
+    0.9803921568627451
+    """
+    return min(min(w, 1.0 / w) if w > 0 else 0.0 for w in weights)

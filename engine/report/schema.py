@@ -12,7 +12,8 @@ Bump :data:`SCHEMA_VERSION` on any change of a column's name, type or meaning, a
 ['schema_version', 'run_id', 'timestamp']
 >>> sorted(RATIO_COLUMNS)
 ['constrained_over_free', 'engine_over_raw', 'fast_over_reference', 'guard_on_over_off', 'llamacpp_over_hf', \
-'llamacpp_over_vllm', 'ours_over_native', 'pattern_c_over_chat', 'served_over_inprocess', 'streamed_over_plain']
+'llamacpp_over_vllm', 'ours_over_native', 'pattern_c_over_chat', 'served_over_inprocess', 'streamed_over_plain', \
+'trainer_agreement']
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,10 @@ RATIO_COLUMNS = {
     "llamacpp_over_hf": "backends: speed of the engine on llama.cpp (F32 GGUF twin) / on HF, same requests, fixed "
                         "length, interleaved rounds",
     "llamacpp_over_vllm": "backends: speed of the engine on llama.cpp / on vLLM, same requests and rounds",
+    "trainer_agreement": "rollout_vs_trainer: the worst token importance weight exp(trainer - rollout) folded below 1 "
+                         "(min over tokens of min(w, 1/w)) with the trainer re-scoring as the rollout reports (raw, or "
+                         "processed with engine.score's processing); float32 cases only: 1 when the trainer sees "
+                         "exactly what the rollout drew",
     "fast_over_reference": "rule_cost: speed of a rule's fast path (byte table, vectorized ids) / its reference "
                            "path (decode per token, per-row Python), same token stream",
 }
@@ -117,6 +122,17 @@ FIGURE_COLUMNS = {
     "importance_ratio_min": "rollout_vs_trainer: smallest sequence importance ratio exp(sum trainer - sum rollout "
                             "logprobs) over the case's sequences (1: the trainer sees exactly what the rollout drew)",
     "importance_ratio_max": "rollout_vs_trainer: largest sequence importance ratio",
+    "k3_kl": "rollout_vs_trainer: ms-swift's rollout_correction/k3_kl of the matched pairing "
+             "(engine.correction)",
+    "chi2_token": "rollout_vs_trainer: ms-swift's rollout_correction/chi2_token of the matched pairing",
+    "is_weight_mean": "rollout_vs_trainer: ms-swift's token_truncate is_weight_mean (threshold 2) of the matched "
+                      "pairing",
+    "ess": "rollout_vs_trainer: ms-swift's effective sample size (token_truncate, threshold 2) of the matched "
+           "pairing",
+    "temp_only_weight_mean": "rollout_vs_trainer: mean token weight when the trainer re-scores with the temperature "
+                             "only, full vocabulary (ms-swift's trainer), whatever the rollout's mode",
+    "temp_only_outside_frac": "rollout_vs_trainer: fraction of tokens whose weight against the temperature-only "
+                              "trainer is outside [0.9, 1.1]",
 }
 COLUMNS = (*RUN_COLUMNS, *CASE_COLUMNS, *ROUND_COLUMNS,
            *(Column(name, "float64", doc) for name, doc in {**RATIO_COLUMNS, **FIGURE_COLUMNS}.items()))
