@@ -199,12 +199,15 @@ class EnginePool:
         from engine import GenerationEngine
         from engine.engine import REQUEST_SECTIONS
 
-        per_request = {k: v for k, v in sections.items() if k in REQUEST_SECTIONS}
+        per_request = {k: v for k, v in sections.items() if k in REQUEST_SECTIONS or self._mode_only(backend, k, v)}
         if shared and per_request:
-            loaded = {k: v for k, v in sections.items() if k not in REQUEST_SECTIONS}
+            loaded = {k: v for k, v in sections.items() if k not in per_request}
             base = self._local(self._key(backend, model, True, loaded), backend, model, True, loaded)
             config = self.config(backend, model, **sections)
-            self._engines[key] = base.derive(**{k: config[k] for k in REQUEST_SECTIONS if k in config})
+            derived = {k: config[k] for k in REQUEST_SECTIONS if k in config}
+            if "model" in per_request:
+                derived["model"] = per_request["model"]
+            self._engines[key] = base.derive(**derived)
             self._loaded[key] = self._loaded.get(self._key(backend, model, True, loaded),
                                                  self._key(backend, model, True, loaded))
             self.derived += 1
@@ -217,6 +220,13 @@ class EnginePool:
         if runner is not None:
             self.runners.add(runner)
         return self._engines[key]
+
+    @staticmethod
+    def _mode_only(backend: str, name: str, value: Any) -> bool:
+        """Whether a ``model`` section only sets ``logprobs_mode`` on a backend that reads it per call (an engine in
+        that mode is then derived from the loaded one: no second model in memory)."""
+        return (name == "model" and isinstance(value, dict) and set(value) == {"logprobs_mode"}
+                and not SPECS[backend].logprobs_mode_at_load)
 
     def _make_room(self, key: tuple[str, ...]) -> None:
         """On a CUDA host, stop the least recently started vLLM engines beyond the card's budget (with every engine

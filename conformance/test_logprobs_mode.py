@@ -29,7 +29,18 @@ WEIGHT_TOL = 1e-3
 (HF on itself measures ~1e-5) plus the cross-backend float32 bound."""
 
 
+VLLM_PROCESSED = {"multiprocessing": True, "cpu_kv_cache_space_gib": 0.125}
+"""vLLM fixes the mode when it starts: its processed engine is a second one, kept out of the suite's process (its
+engine core in a child) with a small KV cache (and a 2048-token context), so the suite's own memory stays where it
+was (the CPU CI's 12 GB per process)."""
+
+
 def processed(pool, backend):
+    """``backend``'s engine in processed mode: derived from the loaded one on HF and llama.cpp (they read the mode
+    per call), a second engine on vLLM."""
+    if backend == "vllm":
+        settings = {**pool.config(backend, pool.options.model)["vllm"], **VLLM_PROCESSED}
+        return pool.engine(backend, pool.options.model, model={**PROCESSED, "max_model_len": 2048}, vllm=settings)
     return pool.engine(backend, pool.options.model, model=PROCESSED)
 
 
@@ -132,9 +143,16 @@ def test_kept_mass_is_the_gap_to_temperature_only_rescoring(pool):
 
 
 @pytest.mark.servable
-def test_a_request_expecting_another_mode_is_refused_before_generation(engine, backend, count_backend_calls):
+def test_a_request_expecting_another_mode_is_refused_before_generation(engine, backend, count_backend_calls, pool):
+    """A learner can tell the mode before its first step (``/health``, ``/v1/models``, each result's meta) and can
+    make a mismatch a refusal instead of silently wrong weights."""
+    import httpx
+
     calls = count_backend_calls(engine)
     with pytest.raises(ConfigError, match=r"generation\.logprobs_mode") as err:
         engine.generate(PROMPTS[:1], options={"max_new_tokens": 4, "logprobs": 1,
                                               "logprobs_mode": "processed_logprobs"})
     assert "raw_logprobs" in str(err.value) and calls == []
+    server = pool.text_server(backend)
+    assert httpx.get(f"{server.url}/health", timeout=30).json()["logprobs_mode"] == "raw_logprobs"
+    assert httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["logprobs_mode"] == "raw_logprobs"

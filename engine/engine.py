@@ -112,11 +112,30 @@ class GenerationEngine:
         self._token_chars: int | None = source._token_chars if source else None
         self._owns_backend = source is None
 
+    def _derived_model(self, sections: dict[str, Any]) -> dict[str, Any]:
+        """``sections`` with a ``model`` section that changes only ``logprobs_mode`` turned into this engine's model
+        config in that mode, where the backend reads the mode per call (HF, llama.cpp; vLLM fixes it at load)."""
+        if "model" not in sections:
+            return sections
+        from engine.backends.registry import SPECS
+
+        asked = sections["model"]
+        changes = dict(asked) if isinstance(asked, Mapping) else {}
+        mode = changes.pop("logprobs_mode", None)
+        if changes or mode is None or SPECS[self.config.backend].logprobs_mode_at_load:
+            why = ("vLLM fixes model.logprobs_mode when it starts" if mode is not None and not changes else
+                   "belongs to the loaded backend")
+            raise ConfigError("model", asked, f"{why}; derive() changes only {', '.join(REQUEST_SECTIONS)} (and "
+                              "model.logprobs_mode on backends that read it per call)",
+                              fix="build a new GenerationEngine for another model or model setting")
+        return {**sections, "model": dataclasses.replace(self.config.model, logprobs_mode=mode)}
+
     def derive(self, **sections: Any) -> GenerationEngine:
         """A new engine over this one's loaded backend (and tokenizer), with other request-level config sections.
 
         Only :data:`REQUEST_SECTIONS` may change (``repeat_terminate``, ``generation``, ``stop``, ``vision``,
-        ``plugins``, ``serve``); each is a mapping or a config object, validated like the config file's, and
+        ``plugins``, ``serve``), and ``model={"logprobs_mode": ...}`` where the backend reads it per call (HF,
+        llama.cpp); each is a mapping or a config object, validated like the config file's, and
         replaces this engine's section whole. Nothing is loaded: comparing guard settings costs no second model.
         The derived engine's results equal those of an engine built from the merged config; closing it leaves
         the shared backend to this one. Example (needs a built model; ``python -m fixtures build``)::
@@ -126,8 +145,9 @@ class GenerationEngine:
             guarded.backend is plain.backend  # True
         """
         known = [f.name for f in dataclasses.fields(EngineConfig)]
+        sections = self._derived_model(sections)
         for name, value in sections.items():
-            if name not in REQUEST_SECTIONS:
+            if name not in REQUEST_SECTIONS and name != "model":
                 problem = "is not a known key" if name not in known else "belongs to the loaded backend"
                 raise ConfigError(name, value, f"{problem}; derive() changes only {', '.join(REQUEST_SECTIONS)}",
                                   fix="build a new GenerationEngine for another backend, model or backend setting")

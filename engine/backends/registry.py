@@ -62,6 +62,9 @@ class BackendSpec:
     """Whether each engine takes a fixed share of a CUDA card (vLLM's ``gpu_memory_utilization``)."""
     parallel_settings: tuple[str, ...] = ()
     """Settings whose product is its world size (the ranks a ``/infer/`` learner sees)."""
+    logprobs_mode_at_load: bool = False
+    """Whether ``model.logprobs_mode`` is fixed when the backend starts (vLLM's sampler takes it then); the others
+    read it per call, so ``GenerationEngine.derive(model={"logprobs_mode": ...})`` serves another mode unloaded."""
 
     @property
     def hooks(self) -> frozenset[str]:
@@ -87,6 +90,7 @@ SPECS: Mapping[str, BackendSpec] = MappingProxyType({
     "vllm": BackendSpec(
         name="vllm", target="engine.backends.vllm.backend:VllmBackend", modules=("vllm",),
         logits_hook="vllm_logits_processor", async_target="engine.backends.vllm.async_backend:AsyncVllmBackend",
+        logprobs_mode_at_load=True,
         served_settings=MappingProxyType({"async_engine": True}),
         child_process_settings=("async_engine", "multiprocessing"), serves_images=True, shares_card=True,
         parallel_settings=("tensor_parallel_size", "data_parallel_size")),
