@@ -5,7 +5,8 @@ and one row of logits in token-id order) and samples from what it returns. :clas
 callable for one row. It applies, in HF's order: ``min_new_tokens`` (terminal ids banned until then),
 ``repetition_penalty`` (HF's rule), the row's rules (the shared :class:`~engine.rules.base.RuleSet`, decided and
 applied by :mod:`engine.backends.row_apply` on a zero-copy torch view of the row, exactly as on HF and vLLM), then
-the temperature, min-p, top-k and top-p (vLLM's order and rule, :mod:`engine.rules.processing`); llama.cpp's own
+the temperature, min-p, top-k and top-p. The penalty, min-p and truncation are the shared rules of
+:mod:`engine.rules.processing` (vLLM's order and rule), on the same view; llama.cpp's own
 sampler then draws from exactly that (its top-k, top-p and min-p stay off). When logprobs are asked for it keeps
 the row as the mode says: the raw scores before any edit (HF's ``output_logits``, vLLM's raw logprobs) or the
 processed ones the draw used.
@@ -13,7 +14,6 @@ processed ones the draw used.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,32 +60,26 @@ class LlamaCppRowStep:
 
     def __call__(self, input_ids: Any, scores: Any) -> Any:
         import numpy as np
+        import torch
+
+        from engine.rules.processing import min_p_mask, penalize, truncate
 
         if self.logprobs and self.mode.startswith("raw"):
             self.last_logprobs = self._kept(scores)
+        row = torch.from_numpy(scores)  # (vocab,), shares memory with llama.cpp's array: every edit is in place
         if self.generated < self.min_new_tokens:
             scores[self.terminal_ids] = -np.inf
         if self.repetition_penalty != 1.0:
-            seen = np.unique(np.asarray(input_ids[: self.prompt_len + self.generated], dtype=np.int64))
-            picked = scores[seen]
-            scores[seen] = np.where(picked < 0, picked * self.repetition_penalty, picked / self.repetition_penalty)
+            penalize(row, np.asarray(input_ids[: self.prompt_len + self.generated], dtype=np.int64).tolist(),
+                     self.repetition_penalty)
         if self.rules is not None and self.rules.rules:
-            import torch
-
             from engine.backends.row_apply import apply_decisions, decide
 
-            row = torch.from_numpy(scores)[None, :]  # (1, vocab), shares memory with llama.cpp's array
-            apply_decisions(row, decide(row, [(0, self.rules, self.eos_id)]))
+            apply_decisions(row[None, :], decide(row[None, :], [(0, self.rules, self.eos_id)]))
         if self.temperature is not None and self.temperature != 1.0:
             scores /= self.temperature
-        if self.min_p:  # p < min_p * p_max, in logits: below the top logit by more than -log(min_p)
-            scores[scores < scores.max() + math.log(self.min_p)] = -np.inf
-        if self.top_k or self.top_p < 1:
-            import torch
-
-            from engine.rules.processing import truncate
-
-            truncate(torch.from_numpy(scores)[None, :], self.top_k, self.top_p)  # in place, on llama.cpp's array
+        min_p_mask(row[None, :], self.min_p)  # vLLM's min-p, after the temperature (shared rule)
+        truncate(row[None, :], self.top_k, self.top_p)  # vLLM's top-k then top-p
         if self.logprobs and self.mode.startswith("processed"):
             self.last_logprobs = self._kept(scores)
         return scores
