@@ -233,7 +233,7 @@ class AsyncScoring(Protocol):
     generation instead of waiting behind the engine-side batcher."""
 
     async def ascore(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
-                     top: int | None = None, processing: Any = None) -> list[TokenScores]:
+                     top: int | None = None) -> list[TokenScores]:
         ...
 
 
