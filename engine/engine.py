@@ -37,6 +37,7 @@ from engine.rules.base import RuleSpec
 from engine.rules.min_length import is_sentence_end_token
 from engine.rules.processing import Processing
 from engine.rules.repeat import RepeatRule
+from engine.rules.schema_check import check_schema
 from engine.rules.stop import special_stop
 from engine.streaming import ResultStream
 from engine.templates import RenderedPrompt, render_prompt
@@ -221,15 +222,29 @@ class GenerationEngine:
     def _check_size(self, checked: Sequence[ChatRequest]) -> None:
         """Refuse a conversation that cannot fit the context even at the longest token, before tokenizing it (a
         50 MB message would otherwise be tokenized whole, taking gigabytes, only to be refused after)."""
-        limit, per = self.backend.capabilities.max_model_len, self._chars_per_token()
-        if limit is None or not per:
-            return
         for i, r in enumerate(checked):
-            chars = sum(len(m["content"]) for m in r.messages)
-            if chars > limit * per:
-                raise RequestError(f"requests[{i}].messages", f"{chars} characters", f"cannot fit the model's "
-                                   f"context length ({limit} tokens of at most {per} characters each); refused "
-                                   "before tokenizing", fix="shorten the conversation")
+            self.check_conversation(f"requests[{i}].messages", r.messages)
+
+    def check_conversation(self, field: str, messages: Sequence[Mapping[str, Any]]) -> None:
+        """Refuse a checked conversation that cannot fit the context, before the template or the tokenizer sees it:
+        its text (:meth:`check_chars`), or more messages than the context has tokens (every chat template writes
+        at least one token per message: its role's marker)."""
+        limit = self.backend.capabilities.max_model_len
+        if limit is not None and len(messages) > limit:
+            raise RequestError(field, f"{len(messages)} messages", f"cannot fit the model's context length ({limit} "
+                               "tokens; each message renders at least one); refused before rendering",
+                               fix="send fewer messages")
+        self.check_chars(field, sum(len(m["content"]) for m in messages), fix="shorten the conversation")
+
+    def check_chars(self, field: str, chars: int, *, fix: str = "send a shorter text") -> None:
+        """Refuse ``chars`` characters of text (``field``: what holds them) that cannot fit the model's context even
+        at the longest token, before anything tokenizes them: every route that tokenizes a client's text asks this
+        first (a 15 MB prompt would otherwise be tokenized whole, taking a gigabyte and seconds, only to be refused
+        after)."""
+        limit, per = self.backend.capabilities.max_model_len, self._chars_per_token()
+        if limit is not None and per and chars > limit * per:
+            raise RequestError(field, f"{chars} characters", f"cannot fit the model's context length ({limit} tokens "
+                               f"of at most {per} characters each); refused before tokenizing", fix=fix)
 
     def _special_texts(self) -> dict[str, int]:
         """Special tokens' texts and ids: what ``skip_special_tokens`` decoding drops (cached)."""
@@ -259,6 +274,11 @@ class GenerationEngine:
         if schema is not None and not backend.capabilities.structured_outputs:
             raise UnsupportedCapabilityError(f"backend {backend.name!r} cannot constrain output to a JSON Schema "
                                              "here. Fix: drop json_schema, or use a text model on hf or vllm")
+        if schema is not None:
+            check_schema(schema)  # a grammar can be built from it (engine.rules.schema_check), else a RequestError
+            compile_schema = getattr(backend, "compile_schema", None)
+            if compile_schema is not None:  # HF: compiled here, in the caller, so the batcher finds it ready
+                compile_schema(schema)
         opts = self.config.generation.merged(options)
         if opts.seed is None and backend.default_seed is not None:  # a backend-level seed for calls without one
             opts = dataclasses.replace(opts, seed=backend.default_seed)
@@ -269,7 +289,12 @@ class GenerationEngine:
                 if token_id >= vocab:
                     raise ConfigError(f"stop.token_ids[{i}]", token_id, f"is not a token id of this model (its "
                                       f"tokenizer has {vocab})", fix=f"give ids in [0, {vocab})")
-        found = special_stop(policy.strings, self._special_texts())
+        specials = self._special_texts()
+        exact = tuple((text, specials[text]) for text in dict.fromkeys(policy.strings) if text in specials)
+        if exact:  # stop: ["<|im_end|>"]: end the row at that token, on every backend alike (recorded in the result)
+            policy = dataclasses.replace(policy, strings=tuple(t for t in policy.strings if t not in specials),
+                                         token_ids=tuple(dict.fromkeys((*policy.token_ids, *(i for _, i in exact)))))
+        found = special_stop(policy.strings, specials)
         if found is not None:
             i, text, token_id = found
             raise ConfigError(f"stop.strings[{i}]", policy.strings[i], f"holds the special token {text!r}, whose text "
@@ -292,8 +317,12 @@ class GenerationEngine:
         if plugins:
             ctx = self._plugin_context(plugins)
             rules += [spec for p in plugins if (spec := p.rule_spec(backend.name, ctx)) is not None]
+        if opts.ignore_eos and rules:
+            raise ConfigError("generation.ignore_eos", True, f"cannot run beside the row rule {rules[0].target!r}, "
+                              "which ends a row by forcing EOS (ignore_eos would let the row go on)",
+                              fix="leave ignore_eos out, or serve without the repeat guard and plugins")
         return SamplingPlan(options=opts, stop=policy, eos_token_ids=self.load_info.eos_token_ids, pixels=budget,
-                            rules=tuple(rules), json_schema=schema, logprobs_mode=served_mode)
+                            rules=tuple(rules), json_schema=schema, logprobs_mode=served_mode, special_stops=exact)
 
     def prepare(self, requests: Sequence[RequestLike], *, options: OptionsLike = None, stop: StopLike = None,
                 plugins: PluginsLike = None,
@@ -304,7 +333,7 @@ class GenerationEngine:
         plan = self._plan(options, stop, None, self.backend, active, json_schema)
         checked = [ChatRequest.of(r, index=i) for i, r in enumerate(requests)]
         self._check_size(checked)
-        rendered = [render_prompt(self.tokenizer, r.messages) for r in checked]
+        rendered = [render_prompt(self.tokenizer, r.messages, thinking=r.thinking) for r in checked]
         limit = self.backend.capabilities.max_model_len
         for i, r in enumerate(rendered):
             if limit is not None and len(r.token_ids) >= limit:
@@ -408,11 +437,14 @@ class GenerationEngine:
         return steps
 
     async def agenerate(self, requests: Sequence[RequestLike], *, options: OptionsLike = None, stop: StopLike = None,
-                        plugins: PluginsLike = None, json_schema: SchemaLike = None) -> list[GenerationResult]:
+                        plugins: PluginsLike = None, json_schema: SchemaLike = None,
+                        prepared: tuple[list[RenderedPrompt], SamplingPlan] | None = None) -> list[GenerationResult]:
         """``generate`` for asyncio callers: concurrent calls share the backend (vLLM's ``AsyncLLM`` with
         ``vllm.async_engine``; otherwise an :class:`~engine.batcher.AsyncBatcher` over the backend's batches).
-        Validation happens first, in the caller, and raises before anything is generated."""
-        rendered, plan = self.prepare(requests, options=options, stop=stop, plugins=plugins, json_schema=json_schema)
+        Validation happens first, in the caller, and raises before anything is generated; ``prepared`` (what
+        :meth:`prepare` gave for these very arguments, e.g. in a worker thread) skips doing it again."""
+        rendered, plan = prepared or self.prepare(requests, options=options, stop=stop, plugins=plugins,
+                                                  json_schema=json_schema)
         return await self._arun(rendered, plan, plugins)
 
     async def acomplete(self, prompts: Sequence[PromptLike], *, options: OptionsLike = None, stop: StopLike = None,
@@ -437,11 +469,14 @@ class GenerationEngine:
                                    plugins=self._plugins(plugins))
 
     def astream(self, request: RequestLike, *, options: OptionsLike = None, stop: StopLike = None,
-                plugins: PluginsLike = None, json_schema: SchemaLike = None) -> ResultStream:
+                plugins: PluginsLike = None, json_schema: SchemaLike = None,
+                prepared: tuple[list[RenderedPrompt], SamplingPlan] | None = None) -> ResultStream:
         """One text request as a stream of text deltas, the last carrying the ``GenerationResult``
         (see :class:`~engine.streaming.ResultStream`). Validation happens here, before anything is generated;
-        the deltas concatenate to the result's ``text`` (the same text ``generate`` gives)."""
-        rendered, plan = self.prepare([request], options=options, stop=stop, plugins=plugins, json_schema=json_schema)
+        the deltas concatenate to the result's ``text`` (the same text ``generate`` gives). ``prepared`` as in
+        :meth:`agenerate` (of ``[request]``)."""
+        rendered, plan = prepared or self.prepare([request], options=options, stop=stop, plugins=plugins,
+                                                  json_schema=json_schema)
         return ResultStream(self.results, self.backend, self.batcher, rendered[0], plan, self._plugins(plugins))
 
     def astream_complete(self, prompt: PromptLike, *, options: OptionsLike = None, stop: StopLike = None,

@@ -65,6 +65,10 @@ class RequestTooLarge(RequestError):
     as HTTP 413 where the body itself is too large, else 400."""
 
 
+class RequestTimedOut(RequestError):
+    """A client stopped sending its request body part-way (HTTP 408)."""
+
+
 class UnsupportedCapabilityError(EngineError):
     """The selected backend cannot do what the request or config asks for."""
 

@@ -88,6 +88,8 @@ class ResultBuilder:
             **repeat_meta(events),  # reported by the guard itself, never inferred from the finish reason
             "plugins": [p.name for p in plugins],
         }
+        if plan.special_stops:  # stop strings that were a special token's text: the row ended at that token
+            meta["stop_strings_as_token_ids"] = dict(plan.special_stops)
         if out.logprobs is not None:  # which distribution they are (model.logprobs_mode): a learner checks it
             meta["logprobs_mode"] = plan.logprobs_mode
         for plugin in plugins:

@@ -2,7 +2,8 @@
 
 Rules:
 
-* ``apply_chat_template(..., add_generation_prompt=True, enable_thinking=False)`` on every call;
+* ``apply_chat_template(..., add_generation_prompt=True, enable_thinking=False)`` on every call (``True`` where a
+  request asks for thinking: ``ChatRequest.thinking``);
 * if the tokenizer or its template rejects ``enable_thinking``, render the same messages without it and
   record why (``RenderedPrompt.fallback``); any other template error propagates;
 * tokenize the rendered text without letting the tokenizer add special tokens, and add BOS only when the
@@ -31,10 +32,10 @@ def _mentions_thinking(err: BaseException) -> bool:
     return "enable_thinking" in str(err)
 
 
-def render_text(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *,
-                add_generation_prompt: bool = True) -> tuple[str, str | None]:
-    """Render ``messages`` with thinking disabled; return the text and the fallback reason, if any.
-    ``add_generation_prompt=False`` continues the last message instead (an assistant prefill)."""
+def render_text(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                thinking: bool = False) -> tuple[str, str | None]:
+    """Render ``messages`` with thinking disabled (enabled with ``thinking``); return the text and the fallback
+    reason, if any. ``add_generation_prompt=False`` continues the last message instead (an assistant prefill)."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ConfigError("model.path", getattr(tokenizer, "name_or_path", "?"), "has no chat template",
                           fix="use a checkpoint whose tokenizer_config.json carries a chat_template")
@@ -43,7 +44,7 @@ def render_text(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *,
     if not add_generation_prompt:
         turn = {"add_generation_prompt": False, "continue_final_message": True}
     try:
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, enable_thinking=False, **turn)
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, enable_thinking=thinking, **turn)
         return text, None
     except TypeError as err:  # a tokenizer whose signature has no **kwargs
         reason = f"tokenizer rejected enable_thinking: {err}"
@@ -70,9 +71,10 @@ def tokenize_rendered(tokenizer: Any, text: str) -> list[int]:
     return ids
 
 
-def render_prompt(renderer: Any, messages: Sequence[Mapping[str, Any]], *, tokenizer: Any = None) -> RenderedPrompt:
+def render_prompt(renderer: Any, messages: Sequence[Mapping[str, Any]], *, tokenizer: Any = None,
+                  thinking: bool = False) -> RenderedPrompt:
     """Render one chat with ``renderer`` (a tokenizer, or a VLM processor that owns its chat template) and
     tokenize it with ``tokenizer`` (default: the renderer); the result is what every backend receives."""
-    text, fallback = render_text(renderer, messages)
+    text, fallback = render_text(renderer, messages, thinking=thinking)
     tok = tokenizer if tokenizer is not None else renderer
     return RenderedPrompt(text=text, token_ids=tuple(tokenize_rendered(tok, text)), fallback=fallback)

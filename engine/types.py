@@ -63,12 +63,16 @@ Fix: give at least one {'role': 'user', 'content': ...} message.
     """
 
     messages: tuple[Mapping[str, Any], ...]
+    thinking: bool = False
+    """Render with the template's ``enable_thinking`` on (vLLM's ``chat_template_kwargs: {"enable_thinking":
+    true}``); off by default, as the seeds require. A template that does not read it renders the same text."""
 
     @classmethod
     def of(cls, raw: ChatRequest | Sequence[Mapping[str, Any]], *, index: int) -> ChatRequest:
         """Validate one request (a ChatRequest or a list of ``{"role", "content"}`` messages)."""
+        thinking = False
         if isinstance(raw, ChatRequest):
-            raw = raw.messages
+            raw, thinking = raw.messages, raw.thinking
         where = f"requests[{index}]"
         if isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence) or len(raw) == 0:
             raise RequestError(f"{where}.messages", raw, "must be a non-empty list of messages",
@@ -89,7 +93,7 @@ Fix: give at least one {'role': 'user', 'content': ...} message.
                 raise RequestError(f"{at}.content", msg["content"], "must be a string on the text path",
                                    fix="pass the message text as a string")
             check_unicode(msg["content"], f"{at}.content")
-        return cls(tuple(dict(m) for m in raw))
+        return cls(tuple(dict(m) for m in raw), thinking=thinking)
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,20 @@ class Tok:
 TOK = Tok()
 
 
+class Engine:
+    """What the text route's parser asks of the engine: its tokenizer, and the size check before tokenizing."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def check_chars(self, field, chars, fix=""):
+        if chars > 1000:
+            raise RequestError(field, f"{chars} characters", "cannot fit", fix=fix)
+
+
 def parse_text_completion(raw, tokenizer):
     """What the call path does with a text body: check it against its model, then parse the model."""
-    return text.parse_text_completion(check(CompletionRequest, raw), tokenizer)
+    return text.parse_text_completion(check(CompletionRequest, raw), Engine(tokenizer), max_prompts=64)
 
 
 def parse(**fields):
@@ -148,3 +159,20 @@ def test_n_gives_each_prompt_n_choices_in_vllms_order():
     body = completion_body(call, answers, [None, None], model="m", tokenizer=TOK)
     assert [c["text"] for c in body["choices"]] == ["abw", "abx", "cy", "cz"]
     assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+
+
+def test_prompts_past_the_limits_are_refused_before_any_is_tokenized():
+    """A prompt list over the call's limit, or a text that cannot fit the context, is refused by name before the
+    tokenizer sees anything (the tokenizer below counts its calls)."""
+    calls = []
+
+    class Counting(Tok):
+        def encode(self, text, add_special_tokens):
+            calls.append(text)
+            return super().encode(text, add_special_tokens)
+
+    with pytest.raises(RequestError, match=r"more than serve\.max_prompts_per_call"):
+        parse_text_completion({"model": "m", "prompt": ["hi"] * 65}, Counting())
+    with pytest.raises(RequestError, match=r"prompt\[1\]"):
+        parse_text_completion({"model": "m", "prompt": ["hi", "x" * 1001]}, Counting())
+    assert calls == []

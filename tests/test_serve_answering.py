@@ -38,9 +38,12 @@ class Looping:
     backend = SimpleNamespace(name="hf", runner=None, capabilities=SimpleNamespace(max_model_len=4096))
     tokenizer = None
 
-    async def agenerate(self, requests, options=None, **kwargs):
+    def prepare(self, requests, options=None, **kwargs):
+        """The engine's checks, which the call path runs before the route (off the event loop)."""
         if (options or {}).get("min_new_tokens") == -1:
             raise ConfigError("generation.min_new_tokens", -1, "must be in [0, inf)")
+
+    async def agenerate(self, requests, options=None, prepared=None, **kwargs):
         return [TRIGGERED for _ in requests]
 
 
@@ -117,3 +120,22 @@ def test_every_refusal_takes_its_status_from_one_table_and_names_the_clients_fie
     error = replies[0].json()["error"]
     assert (replies[0].status_code, error["param"], error["code"]) == (status, param, status), error
     assert metric(text, "engine_requests_total", endpoint=endpoint, status=str(status)) == 1
+
+
+def test_every_served_name_and_the_path_are_answered_and_others_are_404():
+    """``--served-model-name A B``: /v1/models lists both, a keyless server's ``root`` is the name (no path), and a
+    request naming A, B or the model's path is answered; any other name is a 404 before any engine work."""
+    from engine.config import ServeConfig
+
+    serve = ServeConfig(model_name="stand-in", model_aliases=("alias",))
+    replies, _ = session([("/v1/chat/completions", {"model": name, "messages": MESSAGES})
+                          for name in ("stand-in", "alias", "/models/stand-in", "other")], serve=serve)
+    assert [r.status_code for r in replies] == [200, 200, 200, 404]
+    app = create_app(ServedEngine(Looping(), Activation(None, "test"), serve=serve), close_engine=False)
+
+    async def models():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine.test") as client:
+            return (await client.get("/v1/models")).json()["data"]
+
+    listed = asyncio.run(models())
+    assert [(m["id"], m["root"]) for m in listed] == [("stand-in", "stand-in"), ("alias", "stand-in")]

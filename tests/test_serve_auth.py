@@ -35,6 +35,9 @@ class Answering:
     backend = SimpleNamespace(name="hf", runner=None, capabilities=SimpleNamespace(max_model_len=4096))
     tokenizer = None
 
+    def prepare(self, requests, **kwargs):  # the engine's checks: nothing to refuse here
+        return None
+
     async def agenerate(self, requests, **kwargs):
         return [ANSWER for _ in requests]
 

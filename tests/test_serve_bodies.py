@@ -159,3 +159,33 @@ def test_the_published_schema_accepts_exactly_what_the_model_accepts(model, base
     except RequestError:
         accepted = False
     assert validator(model).is_valid(body) == accepted, body
+
+
+class Stalling:
+    """A request whose body sends ``parts`` and then nothing more (the client stalled), declaring ``declared``."""
+
+    def __init__(self, parts, declared=""):
+        self.headers = {"content-length": declared} if declared else {}
+        self.parts = parts
+
+    async def stream(self):
+        for part in self.parts:
+            yield part
+        await asyncio.sleep(3600)
+        yield b""
+
+
+def test_a_stalled_body_is_a_408_and_a_stalled_oversized_one_its_413():
+    """A body that stops part-way is refused after ``idle_s`` (408), naming the body; one that declared more than
+    the limit gets its 413 as soon as its drain stalls (``Content-Length: 10**12`` and ten bytes), not never."""
+    from engine.errors import RequestTimedOut, RequestTooLarge
+    from engine.serve.shared import limits
+
+    with pytest.raises(RequestTimedOut, match=r"serve\.body_timeout_s"):
+        asyncio.run(limits.read_bytes(Stalling([b'{"a": ']), max_bytes=100, idle_s=0.05))
+    saved, limits.DRAIN_IDLE_S = limits.DRAIN_IDLE_S, 0.05
+    try:
+        with pytest.raises(RequestTooLarge, match=r"larger than serve\.max_body_bytes"):
+            asyncio.run(limits.read_bytes(Stalling([b"0123456789"], declared=str(10**12)), max_bytes=100, idle_s=30))
+    finally:
+        limits.DRAIN_IDLE_S = saved

@@ -30,6 +30,9 @@ class Broken:
     backend = SimpleNamespace(name="hf", capabilities=SimpleNamespace(max_model_len=64))
     tokenizer = None
 
+    def prepare(self, requests, **kwargs):  # the engine's checks: nothing to refuse here
+        return None
+
     async def agenerate(self, *args, **kwargs):
         raise RuntimeError("an internal fault")
 

@@ -179,3 +179,15 @@ def test_the_drain_timeout_reaches_uvicorn_as_given(seconds):
 
     assert uvicorn_config(object(), ServeConfig(drain_timeout_s=seconds), log_level="warning"
                           ).timeout_graceful_shutdown == seconds
+
+
+def test_a_positional_model_and_several_served_names_as_vllm_serve_takes_them():
+    """``python -m engine.serve MODEL --served-model-name A B``: the model's path, A reported, B accepted too; a
+    positional model and a different --model are refused by name."""
+    from engine.serve.launch import parser, served_config
+
+    config, _ = served_config(parser().parse_args(["/models/m", "--backend", "hf", "--served-model-name", "a", "b"]),
+                              environ={})
+    assert (config.model.path, config.serve.model_name, config.serve.model_aliases) == ("/models/m", "a", ("b",))
+    with pytest.raises(ConfigError, match="differs from the positional model"):
+        served_config(parser().parse_args(["/models/m", "--model", "/models/n", "--backend", "hf"]), environ={})

@@ -79,6 +79,9 @@ class Engine:
     def batcher(self):
         return self._batcher
 
+    def prepare(self, requests, **kwargs):  # the engine's checks: nothing to refuse here
+        return None
+
     async def agenerate(self, requests, **kwargs):
         self.backend.calls.append("generate")
         if "slow" in str(requests[0]):

@@ -64,7 +64,8 @@ class Prompt:
 class SamplingPlan:
     """Everything a backend needs to generate, identical for every backend.
 
-    ``terminal_token_ids`` are the ids that end a row: the tokenizer's EOS ids plus ``stop.token_ids``.
+    ``terminal_token_ids`` are the ids that end a row: the tokenizer's EOS ids (unless ``ignore_eos``) plus
+    ``stop.token_ids``.
     """
 
     options: GenerationOptions
@@ -76,13 +77,19 @@ class SamplingPlan:
     json_schema: str | None = None
     """A JSON Schema (canonical JSON text) every row's output must follow, by construction: xgrammar on HF,
     structured outputs on vLLM. None: unconstrained."""
+    special_stops: tuple[tuple[str, int], ...] = ()
+    """Stop strings that were exactly a special token's text (``stop: ["<|im_end|>"]``, as every ChatML client
+    sends), each with the token id it became in ``stop.token_ids``: output is decoded with special tokens skipped on
+    every backend, so the token ends the row instead; results report them (``meta["stop_strings_as_token_ids"]``)."""
     logprobs_mode: str = "raw_logprobs"
     """What ``options.logprobs`` returns (``model.logprobs_mode``; vLLM was started with it): the raw model
     distribution, or the processed one the draw used (``engine.rules.processing``)."""
 
     @property
     def terminal_token_ids(self) -> tuple[int, ...]:
-        return tuple(dict.fromkeys((*self.eos_token_ids, *self.stop.token_ids)))
+        """The ids that end a row: EOS (unless ``options.ignore_eos``) and ``stop.token_ids``."""
+        eos = () if self.options.ignore_eos else self.eos_token_ids
+        return tuple(dict.fromkeys((*eos, *self.stop.token_ids)))
 
 
 def prompts_of(rendered: Sequence[Any], plan: SamplingPlan, images: Sequence[Any] | None = None) -> list[Prompt]:

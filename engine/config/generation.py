@@ -80,6 +80,10 @@ class GenerationOptions:
     logprobs: int | None = None
     """Return the top-k log-probabilities per generated token, k in [0, 20]; the chosen token is always included.
     Which distribution they come from is the engine's ``model.logprobs_mode`` (raw by default). None: no logprobs."""
+    ignore_eos: bool = False
+    """EOS does not end a row (vLLM's ``ignore_eos``, which ``vllm bench serve --ignore-eos`` sends: every row runs
+    to ``max_new_tokens`` unless a stop ends it; an EOS drawn on the way is kept in ``token_ids`` and decoded away,
+    as on vLLM). Rules that end rows by forcing EOS (the repeat guard, plugins) cannot run beside it."""
     logprobs_mode: str | None = None
     """The logprobs mode this request expects (``model.logprobs_mode``'s names); refused before generation when the
     engine serves another, so a learner that needs processed logprobs cannot silently get raw ones. None: any."""
@@ -107,6 +111,7 @@ class GenerationOptions:
         if self.logprobs is not None:
             check_type(f"{p}.logprobs", self.logprobs, int, "an integer")
             check_range(f"{p}.logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        check_type(f"{p}.ignore_eos", self.ignore_eos, bool, "true or false")
         if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"{p}.logprobs_mode", self.logprobs_mode, f"must be one of {', '.join(LOGPROBS_MODES)}",
                               fix="name the mode the engine serves (model.logprobs_mode), or leave it null")

@@ -89,6 +89,9 @@ got 'response'. Fix: pick another key, e.g. 'coordexp'.
     ``ChatCompletionResponse`` dicts, no envelope."""
     model_name: str | None = None
     """The model name responses report. None: the model folder's name."""
+    model_aliases: tuple[str, ...] = ()
+    """Other names requests may give the model (``vllm serve --served-model-name A B``: A reports, B is accepted);
+    the model's path as configured is always accepted too (a client written for ``vllm serve MODEL`` sends it)."""
     batch_wait_ms: float = 5.0
     """HF backend: how long the batcher waits for more requests before one ``generate``, in [0, 1000]."""
     max_batch_size: int = 32
@@ -103,6 +106,19 @@ got 'response'. Fix: pick another key, e.g. 'coordexp'.
     """Most stop strings in one request."""
     max_stop_string_chars: int = 256
     """Longest stop string, in characters (each generated token is searched for the longest one)."""
+    max_stop_token_ids: int = 1024
+    """Most stop token ids in one request."""
+    max_scored_tokens: int = 16384
+    """Most prompt tokens one ``/v1/completions`` call with ``echo`` and ``logprobs`` scores (lm-eval's
+    ``local-completions`` sends one document per call by default); more are refused before any is scored."""
+    body_timeout_s: float = 30.0
+    """How long a request body may pause between two parts (408 after), in (0, 3600]."""
+    idle_connection_timeout_s: float = 10.0
+    """How long a new connection may stay silent before its first byte (closed after), in (0, 3600]; uvicorn's own
+    keep-alive timeout covers the silence between requests."""
+    max_connections: int = 1024
+    """Most open client connections; one more is closed at once (a client holding silent sockets cannot exhaust
+    the server's file descriptors)."""
     weight_sync_hosts: tuple[str, ...] = ()
     """Addresses besides loopback and ``host`` on which ``/init_communicator/`` may open the learner's group store
     (its rank 0 listens there, and what it receives is unpickled: expose it no wider than the HTTP port). swift's
@@ -130,6 +146,9 @@ got 'response'. Fix: pick another key, e.g. 'coordexp'.
                                   fix="use letters, digits, '_', '.', '-' (e.g. 'coordexp')")
         if self.model_name is not None:
             check_type("serve.model_name", self.model_name, str, "a string or null")
+        check_type("serve.model_aliases", self.model_aliases, (tuple, list), "a list of names")
+        for i, alias in enumerate(self.model_aliases):
+            check_type(f"serve.model_aliases[{i}]", alias, str, "a name")
         check_type("serve.batch_wait_ms", self.batch_wait_ms, (int, float), "a number")
         check_range("serve.batch_wait_ms", self.batch_wait_ms, low=0, high=1000)
         check_type("serve.max_batch_size", self.max_batch_size, int, "an integer")
@@ -146,6 +165,10 @@ got 'response'. Fix: pick another key, e.g. 'coordexp'.
                    "a number")
         check_range("serve.weight_sync_session_timeout_s", self.weight_sync_session_timeout_s, low=0, high=3600,
                     low_open=True)
-        for name in ("max_body_bytes", "max_prompts_per_call", "max_stop_strings", "max_stop_string_chars"):
+        for name in ("body_timeout_s", "idle_connection_timeout_s"):
+            check_type(f"serve.{name}", getattr(self, name), (int, float), "a number")
+            check_range(f"serve.{name}", getattr(self, name), low=0, high=3600, low_open=True)
+        for name in ("max_body_bytes", "max_prompts_per_call", "max_stop_strings", "max_stop_string_chars",
+                     "max_stop_token_ids", "max_scored_tokens", "max_connections"):
             check_type(f"serve.{name}", getattr(self, name), int, "an integer")
             check_range(f"serve.{name}", getattr(self, name), low=1)

@@ -185,7 +185,8 @@ def special_stop(strings: Iterable[str], specials: Mapping[str, int]) -> tuple[i
     """The first stop string that holds a special token's text, as (index, that text, its id); None if none does.
 
     Outputs are decoded with special tokens skipped, on every backend, so such a stop string could never match:
-    the engine refuses it and points at ``stop.token_ids`` instead.
+    the engine refuses it and points at ``stop.token_ids`` instead (a stop string that is exactly a special token's
+    text becomes that token's stop id before this is asked: ``GenerationEngine._plan``).
 
     >>> special_stop(["\\n\\n", "<|im_end|>"], {"<|im_end|>": 2})
     (1, '<|im_end|>', 2)

@@ -35,12 +35,17 @@ EXIT_START = 3
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m engine.serve", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", help="model.path, as vllm serve takes it (the same as "
+                   "--model)")
     p.add_argument("--config", help="engine config YAML (backend, model, generation, serve, ...)")
     p.add_argument("--backend", help=f"override: backend ({', '.join(SPECS)})")
     p.add_argument("--model", help="override: model.path")
     p.add_argument("--dtype", help="override: model.dtype")
     p.add_argument("--logprobs-mode", help="override: model.logprobs_mode (vLLM's names: raw_logprobs, "
                    "processed_logprobs, raw_logits, processed_logits); reported by /health and /v1/models")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME", help="override: serve.model_name (the first "
+                   "name, the one answers report) and serve.model_aliases (the others), as vllm serve takes them; "
+                   "requests may name any of them or the model's path")
     p.add_argument("--host", help="override: serve.host (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="override: serve.port (0: any free port)")
     p.add_argument("--namespace", help="override: serve.namespace ('none' for bare responses)")
@@ -69,6 +74,11 @@ def served_config(args: argparse.Namespace, environ: Any = None) -> tuple[Any, A
             raise ConfigError("--config", args.config, "must hold a YAML mapping", fix="start with 'backend:'")
     if args.backend:
         data["backend"] = args.backend
+    tag = getattr(args, "model_tag", None)
+    if tag and args.model and tag != args.model:
+        raise ConfigError("--model", args.model, f"differs from the positional model {tag!r}",
+                          fix="give the model once")
+    args.model = args.model or tag
     if args.model or args.dtype or args.logprobs_mode:
         model = data.get("model") or {}
         model = {"path": model} if isinstance(model, str) else section(model, "model")
@@ -83,6 +93,9 @@ def served_config(args: argparse.Namespace, environ: Any = None) -> tuple[Any, A
     for key in ("host", "port"):
         if getattr(args, key) is not None:
             serve[key] = getattr(args, key)
+    names = getattr(args, "served_model_name", None)
+    if names:
+        serve["model_name"], serve["model_aliases"] = names[0], list(names[1:])
     if args.namespace is not None:
         serve["namespace"] = None if args.namespace.lower() == "none" else args.namespace
     chat = section(serve.get("chat"), "serve.chat")
@@ -207,8 +220,11 @@ def uvicorn_config(app: Any, serve: Any, *, log_level: str) -> Any:
     given (0: none; a fraction of a second stays one, it never turns into "wait forever")."""
     import uvicorn
 
+    from engine.serve.shared.connections import guarded_protocol
+
     # The engine's own access log (engine.serve.access: request ids, durations) replaces uvicorn's.
-    return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=serve.drain_timeout_s, access_log=False)
+    return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=serve.drain_timeout_s, access_log=False,
+                          http=guarded_protocol(serve))
 
 
 def cli() -> None:

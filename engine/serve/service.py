@@ -68,6 +68,11 @@ class ServedEngine:
     def model_name(self) -> str:
         return self.serve.model_name or Path(self.engine.config.model.path).name
 
+    def serves(self, name: str) -> bool:
+        """Whether a request's ``model`` names this model: its name, an alias (``serve.model_aliases``), or its path
+        as configured (what a client of ``vllm serve <path>`` sends)."""
+        return name == self.model_name or name in self.serve.model_aliases or name == self.engine.config.model.path
+
     @property
     def guard_active(self) -> int:
         """1 when the repeat guard runs on every request: enabled, and the backend offers its hook (an engine

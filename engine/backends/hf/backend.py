@@ -44,6 +44,14 @@ def resolve_device(device: str) -> str:
     return device
 
 
+SCORE_TOKENS = 8192
+"""Most tokens (rows x width) one scoring forward takes."""
+SCORE_POSITIONS = 512
+"""Positions whose full-vocabulary logits a scoring step holds at once (on a :data:`PLAIN_HEAD` model)."""
+PLAIN_HEAD = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2"})
+"""Model types whose logits are ``lm_head(decoder(ids).last_hidden_state)``, nothing after (no soft-capping, no
+scaling): their scoring runs the head per slice of positions."""
+
 class RowFinishRecorder:
     """A stopping criterion that ends rows on terminal ids, stop strings or stopping-criteria row rules, and
     records when each ended.
@@ -227,7 +235,7 @@ class HfBackend(BackendBase, backend="hf"):
             max_new_tokens=opts.max_new_tokens,
             min_new_tokens=opts.min_new_tokens or None,
             repetition_penalty=opts.repetition_penalty,
-            eos_token_id=list(plan.terminal_token_ids),
+            eos_token_id=list(plan.terminal_token_ids) or None,  # none with ignore_eos and no stop ids
             pad_token_id=self.tokenizer.pad_token_id,
             bos_token_id=self.tokenizer.bos_token_id,
             return_dict_in_generate=True,
@@ -338,53 +346,94 @@ class HfBackend(BackendBase, backend="hf"):
                                          prompt_token_ids=tuple(seen), events=events))
         return results
 
+    def compile_schema(self, schema: str) -> Any:
+        """The compiled grammar of ``schema`` (a checked JSON Schema's canonical text), compiled once: the engine
+        calls this while preparing a request, the batch then finds it ready."""
+        from engine.backends.hf.structured import SchemaCompiler
+
+        if self._schemas is None:
+            self._schemas = SchemaCompiler(self.tokenizer, self.vocab_size)
+        return self._schemas.compile(schema)
+
     def _grammar_processors(self, plan: SamplingPlan, batch: int, prompt_len: int) -> list[Any]:
         """The grammar mask of a constrained plan (sampling warpers come after it); none otherwise."""
         if plan.json_schema is None:
             return []
-        from engine.backends.hf.structured import GrammarMask, SchemaCompiler
+        from engine.backends.hf.structured import GrammarMask
 
-        if self._schemas is None:
-            self._schemas = SchemaCompiler(self.tokenizer, self.vocab_size)
-        return [GrammarMask(self._schemas.compile(plan.json_schema), batch, prompt_len, self.vocab_size)]
+        return [GrammarMask(self.compile_schema(plan.json_schema), batch, prompt_len, self.vocab_size)]
 
     def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
               top: int | None = None, processing: Any = None) -> list[TokenScores]:
         """Log-probabilities of ``sequences[i][starts[i]:]`` (each token given all before it) from one forward
         pass per batch of right-padded rows, whether each token was the model's argmax there, and with ``top`` the
         ``top`` likeliest tokens at each position. With ``processing`` (``engine.rules.processing.Processing``) the
-        logits are processed as a sampled draw's were first, and each score carries its kept mass."""
+        logits are processed as a sampled draw's were first, and each score carries its kept mass.
+
+        Memory stays bounded whatever the client sends: a batch holds at most :data:`SCORE_TOKENS` tokens (rows
+        beyond go to the next forward), and on a model whose logits are its output head's alone (:data:`PLAIN_HEAD`)
+        the head runs over :data:`SCORE_POSITIONS` positions at a time from the decoder's hidden states, so a
+        row's full-vocabulary logits never exist at once (8 rows of 8191 tokens would need ~13 GB of fp32 logits)."""
         import torch
 
-        from engine.rules.processing import reprocess
-
-        size = self.settings.max_batch_size or 8
         scores: list[TokenScores] = []
-        for first in range(0, len(sequences), size):
-            chunk, offsets = sequences[first : first + size], starts[first : first + size]
+        rows = max(1, min(self.settings.max_batch_size or 8, SCORE_TOKENS // max(1, max(map(len, sequences),
+                                                                                        default=1))))
+        for first in range(0, len(sequences), rows):
+            chunk, offsets = sequences[first : first + rows], starts[first : first + rows]
             width = max(len(s) for s in chunk)
             ids = torch.full((len(chunk), width), self.tokenizer.pad_token_id, dtype=torch.long)  # (batch, width)
             mask = torch.zeros((len(chunk), width), dtype=torch.long)
             for row, seq in enumerate(chunk):
                 ids[row, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
                 mask[row, : len(seq)] = 1
+            head = self._plain_head()
             with torch.inference_mode():
-                logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
-            for row, (seq, start) in enumerate(zip(chunk, offsets, strict=True)):
-                # The token at position p is predicted by the logits at p - 1.
-                kept = None
-                if processing is None:
-                    lp = torch.log_softmax(logits[row, start - 1 : len(seq) - 1].float(), dim=-1)  # (n, vocab)
-                else:
-                    lp, mass = reprocess(logits[row, start - 1 : len(seq) - 1], processing, seq, start)
-                    kept = tuple(mass.tolist())
-                target = torch.tensor(list(seq[start:]), dtype=torch.long, device=lp.device)
-                chosen = lp.gather(-1, target[:, None])[:, 0]
-                greedy = lp.argmax(dim=-1) == target
-                scores.append(TokenScores(logprobs=tuple(chosen.tolist()), greedy=tuple(greedy.tolist()),
-                                          top=None if top is None else top_alternatives(lp, target, top),
-                                          kept_mass=kept))
+                if head is None:
+                    out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+                else:  # (batch, width, hidden): the head runs per slice of positions below
+                    out = self.model.get_decoder()(input_ids=ids.to(self.device),
+                                                   attention_mask=mask.to(self.device)).last_hidden_state
+                for row, (seq, start) in enumerate(zip(chunk, offsets, strict=True)):
+                    scores.append(self._row_scores(out[row], head, seq, start, top, processing))
         return scores
+
+    def _row_scores(self, out: Any, head: Any, seq: Sequence[int], start: int, top: int | None,
+                    processing: Any) -> TokenScores:
+        """One row's scores from its logits (``head`` None) or its hidden states (``head``: the output head)."""
+        import torch
+
+        from engine.rules.processing import reprocess
+
+        # The token at position p is predicted by the logits at p - 1.
+        if processing is not None:  # penalties read the whole row: its logits at once
+            logits = out[start - 1 : len(seq) - 1] if head is None else head(out[start - 1 : len(seq) - 1])
+            lp, mass = reprocess(logits, processing, seq, start)
+            return self._scored(lp, seq[start:], top, tuple(mass.tolist()))
+        parts = []
+        for a in range(start - 1, len(seq) - 1, SCORE_POSITIONS):
+            b = min(a + SCORE_POSITIONS, len(seq) - 1)
+            logits = out[a:b] if head is None else head(out[a:b])
+            parts.append(self._scored(torch.log_softmax(logits.float(), dim=-1), seq[a + 1 : b + 1], top, None))
+        return TokenScores(logprobs=tuple(x for p in parts for x in p.logprobs),
+                           greedy=tuple(x for p in parts for x in p.greedy),
+                           top=None if top is None else tuple(x for p in parts for x in p.top))  # type: ignore[union-attr]
+
+    @staticmethod
+    def _scored(lp: Any, targets: Sequence[int], top: int | None, kept: tuple[float, ...] | None) -> TokenScores:
+        import torch
+
+        target = torch.tensor(list(targets), dtype=torch.long, device=lp.device)
+        chosen = lp.gather(-1, target[:, None])[:, 0]
+        greedy = lp.argmax(dim=-1) == target
+        return TokenScores(logprobs=tuple(chosen.tolist()), greedy=tuple(greedy.tolist()),
+                           top=None if top is None else top_alternatives(lp, target, top), kept_mass=kept)
+
+    def _plain_head(self) -> Any:
+        """The output head, where the model's logits are that head's output alone (else None: the full forward)."""
+        if getattr(self.model.config, "model_type", None) not in PLAIN_HEAD or not hasattr(self.model, "get_decoder"):
+            return None
+        return self.model.get_output_embeddings()
 
     @staticmethod
     def _logprobs(logits: Any, row: int, n: int, ids: list[int], plan: SamplingPlan) -> Any:

@@ -23,25 +23,44 @@ def _xgrammar() -> Any:
     return xgrammar
 
 
+KEPT = 64
+"""Compiled grammars kept (least recently used dropped first): a few MB each, so a client that sends a new schema
+every call cannot grow the server without bound."""
+CACHE_BYTES = 256 * 2**20
+"""xgrammar's own compiler cache bound (vLLM bounds its one too: ``VLLM_XGRAMMAR_CACHE_MB``)."""
+
+
 class SchemaCompiler:
-    """Compiles JSON Schemas for one tokenizer, each schema once.
+    """Compiles JSON Schemas for one tokenizer, each schema once while it is among the :data:`KEPT` latest. The
+    engine compiles a request's schema while it prepares the request (off the server's event loop and before the
+    batcher), so a batch finds it compiled.
 
     >>> SchemaCompiler.__name__
     'SchemaCompiler'
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        import threading
+        from collections import OrderedDict
+
         xgr = _xgrammar()
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self.vocab_size = vocab_size
-        self._compiler = xgr.GrammarCompiler(info)
-        self._compiled: dict[str, Any] = {}
+        self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=CACHE_BYTES)
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
 
     def compile(self, schema: str) -> Any:
-        if schema not in self._compiled:
-            self._compiled[schema] = self._compiler.compile_json_schema(schema, any_whitespace=False,
-                                                                         separators=(",", ":"))
-        return self._compiled[schema]
+        with self._lock:
+            if schema in self._compiled:
+                self._compiled.move_to_end(schema)
+                return self._compiled[schema]
+        compiled = self._compiler.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"))
+        with self._lock:
+            self._compiled[schema] = compiled
+            while len(self._compiled) > KEPT:
+                self._compiled.popitem(last=False)
+        return compiled
 
 
 class GrammarMask:

@@ -123,13 +123,20 @@ class LlamaCppBackend(BackendBase, backend="llamacpp"):
         self.n_ctx = min(n for n in (self.llm.n_ctx(), train_ctx) if n)
         self._table: Any = None
         self._lock = threading.Lock()
+        self._closing = False
+        """Set by :meth:`close`: the row in progress ends at its next token."""
         self.capabilities = Capabilities(name=SPEC.name, logprobs=True, supports_vlm=False, hooks=HOOKS,
                                          max_model_len=self.n_ctx, scoring=False, structured_outputs=False)
 
     def close(self) -> None:
-        llm, self.llm = getattr(self, "llm", None), None
-        if llm is not None:
-            llm.close()
+        """Free the model once no row is inside llama.cpp: a row in progress (the batcher thread, a stream the
+        server is shutting down) ends at its next token and leaves first; freeing the model under it would crash
+        the process (SIGSEGV)."""
+        self._closing = True
+        with self._lock:
+            llm, self.llm = getattr(self, "llm", None), None
+            if llm is not None:
+                llm.close()
 
     def _text_table(self) -> Any:
         """Token bytes for stop-string checks (built once), else None (then ``tokenizer.decode`` per token)."""
@@ -149,6 +156,8 @@ class LlamaCppBackend(BackendBase, backend="llamacpp"):
         if any(p.image is not None for p in prompts):
             raise EngineError("llamacpp backend got an image; it serves text models only")
         with self._lock:
+            if self.llm is None:
+                raise EngineError("the llamacpp backend is closed (the server is shutting down)")
             return [self._generate_row(i, p, plan, on_token) for i, p in enumerate(prompts)]
 
     @property
@@ -209,7 +218,7 @@ class LlamaCppBackend(BackendBase, backend="llamacpp"):
                     done = stoppers.decision().force_eos
                 if on_token is not None and on_token(index, len(tokens) - 1, token):
                     done = True
-                if done:
+                if done or self._closing:
                     break
         finally:
             generator.close()

@@ -191,7 +191,7 @@ def sampling_params(plan: SamplingPlan, **extra: Any) -> Any:
         stop=list(plan.stop.strings) or None,
         stop_token_ids=list(plan.terminal_token_ids),
         include_stop_str_in_output=False,
-        ignore_eos=False,
+        ignore_eos=opts.ignore_eos,
         logprobs=opts.logprobs,
         skip_special_tokens=True,
         **extra,

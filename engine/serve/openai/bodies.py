@@ -52,6 +52,11 @@ class OpenAISampling(SamplingOptions):
     min_tokens: Annotated[int | None, Engine("generation.min_new_tokens")] = None
     stop_token_ids: Annotated[list[int] | None, Engine("stop.token_ids", read=False)] = None
     response_format: Annotated[ResponseFormat | None, Wire("constrained decoding (json_schema)")] = None
+    ignore_eos: Annotated[bool | None, Engine("generation.ignore_eos")] = None
+    include_stop_str_in_output: Annotated[bool | None, Engine("stop.include_stop_str", read=False)] = None
+    skip_special_tokens: Annotated[bool | None, Neutral((True,))] = None
+    spaces_between_special_tokens: Annotated[bool | None, Neutral((True,))] = None
+    vllm_xargs: Annotated[dict[str, Any] | None, Neutral(({},))] = None
     frequency_penalty: Annotated[Number | None, Neutral((0, 0.0))] = None
     presence_penalty: Annotated[Number | None, Neutral((0, 0.0))] = None
     logit_bias: Annotated[dict[str, Number] | None, Neutral(({},))] = None
@@ -67,6 +72,7 @@ class ChatCompletionRequest(OpenAISampling):
     tools: Annotated[list[dict[str, Any]] | None, Neutral(([],))] = None
     tool_choice: Annotated[str | dict[str, Any] | None, Neutral(("none",))] = None
     parallel_tool_calls: Annotated[bool | None, Neutral((False, True))] = None
+    chat_template_kwargs: Annotated[dict[str, Any] | None, Wire("enable_thinking only (off by default)")] = None
 
 
 class CompletionRequest(OpenAISampling):

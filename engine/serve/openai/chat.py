@@ -34,6 +34,15 @@ class CompletionCall(Sampling):
     messages: list[dict[str, Any]]
     logprobs: bool = False
     top_logprobs: int | None = None
+    thinking: bool = False
+    """``chat_template_kwargs.enable_thinking``."""
+
+    @property
+    def request(self) -> Any:
+        """The conversation as the engine takes it (a ``ChatRequest``, thinking on or off)."""
+        from engine.types import ChatRequest
+
+        return ChatRequest(tuple(self.messages), thinking=self.thinking)
 
     @property
     def prompt_count(self) -> int:
@@ -45,6 +54,12 @@ class CompletionCall(Sampling):
         """The engine call's keyword arguments."""
         return {"options": self.options or None, "stop": self.stop, "plugins": self.plugins,
                 "json_schema": self.json_schema}
+
+
+def prepare(call: CompletionCall, served: Any) -> Any:
+    """The engine's own checks of a chat call and its rendered prompts (run by the call path off the event loop: the
+    chat template and the tokenizer), which the route then runs without preparing them again."""
+    return served.engine.prepare([call.request] * call.n, **call.kwargs)
 
 
 def parse_chat(body: ChatCompletionRequest, served: Any = None) -> CompletionCall:
@@ -75,7 +90,32 @@ for a group, or n: 1 to stream.
         own["logprobs"] = 0 if top is None else top
     sampling = parse_sampling(body, own)
     return CompletionCall(**sampling.shared(), messages=chat_messages(messages_of(body.messages)), logprobs=logprobs,
-                          top_logprobs=top)
+                          top_logprobs=top, thinking=template_thinking(body.chat_template_kwargs))
+
+
+TEMPLATE_KWARGS = ("enable_thinking",)
+"""The ``chat_template_kwargs`` this server takes (vLLM passes any to the template)."""
+
+
+def template_thinking(kwargs: dict[str, Any] | None) -> bool:
+    """``chat_template_kwargs.enable_thinking`` (false when absent: thinking is off by default); any other key is
+    refused by name.
+
+    >>> template_thinking(None), template_thinking({"enable_thinking": True})
+    (False, True)
+    >>> template_thinking({"add_vision_id": True})
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: chat_template_kwargs.add_vision_id is not taken by this server, got True. Fix: send \
+only enable_thinking (true or false).
+    """
+    for key, value in (kwargs or {}).items():
+        if key not in TEMPLATE_KWARGS:
+            raise RequestError(f"chat_template_kwargs.{key}", value, "is not taken by this server",
+                               fix="send only enable_thinking (true or false)")
+        if not isinstance(value, bool):
+            raise RequestError(f"chat_template_kwargs.{key}", value, "must be true or false", fix="send true or false")
+    return bool((kwargs or {}).get("enable_thinking", False))
 
 
 def _max_tokens(body: ChatCompletionRequest) -> Any:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from engine.serve.openai import chat, text
 from engine.serve.openai.bodies import ChatCompletionRequest, CompletionRequest
@@ -28,29 +28,35 @@ def router(served: ServedEngine) -> APIRouter:
     api = APIRouter()
     engine = served.engine
     model = served.model_name
-    chats = Surface(served, "chat_completions", ChatCompletionRequest, chat.parse_chat)
+    chats = Surface(served, "chat_completions", ChatCompletionRequest, chat.parse_chat, prepare=chat.prepare)
     texts = Surface(served, "completions", CompletionRequest,
-                    lambda body, served: text.parse_text_completion(body, served.engine.tokenizer),
+                    lambda body, served: text.parse_text_completion(body, served.engine,
+                                                                    served.serve.max_prompts_per_call),
                     fields=FieldTable.of(CompletionRequest, requests="prompt"), prepare=text.prepare)
 
     @api.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model, "object": "model", "created": int(served.started),
-                                            "owned_by": "engine", "root": engine.config.model.path,
+    async def models(request: Request) -> dict[str, Any]:
+        """Every name the model answers to (``--served-model-name``), as ``vllm serve`` lists them; ``root`` is the
+        model's path for a caller that sent the API key, its name otherwise (a keyless server shows no path)."""
+        root = engine.config.model.path if served.sent_the_key(request.scope["headers"]) else model
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(served.started),
+                                            "owned_by": "engine", "root": root,
                                             "max_model_len": engine.backend.capabilities.max_model_len,
-                                            "logprobs_mode": engine.config.model.logprobs_mode}]}
+                                            "logprobs_mode": engine.config.model.logprobs_mode}
+                                           for name in (model, *served.serve.model_aliases)]}
 
     @chats.route(api, "/v1/chat/completions")
     async def chat_completions(call: Call) -> Any:
         c = call.parsed
         if not c.stream:
-            return await call.whole(lambda: engine.agenerate([c.messages] * c.n, **c.kwargs), body=lambda results:
+            return await call.whole(lambda: engine.agenerate([c.request] * c.n, **c.kwargs, prepared=call.prepared),
+                                    body=lambda results:
                                     chat.completion_body(results, c, model=model, tokenizer=engine.tokenizer))
         cid, created = chat.completion_id(), int(time.time())
 
         async def open_stream() -> tuple[Any, list[Any]]:  # validation raises here, before any generation
             role = chat.chunk(cid, created, model, c, delta={"role": "assistant", "content": ""})
-            return engine.astream(c.messages, **c.kwargs), [role]
+            return engine.astream(c.request, **c.kwargs, prepared=call.prepared), [role]
 
         def events(part: Any) -> list[Any]:
             out = [chat.chunk(cid, created, model, c, delta={"content": part.delta})] if part.delta else []

@@ -17,7 +17,15 @@ Choices written down (OpenAI's reference leaves them open or this server cannot 
 * ``response_format``: ``text``; ``json_object`` (any JSON object); ``json_schema`` with ``json_schema.schema``
   (``name``, ``description`` and ``strict`` accepted; decoding is always constrained, so always strict). The schema is
   the engine's ``json_schema``: every answer is built to it (HF and vLLM; llama.cpp refuses it).
-* ``model`` must name the served model (else 404, as vLLM's server answers).
+* vLLM's output extras: ``ignore_eos`` (the engine's ``generation.ignore_eos``: EOS does not end a row, as
+  ``vllm bench serve --ignore-eos`` needs), ``include_stop_str_in_output`` (the engine's ``stop.include_stop_str``),
+  ``skip_special_tokens`` and ``spaces_between_special_tokens`` (true only: answers are decoded without special
+  tokens on every backend), ``vllm_xargs`` (empty only: no custom logits processors), and on the chat route
+  ``chat_template_kwargs`` with ``enable_thinking`` (off by default).
+* A stop string that is exactly a special token's text (``stop: ["<|im_end|>"]``, as ChatML clients send) ends the
+  row at that token on every backend, recorded in the engine's result (``meta["stop_strings_as_token_ids"]``).
+* ``model`` must name the served model: its name, another ``--served-model-name``, or its path (else 404, as vLLM's
+  server answers).
 * The engine extension ``engine: {options, stop, plugins}`` (the ``/infer/`` one) reaches every other engine
   option, the full stop policy and the plugins; it is validated like the in-process call.
 """
@@ -87,6 +95,8 @@ def parse_sampling(body: OpenAISampling, own: dict[str, Any]) -> Sampling:
             raise RequestError("stream_options.continuous_usage_stats", True, "is not supported",
                                fix="use include_usage for one usage chunk at the end")
     stop = stop_strings(body.stop)
+    if body.include_stop_str_in_output:
+        stop = {**(stop or {}), "include_stop_str": True}
     if body.stop_token_ids not in (None, []):
         stop = {**(stop or {}), "token_ids": body.stop_token_ids}  # checked by the engine, named back by the table
     options, stop, plugins = engine_extension(body.engine, options, stop, options_from="by a top-level field",

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.backends.base import TokenScores
-from engine.errors import RequestError
+from engine.errors import RequestError, RequestTooLarge
 from engine.serve.openai.bodies import CompletionRequest
 from engine.serve.openai.sampling import Sampling, parse_sampling
 from engine.serve.shared.formats import shown_logprob
@@ -85,14 +85,23 @@ class TextCompletionCall(Sampling):
         return [i for i, p in enumerate(self.prompts) if self.scores_prompt and len(p) > 1]
 
 
-def _prompts(value: Any, tokenizer: Any, special: bool) -> tuple[list[list[int]], list[str]]:
-    """``prompt`` as token-id lists, and the text each shows when echoed."""
+def _prompts(value: Any, engine: Any, special: bool, rows: int | None) -> tuple[list[list[int]], list[str]]:
+    """``prompt`` as token-id lists, and the text each shows when echoed; ``rows``: the most prompts (times ``n``)
+    a call may hold, checked before any is tokenized, as is each text's size."""
     example = 'e.g. "Once upon a time", ["a", "b"], [1, 2, 3] or [[1, 2], [3]]'
     flat_ids = isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-    if isinstance(value, str) or flat_ids:
+    one = isinstance(value, str) or flat_ids  # errors then name "prompt" itself
+    if one:
         value = [value]
     if not isinstance(value, list) or not value:
         raise RequestError("prompt", value, "is required: a string, a list of strings, or token ids", fix=example)
+    if rows is not None and len(value) > rows:
+        raise RequestTooLarge("requests", len(value), f"holds more than serve.max_prompts_per_call ({rows}) "
+                              "prompts", fix=f"split it into calls of at most {rows}, or raise the limit")
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            engine.check_chars("prompt" if one else f"prompt[{i}]", len(item), fix="send a shorter prompt")
+    tokenizer = engine.tokenizer
     ids, texts, vocab = [], [], len(tokenizer)
     for i, item in enumerate(value):
         if isinstance(item, str):
@@ -110,15 +119,19 @@ def _prompts(value: Any, tokenizer: Any, special: bool) -> tuple[list[list[int]]
     return ids, texts
 
 
-def parse_text_completion(body: CompletionRequest, tokenizer: Any) -> TextCompletionCall:
-    """Read a validated text completions body; raise ``RequestError`` naming the first bad field. Nothing is generated.
+def parse_text_completion(body: CompletionRequest, engine: Any, max_prompts: int | None = None) -> TextCompletionCall:
+    """Read a validated text completions body; raise ``RequestError`` naming the first bad field. Nothing is generated;
+    ``engine`` gives the tokenizer and refuses a text too long for the context before it is tokenized
+    (``check_chars``); more than ``max_prompts`` prompts are refused before any is tokenized.
 
+    >>> from types import SimpleNamespace
     >>> class Tok:
     ...     def __len__(self): return 200
     ...     def encode(self, text, add_special_tokens): return [1] * add_special_tokens + [ord(c) for c in text]
     ...     def decode(self, ids): return "".join(map(chr, ids))
+    >>> engine = SimpleNamespace(tokenizer=Tok(), check_chars=lambda field, chars, fix="": None)
     >>> def text(**fields):
-    ...     return parse_text_completion(CompletionRequest.model_validate({"model": "m", **fields}), Tok())
+    ...     return parse_text_completion(CompletionRequest.model_validate({"model": "m", **fields}), engine)
     >>> call = text(prompt="hi", echo=True, logprobs=1)
     >>> call.prompts, call.texts, call.options
     ([[1, 104, 105]], ['hi'], {'logprobs': 1, 'max_new_tokens': 16})
@@ -139,7 +152,8 @@ the prompt, or ask for at least one token.
     sampling = parse_sampling(body, {} if body.max_tokens is None or zero else {"max_new_tokens": body.max_tokens})
     options = dict(sampling.options)
     options.setdefault("max_new_tokens", 0 if zero else DEFAULT_MAX_TOKENS)
-    prompts, texts = _prompts(body.prompt, tokenizer, special)
+    rows = None if max_prompts is None else max(1, max_prompts // sampling.n)
+    prompts, texts = _prompts(body.prompt, engine, special, rows)
     return TextCompletionCall(**{**sampling.shared(), "options": options}, prompts=prompts, texts=texts, echo=echo,
                               logprobs=body.logprobs)
 
@@ -155,6 +169,11 @@ def prepare(call: TextCompletionCall, served: Any) -> Any:
     prepared = engine.prepare_plain(call.rows, **call.kwargs)
     if call.scores_prompt:
         sequences = [call.prompts[i] for i in call.scored]
+        scored, budget = sum(len(seq) for seq in sequences), served.serve.max_scored_tokens
+        if scored > budget:
+            raise RequestTooLarge("prompt", f"{scored} prompt tokens to score", f"is more than "
+                                  f"serve.max_scored_tokens ({budget}) in one call with echo and logprobs",
+                                  fix="send fewer or shorter prompts per call, or raise serve.max_scored_tokens")
         engine.check_scoring(sequences, [1] * len(sequences), call.logprobs)
     return prepared
 

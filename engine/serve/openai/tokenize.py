@@ -26,7 +26,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from engine.errors import RequestError
+from engine.errors import RequestError, RequestTooLarge
 from engine.serve.openai.bodies import DetokenizeRequest, TokenizeRequest
 from engine.serve.service import ServedEngine
 from engine.serve.shared.bodies import messages_of
@@ -38,9 +38,11 @@ BODIES = {"/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
 @dataclass(frozen=True)
 class TokenizerCall:
-    """A checked ``/tokenize`` or ``/detokenize`` body (no generation: nothing for the limits to hold)."""
+    """A checked ``/tokenize`` or ``/detokenize`` body and its answer, computed off the event loop by the call path
+    (no generation: nothing for the generation limits to hold)."""
 
     body: Any
+    answer: dict[str, Any]
     options: None = None
     stop: None = None
     prompt_count: int = 0
@@ -50,26 +52,41 @@ class TokenizerCall:
         return self.body.model
 
 
-def tokenizer_call(body: Any, served: Any = None) -> TokenizerCall:
-    return TokenizerCall(body)
+def tokenize_call(body: TokenizeRequest, served: Any) -> TokenizerCall:
+    engine = served.engine
+    limit = engine.backend.capabilities.max_model_len
+    ids, strs = tokenize(body, engine)
+    strings = engine.tokenizer.convert_ids_to_tokens(ids) if strs else None
+    return TokenizerCall(body, {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": strings})
 
 
-def tokenize(body: TokenizeRequest, tokenizer: Any) -> tuple[list[int], bool]:
+def detokenize_call(body: DetokenizeRequest, served: Any) -> TokenizerCall:
+    engine = served.engine
+    ids = detokenize(body, len(engine.tokenizer), engine.backend.capabilities.max_model_len)
+    return TokenizerCall(body, {"prompt": engine.tokenizer.decode(ids)})
+
+
+def tokenize(body: TokenizeRequest, engine: Any) -> tuple[list[int], bool]:
     """The ids a validated ``/tokenize`` body asks for and whether to return their strings; ``RequestError`` naming
-    a bad field.
+    a bad field. A chat is checked as generation checks it (roles, content), and text that cannot fit the context
+    is refused before it is tokenized.
 
     >>> from types import SimpleNamespace
     >>> tok = SimpleNamespace(encode=lambda text, add_special_tokens: [1] * add_special_tokens + [ord(c) for c in text])
-    >>> tokenize(TokenizeRequest(prompt="hi"), tok), tokenize(TokenizeRequest(prompt="hi", add_special_tokens=False),
-    ...                                                      tok)[0]
+    >>> engine = SimpleNamespace(tokenizer=tok, check_chars=lambda field, chars, fix="": None,
+    ...                          check_conversation=lambda field, messages: None)
+    >>> tokenize(TokenizeRequest(prompt="hi"), engine), tokenize(TokenizeRequest(prompt="hi",
+    ...                                                          add_special_tokens=False), engine)[0]
     (([1, 104, 105], False), [104, 105])
-    >>> tokenize(TokenizeRequest.model_validate({"prompt": "hi", "messages": []}), tok)
+    >>> tokenize(TokenizeRequest.model_validate({"prompt": "hi", "messages": []}), engine)
     Traceback (most recent call last):
     ...
     engine.errors.RequestError: messages cannot be sent with prompt, got []. Fix: send one of them.
     """
     from engine.templates import render_prompt
+    from engine.types import ChatRequest
 
+    tokenizer = engine.tokenizer
     strs = bool(body.return_token_strs)
     if body.messages is not None:
         messages = messages_of(body.messages)
@@ -81,18 +98,22 @@ def tokenize(body: TokenizeRequest, tokenizer: Any) -> tuple[list[int], bool]:
         if body.add_special_tokens is not None:
             raise RequestError("add_special_tokens", body.add_special_tokens, "applies to prompt only (a chat is "
                                "tokenized as the engine renders it)", fix="leave it out")
-        return list(render_prompt(tokenizer, chat_messages(messages)).token_ids), strs
+        checked = ChatRequest.of(chat_messages(messages), index=0)  # as generation checks it: roles, content
+        engine.check_conversation("messages", checked.messages)
+        return list(render_prompt(tokenizer, checked.messages).token_ids), strs
     if body.prompt is None:
         raise RequestError("prompt", None, "is required and must be a string (or send messages)",
                            fix='send {"prompt": "..."} or {"messages": [...]}')
     if body.add_generation_prompt is not None:
         raise RequestError("add_generation_prompt", body.add_generation_prompt, "applies to messages only",
                            fix="leave it out")
+    engine.check_chars("prompt", len(body.prompt))
     return list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)), strs
 
 
-def detokenize(body: DetokenizeRequest, vocab: int) -> list[int]:
-    """The token ids of a validated ``/detokenize`` body, each checked against the vocabulary.
+def detokenize(body: DetokenizeRequest, vocab: int, max_model_len: int | None = None) -> list[int]:
+    """The token ids of a validated ``/detokenize`` body, each checked against the vocabulary, at most the model's
+    context length of them (no sequence the model reads or writes is longer).
 
     >>> detokenize(DetokenizeRequest(tokens=[5, 6]), 10)
     [5, 6]
@@ -101,7 +122,15 @@ def detokenize(body: DetokenizeRequest, vocab: int) -> list[int]:
     ...
     engine.errors.RequestError: tokens[1] is not a token id of this model (its tokenizer has 10), got 60. \
 Fix: give ids in [0, 10).
+    >>> detokenize(DetokenizeRequest(tokens=[5] * 9), 10, max_model_len=8)
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestTooLarge: tokens holds more ids than the model's context length (8), got 9. Fix: send at \
+most 8 ids per call.
     """
+    if max_model_len is not None and len(body.tokens) > max_model_len:
+        raise RequestTooLarge("tokens", len(body.tokens), f"holds more ids than the model's context length "
+                              f"({max_model_len})", fix=f"send at most {max_model_len} ids per call")
     for i, t in enumerate(body.tokens):
         if not 0 <= t < vocab:
             raise RequestError(f"tokens[{i}]", t, f"is not a token id of this model (its tokenizer has {vocab})",
@@ -148,19 +177,16 @@ def backend_version(name: str) -> str | None:
 def router(served: ServedEngine) -> APIRouter:
     api = APIRouter()
     engine = served.engine
-    tokenizes = Surface(served, "tokenize", TokenizeRequest, tokenizer_call)
-    detokenizes = Surface(served, "detokenize", DetokenizeRequest, tokenizer_call)
+    tokenizes = Surface(served, "tokenize", TokenizeRequest, tokenize_call)
+    detokenizes = Surface(served, "detokenize", DetokenizeRequest, detokenize_call)
 
     @tokenizes.route(api, "/tokenize")
     async def tokenize_route(call: Call) -> Any:
-        ids, strs = tokenize(call.parsed.body, engine.tokenizer)
-        strings = engine.tokenizer.convert_ids_to_tokens(ids) if strs else None
-        return call.answered({"count": len(ids), "max_model_len": engine.backend.capabilities.max_model_len,
-                              "tokens": ids, "token_strs": strings})
+        return call.answered(call.parsed.answer)
 
     @detokenizes.route(api, "/detokenize")
     async def detokenize_route(call: Call) -> Any:
-        return call.answered({"prompt": engine.tokenizer.decode(detokenize(call.parsed.body, len(engine.tokenizer)))})
+        return call.answered(call.parsed.answer)
 
     @api.get("/tokenizer_info")
     async def tokenizer_info() -> dict[str, Any]:

@@ -23,7 +23,8 @@ def router(served: ServedEngine) -> APIRouter:
     api = APIRouter()
     engine = served.engine
     infers = Surface(served, "infer", InferRequest, wire.parse_infer,
-                     fields=FieldTable.of(InferRequest, requests="infer_requests"))
+                     fields=FieldTable.of(InferRequest, requests="infer_requests"),
+                     prepare=lambda c, served: served.engine.prepare(c.requests, **c.kwargs))  # off the event loop
 
     @api.get("/health")
     @api.get("/health/")
@@ -49,7 +50,8 @@ def router(served: ServedEngine) -> APIRouter:
     @infers.route(api, "/infer/")
     async def infer(call: Call) -> Any:
         c = call.parsed
-        return await call.whole(lambda: engine.agenerate(c.requests, **c.kwargs), body=lambda results: [
+        return await call.whole(lambda: engine.agenerate(c.requests, **c.kwargs, prepared=call.prepared),
+                                body=lambda results: [
             wire.rollout_item(r, c, model=served.model_name, tokenizer=engine.tokenizer,
                               namespace=served.serve.namespace) for r in results])
 

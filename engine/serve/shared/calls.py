@@ -31,7 +31,7 @@ from engine.serve.service import ServedEngine
 from engine.serve.shared.bodies import Body, check
 from engine.serve.shared.errors import ClientGone, UnknownModel, error_body, error_response, status_of
 from engine.serve.shared.fields import FieldTable, sent_paths
-from engine.serve.shared.limits import check_call, read_json
+from engine.serve.shared.limits import check_call, check_counts, parse_json, read_bytes
 from engine.types import GenerationResult
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,8 @@ async def until_disconnected(request: Request, task: asyncio.Task[Any]) -> bool:
 async def read_body(request: Request, model: type[B], served: ServedEngine) -> B:
     """The request's body within ``serve.max_body_bytes``, checked against ``model``: the first step of every POST
     route (generation calls through :meth:`Surface.accept`, swift's weight-sync calls directly)."""
-    return check(model, await read_json(request, served.serve.max_body_bytes))
+    raw = await read_bytes(request, served.serve.max_body_bytes, served.serve.body_timeout_s)
+    return await asyncio.to_thread(lambda: check(model, parse_json(raw)))
 
 
 class Surface(Generic[P]):
@@ -128,20 +129,42 @@ class Surface(Generic[P]):
 
     async def accept(self, request: Request) -> Call[P] | JSONResponse:
         """The call ``request`` asks for, or its refusal (counted)."""
-        start, fields = time.perf_counter(), self.fields
+        start = time.perf_counter()
         try:
-            body = await read_body(request, self.body, self.served)
+            raw = await read_bytes(request, self.served.serve.max_body_bytes, self.served.serve.body_timeout_s)
+        except EngineError as err:
+            return self.refused(err, start)
+        # JSON, the body model, the parser (tokenizing), the limits and the engine's checks: CPU work on a body of up
+        # to serve.max_body_bytes, run off the event loop so that /health and every stream go on meanwhile.
+        checked = await asyncio.to_thread(self._check, raw)
+        if isinstance(checked[0], EngineError):
+            return self.refused(checked[0], start, checked[1])
+        call, fields, prepared = checked
+        return Call(self, call, start, fields, request, prepared)
+
+    def _check(self, raw: bytes) -> tuple[Any, FieldTable, Any]:
+        """(the parsed call, its field table, what ``prepare`` gave), or (the refusal, the table to name it by)."""
+        fields = self.fields
+        serve, limit = self.served.serve, self.served.engine.backend.capabilities.max_model_len
+        try:
+            data = parse_json(raw)
+            check_counts(data, max_items=max(serve.max_prompts_per_call, serve.max_stop_token_ids, limit or 0),
+                         requests=self.fields.requests or None, max_prompts=serve.max_prompts_per_call)
+            body = check(self.body, data)
             fields = self.fields.sent(set(sent_paths(body)))  # where two client fields name one engine field
+            named = getattr(body, "model", None)
+            if isinstance(named, str) and named and not self.served.serves(named):  # before any work on the body
+                raise UnknownModel(named, self.served.model_name)
             call = self.parse(body, self.served)
             engine = self.served.engine
             check_call(self.served.serve, prompts=call.prompt_count, options=call.options, stop=call.stop,
                        max_model_len=engine.backend.capabilities.max_model_len)
             prepared = self.prepare(call, self.served) if self.prepare is not None else None
-            if call.model is not None and call.model != self.served.model_name:
+            if call.model is not None and not self.served.serves(call.model):
                 raise UnknownModel(call.model, self.served.model_name)
         except EngineError as err:
-            return self.refused(err, start, fields)
-        return Call(self, call, start, fields, request, prepared)
+            return err, fields, None
+        return call, fields, prepared
 
 
 class Call(Generic[P]):

@@ -6,7 +6,8 @@ handlers. :data:`STATUS` is the whole table, first match wins:
 
 >>> [(kind.__name__, status) for kind, status, _ in STATUS]  # doctest: +NORMALIZE_WHITESPACE
 [('Unauthenticated', 401), ('UnknownModel', 404), ('ClientGone', 499), ('WeightSyncConflict', 409),
- ('WeightSyncFailed', 500), ('RequestTooLarge', 413), ('EngineError', 400), ('Exception', 500)]
+ ('WeightSyncFailed', 500), ('RequestTimedOut', 408),
+ ('RequestTooLarge', 413), ('EngineError', 400), ('Exception', 500)]
 >>> status_of(RequestTooLarge("stop.strings", 3, "holds too many")), status_of(RequestTooLarge("body", 9, "is big"))
 (400, 413)
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.errors import EngineError, RequestError, RequestTooLarge
+from engine.errors import EngineError, RequestError, RequestTimedOut, RequestTooLarge
 
 
 class UnknownModel(RequestError):
@@ -63,6 +64,7 @@ STATUS: tuple[tuple[type[BaseException], int, str], ...] = (
     (ClientGone, 499, "invalid_request_error"),
     (WeightSyncConflict, 409, "conflict_error"),
     (WeightSyncFailed, 500, "server_error"),
+    (RequestTimedOut, 408, "invalid_request_error"),
     (RequestTooLarge, 413, "invalid_request_error"),  # the body only (see status_of); a list over a limit is a 400
     (EngineError, 400, "invalid_request_error"),
     (Exception, 500, "internal_error"),

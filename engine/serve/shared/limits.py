@@ -1,7 +1,8 @@
 """What one request may ask of the server, checked before any tokenization or model work.
 
-The body is read up to ``serve.max_body_bytes`` (413 beyond, whatever ``Content-Length`` says); a parsed call
-then stays within ``serve.max_prompts_per_call``, ``serve.max_stop_strings`` and ``serve.max_stop_string_chars``,
+The body is read up to ``serve.max_body_bytes`` (413 beyond, whatever ``Content-Length`` says), each part within
+``serve.body_timeout_s`` of the last (408 otherwise); a parsed call then stays within ``serve.max_prompts_per_call``,
+``serve.max_stop_strings``, ``serve.max_stop_string_chars`` and ``serve.max_stop_token_ids``,
 and its ``max_new_tokens`` within the model's context length (a row can never generate past it). Each refusal is
 a typed error naming the client's field, the value (cut short) and the setting that raises the limit.
 
@@ -20,19 +21,37 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from engine.errors import RequestError, RequestTooLarge
+from engine.errors import RequestError, RequestTimedOut, RequestTooLarge
 
 DRAIN_BYTES = 256 * 2**20
 """How far an oversized body is still read (and dropped) so that the client, still sending, gets its 413 rather
 than a reset connection; beyond this the connection is closed with the 413."""
+DRAIN_IDLE_S = 2.0
+"""How long an oversized body's drain waits for its next part before the 413 is sent anyway."""
 
 
-async def read_json(request: Any, max_bytes: int) -> Any:
-    """The request's JSON body, kept at most ``max_bytes`` far (:class:`RequestTooLarge` beyond: HTTP 413)."""
+async def read_bytes(request: Any, max_bytes: int, idle_s: float) -> bytes:
+    """The request's body, kept at most ``max_bytes`` far (:class:`RequestTooLarge` beyond: HTTP 413), each part
+    arriving within ``idle_s`` of the one before (:class:`RequestTimedOut` otherwise: HTTP 408; a client that declares
+    ``Content-Length: 10**12`` and stops sending holds nothing for long)."""
+    import asyncio
+
     declared = request.headers.get("content-length", "")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    parts = request.stream().__aiter__()
+    while True:
+        over = size > max_bytes or (declared.isdigit() and int(declared) > max_bytes)
+        try:  # a body already refused is drained only while it keeps coming
+            chunk = await asyncio.wait_for(parts.__anext__(), min(idle_s, DRAIN_IDLE_S) if over else idle_s)
+        except StopAsyncIteration:
+            break
+        except TimeoutError:
+            if over:  # Content-Length: 10**12 and ten bytes: the 413 now
+                break
+            raise RequestTimedOut("body", f"{size} bytes received", f"stalled: nothing arrived for "
+                                  f"serve.body_timeout_s ({idle_s:g} s)",
+                                  fix="send the whole body at once, or raise serve.body_timeout_s") from None
         size += len(chunk)
         if size > max_bytes or (declared.isdigit() and int(declared) > max_bytes):
             chunks.clear()  # nothing more is kept: the rest is read and dropped
@@ -42,7 +61,11 @@ async def read_json(request: Any, max_bytes: int) -> Any:
         chunks.append(chunk)
     if size > max_bytes or (declared.isdigit() and int(declared) > max_bytes):
         raise too_large(max(size, int(declared) if declared.isdigit() else 0), max_bytes)
-    raw = b"".join(chunks)
+    return b"".join(chunks)
+
+
+def parse_json(raw: bytes) -> Any:
+    """``raw`` as JSON, or a ``RequestError`` naming the body (run off the event loop: a 16 MiB body takes a while)."""
     try:
         return json.loads(raw)
     except RecursionError:
@@ -51,6 +74,42 @@ async def read_json(request: Any, max_bytes: int) -> Any:
     except ValueError as err:  # not JSON, not UTF-8, or an integer beyond Python's 4300 digits
         raise RequestError("body", raw[:60].decode("utf8", "replace"), f"is not valid JSON ({err})",
                            fix="send a JSON object with Content-Type: application/json") from None
+
+
+def check_counts(body: Any, *, max_items: int, requests: str | None, max_prompts: int) -> None:
+    """Refuse a parsed JSON body holding an array longer than any field of the server takes (``max_items``: the
+    largest of the count limits and the model's context length), or a request list (``requests``: its top-level
+    name) over ``serve.max_prompts_per_call``, before the body model checks it: that check holds the interpreter
+    for the whole body (a second for 100,000 conversations), this walk yields to the event loop as it goes.
+
+    >>> check_counts({"prompt": ["hi"] * 9}, max_items=100, requests="prompt", max_prompts=8)
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestTooLarge: prompt holds more than serve.max_prompts_per_call (8) conversations, got 9. \
+Fix: split it into calls of at most 8, or raise the limit.
+    >>> check_counts({"engine": {"stop": {"token_ids": [1] * 101}}}, max_items=100, requests=None, max_prompts=8)
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestTooLarge: engine.stop.token_ids holds more items than any field of this server takes \
+(100), got 101. Fix: send fewer.
+    """
+    if requests is not None and isinstance(body, Mapping) and isinstance(body.get(requests), list):
+        count = len(body[requests])
+        if count > max_prompts and not all(isinstance(t, int) for t in body[requests][:max_prompts + 1]):
+            raise RequestTooLarge(requests, count, f"holds more than serve.max_prompts_per_call ({max_prompts}) "
+                                  "conversations", fix=f"split it into calls of at most {max_prompts}, or raise the "
+                                  "limit")
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, Mapping):
+            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in value.items()
+                         if isinstance(v, (Mapping, list)))
+        elif isinstance(value, list):
+            if len(value) > max_items:
+                raise RequestTooLarge(path or "body", len(value), f"holds more items than any field of this server "
+                                      f"takes ({max_items})", fix="send fewer")
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value) if isinstance(v, (Mapping, list)))
 
 
 def too_large(size: int, max_bytes: int) -> RequestTooLarge:
@@ -67,6 +126,11 @@ def check_call(serve: Any, *, prompts: int, options: Mapping[str, Any] | None, s
         raise RequestTooLarge("requests", prompts, f"holds more than serve.max_prompts_per_call "
                               f"({serve.max_prompts_per_call}) conversations",
                               fix=f"split it into calls of at most {serve.max_prompts_per_call}, or raise the limit")
+    token_ids = (stop or {}).get("token_ids") or ()
+    if isinstance(token_ids, (list, tuple)) and len(token_ids) > serve.max_stop_token_ids:
+        raise RequestTooLarge("stop.token_ids", len(token_ids), f"holds more than serve.max_stop_token_ids "
+                              f"({serve.max_stop_token_ids}) stop token ids",
+                              fix=f"send at most {serve.max_stop_token_ids}, or raise serve.max_stop_token_ids")
     strings = (stop or {}).get("strings") or ()
     if isinstance(strings, (list, tuple)):
         if len(strings) > serve.max_stop_strings:
