@@ -23,6 +23,10 @@ SERVED_CHAT = {"temperature": 0, "top_p": 1.0}
 """Pattern C ``/chat`` defaults of every server the pool starts: greedy (its other defaults kept), so HF, vLLM and
 llama.cpp must agree to the character. The chat checks use the text engine's server the served twins use too."""
 
+SERVED_TIMEOUTS = {"idle_connection_timeout_s": 3, "body_timeout_s": 5}
+"""Shorter than the defaults (10 s, 30 s), so the hostile checks of silent connections and stalled bodies
+(``conformance/test_hostile.py``) see them fire in seconds."""
+
 
 @dataclass
 class ServerPool:
@@ -56,7 +60,7 @@ class ServerPool:
         # A served vLLM engine always runs AsyncLLM, its engine core in a child process, whatever
         # vllm.multiprocessing says: engines that differ only there share one server.
         config["vllm"] = {k: v for k, v in config["vllm"].items() if k != "multiprocessing"}
-        config["serve"] = {"chat": dict(SERVED_CHAT), **config.get("serve", {}), "port": 0}
+        config["serve"] = {**SERVED_TIMEOUTS, "chat": dict(SERVED_CHAT), **config.get("serve", {}), "port": 0}
         key = (backend, json.dumps(config, sort_keys=True))
         self._recipes.setdefault(key, (model, copy.deepcopy(sections)))
         return key, config

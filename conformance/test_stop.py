@@ -139,3 +139,23 @@ def test_stop_strings_inside_min_new_tokens_do_not_count(engines, pool, workload
         got[b] = rows
     assert inside and after, f"stops inside the first {n} tokens: {inside} rows, after them: {after}; proves little"
     assert_same_results(got, what="stop strings inside min_new_tokens", dtype=pool.options.dtype)
+
+
+def test_a_stop_string_that_is_a_special_tokens_text_ends_the_row_at_that_token(engine, plain):
+    """``stop: ["<|im_end|>"]`` (what every ChatML client sends, and ``vllm serve`` answers): the string becomes
+    that token's stop id, on every backend alike, recorded in the result; with ``ignore_eos`` (EOS alone no longer
+    ends a row) the row still ends at that token, exactly where the free row ended."""
+    tok = engine.tokenizer
+    eos_text, eos_id = tok.eos_token, tok.eos_token_id
+    stopped = engine.generate(CHAT, options={"max_new_tokens": 40}, stop={"strings": [eos_text, "@@never@@"]})
+    ignoring = engine.generate(CHAT, options={"max_new_tokens": 40, "ignore_eos": True}, stop={"strings": [eos_text]})
+    running = engine.generate(CHAT, options={"max_new_tokens": 40, "ignore_eos": True})
+    ended = 0
+    for i, (free, r, g, run) in enumerate(zip(plain, stopped, ignoring, running, strict=True)):
+        assert (r.token_ids, r.text, r.finish_reason) == (free.token_ids, free.text, free.finish_reason), f"row {i}"
+        assert r.meta["stop_strings_as_token_ids"] == {eos_text: eos_id}, r.meta
+        assert (g.token_ids, g.text) == (free.token_ids, free.text), f"row {i}: ignore_eos with the EOS text"
+        assert len(run.token_ids) == 40 and run.finish_reason == "length", f"row {i}: ignore_eos ended early"
+        assert list(run.token_ids[: len(free.token_ids) - 1]) == list(free.token_ids[:-1]), f"row {i}"
+        ended += free.token_ids[-1] == eos_id
+    assert ended, "no free row ended at EOS: the check proves nothing"
