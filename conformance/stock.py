@@ -14,32 +14,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import engine
-
-
-@dataclass
-class StockServer:
-    """A running third-party server: its URL, process and log."""
-
-    url: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def stop(self, timeout: float = 60.0) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+from engine.client import ServerProcess
 
 
 def free_port() -> int:
@@ -71,9 +50,10 @@ def vllm_serve_arguments(config: dict[str, Any], name: str) -> list[str]:
     return args
 
 
-def start_vllm_serve(config: dict[str, Any], name: str, *, timeout: float = 600.0) -> StockServer:
-    """Stock ``vllm serve`` for ``config`` (an engine config), answering as ``name``; ready when ``/health``
-    answers 200. Raises with the server's log if it exits or does not become ready within ``timeout``."""
+def start_vllm_serve(config: dict[str, Any], name: str, *, timeout: float = 600.0) -> ServerProcess:
+    """Stock ``vllm serve`` for ``config`` (an engine config), answering as ``name``, as a
+    :class:`~engine.client.ServerProcess` (``stop``, ``log``); ready when ``/health`` answers 200. Raises with the
+    server's log if it exits or does not become ready within ``timeout``."""
     import httpx
 
     port = free_port()
@@ -86,7 +66,7 @@ def start_vllm_serve(config: dict[str, Any], name: str, *, timeout: float = 600.
            "--host", "127.0.0.1", "--port", str(port)]
     with log_path.open("wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = StockServer(f"http://127.0.0.1:{port}", process, log_path)
+    server = ServerProcess(process, f"http://127.0.0.1:{port}", log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
