@@ -263,9 +263,10 @@ class PeakMemory:
         self._thread.join(30)
 
 
-ECHO_GROWTH_GB = {"hf": 1.0, "vllm": 2.5}
+ECHO_GROWTH_GB = {"hf": 1.25, "vllm": 2.5}
 """What scoring one 4000-token echoed prompt may add to the server at its peak. HF: full fp32 logits of the row and
-their log-softmax were +1.85 GB before issue 47; the head now runs on 512 positions at a time. vLLM computes a
+their log-softmax were +1.46 GB here before issue 47 (+1.85 GB in the probe); the head now runs on 512 positions at a
+time: +0.93 GB measured, the 4000-token forward pass itself. vLLM computes a
 prompt's logprobs per prefill chunk of its own (``max_num_batched_tokens``), the chunk's full logits at once: +1.6 GB
 measured here, bounded by that chunk whatever the prompt (``serve.max_scored_tokens`` bounds the tokens per call)."""
 

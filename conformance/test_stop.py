@@ -147,14 +147,14 @@ def test_a_stop_string_that_is_a_special_tokens_text_ends_the_row_at_that_token(
     ends a row) the row still ends at that token, exactly where the free row ended."""
     tok = engine.tokenizer
     eos_text, eos_id = tok.eos_token, tok.eos_token_id
-    stopped = engine.generate(CHAT, options={"max_new_tokens": 40}, stop={"strings": [eos_text, "@@never@@"]})
-    ignoring = engine.generate(CHAT, options={"max_new_tokens": 40, "ignore_eos": True}, stop={"strings": [eos_text]})
+    ignoring = engine.generate(CHAT, options={"max_new_tokens": 40, "ignore_eos": True},
+                               stop={"strings": [eos_text, "@@never@@"]})
     running = engine.generate(CHAT, options={"max_new_tokens": 40, "ignore_eos": True})
     ended = 0
-    for i, (free, r, g, run) in enumerate(zip(plain, stopped, ignoring, running, strict=True)):
-        assert (r.token_ids, r.text, r.finish_reason) == (free.token_ids, free.text, free.finish_reason), f"row {i}"
-        assert r.meta["stop_strings_as_token_ids"] == {eos_text: eos_id}, r.meta
-        assert (g.token_ids, g.text) == (free.token_ids, free.text), f"row {i}: ignore_eos with the EOS text"
+    for i, (free, g, run) in enumerate(zip(plain, ignoring, running, strict=True)):
+        assert (g.token_ids, g.text, g.finish_reason) == (free.token_ids, free.text, free.finish_reason), \
+            f"row {i}: ignore_eos with the EOS text as a stop string"
+        assert g.meta["stop_strings_as_token_ids"] == {eos_text: eos_id}, g.meta
         assert len(run.token_ids) == 40 and run.finish_reason == "length", f"row {i}: ignore_eos ended early"
         assert list(run.token_ids[: len(free.token_ids) - 1]) == list(free.token_ids[:-1]), f"row {i}"
         ended += free.token_ids[-1] == eos_id
