@@ -26,6 +26,7 @@ A backend without weight loading (llama.cpp) is refused by name.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -105,20 +106,30 @@ class WeightCalls:
         """The generation gate: while a push session is open, wait for the learner to end it (its cache reset,
         ``/process_weights_after_loading/`` or closing), so every row runs on one training step's weights, never on a
         half-pushed model; a learner silent for ``serve.weight_sync_session_timeout_s`` has its session ended here.
-        A failed push is not the generation's: it stays for the learner's next weight call."""
-        while self.holding:  # a cache reset under way: rows after it must not reuse the old weights' blocks
-            await self.ended.wait()
-        while self.pushed:
-            left = self.last_push + self.served.serve.weight_sync_session_timeout_s - time.monotonic()
-            if left <= 0:
+        A failed push is not the generation's: it stays for the learner's next weight call.
+
+        Every wait is followed by the whole check again, and the gate opens only where nothing is open or running
+        with no wait since the check: the caller then counts its generation in flight before any weight call can
+        start, so the next push drains it. (A gate that ended a session after waiting for a background call could
+        end a session the learner had opened meanwhile, and generate under its next load.)"""
+        while True:
+            if self.holding:  # a cache reset under way: rows after it must not reuse the old weights' blocks
+                await self.ended.wait()
+                continue
+            if self.pushed:
+                left = self.last_push + self.served.serve.weight_sync_session_timeout_s - time.monotonic()
+                if left > 0:
+                    with contextlib.suppress(TimeoutError):  # then the session's age is checked again
+                        await asyncio.wait_for(self.ended.wait(), timeout=left)
+                    continue
                 log.warning("engine.serve: a weight session open for %.0f s with no push: ending it before "
                             "generating", self.served.serve.weight_sync_session_timeout_s)
-                break
-            try:
-                await asyncio.wait_for(self.ended.wait(), timeout=left)
-            except TimeoutError:
+                await self._end_session()
                 continue
-        await self._end_session()
+            if self.pending is not None:  # a weight call still running in the background (its failure is kept)
+                await self._wait()
+                continue
+            return
 
     async def _end_session(self) -> None:
         """Wait for the background call, then make the session's weights take effect (failures kept)."""
