@@ -160,8 +160,6 @@ class Surface(Generic[P]):
             check_call(self.served.serve, prompts=call.prompt_count, options=call.options, stop=call.stop,
                        max_model_len=engine.backend.capabilities.max_model_len)
             prepared = self.prepare(call, self.served) if self.prepare is not None else None
-            if call.model is not None and not self.served.serves(call.model):
-                raise UnknownModel(call.model, self.served.model_name)
         except EngineError as err:
             return err, fields, None
         return call, fields, prepared
