@@ -37,7 +37,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "else full with CUDA and smoke without")
     group.addoption("--benchmark-backends", default=",".join(BACKENDS), help="comma-separated (default: hf,vllm)")
     group.addoption("--benchmark-model", default="smollm2-135m-instruct",
-                    help="a fixture name (python -m fixtures list) or a model folder (default: smollm2-135m-instruct)")
+                    help="a fixture name (python -m engine_fixtures list) or a model folder "
+                         "(default: smollm2-135m-instruct)")
     group.addoption("--benchmark-dtype", default=None,
                     help="model dtype (default: float32 on CPU, bfloat16 with CUDA)")
     group.addoption("--benchmark-reports", default=None, help="report folder (default: <rootdir>/reports)")
@@ -140,7 +141,7 @@ class BenchSession:
 
     @property
     def model_path(self) -> str:
-        from fixtures import FIXTURES, ensure
+        from engine_fixtures import FIXTURES, ensure
 
         if self.model_arg in FIXTURES:
             return str(ensure(self.model_arg))
@@ -163,7 +164,7 @@ class BenchSession:
         """The config of ``backend``'s engine (in the run's dtype unless ``dtype`` says another)."""
         model: dict[str, Any] = {"path": self.model_path, "dtype": dtype or self.dtype}
         if SPECS[backend].model_format == "gguf":  # llama.cpp: the same weights as an F32 GGUF (the twin fixture)
-            from fixtures import GGUF_TWINS, ensure
+            from engine_fixtures import GGUF_TWINS, ensure
 
             if self.model_arg not in GGUF_TWINS:
                 pytest.skip(f"llamacpp: --benchmark-model {self.model_arg!r} has no GGUF twin fixture "

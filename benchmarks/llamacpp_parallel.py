@@ -5,7 +5,7 @@ This script decodes the same greedy rows as parallel sequences instead (one llam
 id per row, llama.cpp's batch API through llama-cpp-python's low-level bindings), checks both give the same
 greedy tokens, and prints the tokens/s of each at batch 1 and 8 (medians of interleaved rounds)::
 
-    python -m benchmarks.llamacpp_parallel            # after python -m fixtures build
+    python -m benchmarks.llamacpp_parallel            # after python -m engine_fixtures build
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def decode_parallel(context: Any, n_vocab: int, prompts: list[list[int]], new_to
 def main() -> None:
     from benchmarks.workload import batch_messages, fixed_length
     from engine import GenerationEngine
-    from fixtures import ensure
+    from engine_fixtures import ensure
 
     engine = GenerationEngine({"backend": "llamacpp",
                                "model": {"path": str(ensure("smollm2-135m-instruct-gguf")), "dtype": "float32"}})

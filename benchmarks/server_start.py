@@ -15,7 +15,7 @@ Ways: ``spawn`` (the default) and ``fork`` (``VLLM_WORKER_MULTIPROC_METHOD=fork`
 API process after its imports, the "fork after import" the issue asks about); every start's greedy answer must
 be the same::
 
-    python -m benchmarks.server_start --rounds 3       # after python -m fixtures build, in the stack venv
+    python -m benchmarks.server_start --rounds 3       # after python -m engine_fixtures build, in the stack venv
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fixtures import load_prompts
+from engine_fixtures import load_prompts
 
 
 @dataclass(frozen=True)

@@ -142,7 +142,7 @@ def planned_runner() -> str:
         from engine.backends.vllm.backend import import_vllm, llm_kwargs, prepare_environment
         from engine.backends.vllm.runner import plan_runner
         from engine.config import ModelConfig, VllmConfig
-        from fixtures import ensure
+        from engine_fixtures import ensure
 
         path = str(ensure("smollm2-135m-instruct"))
         import_vllm()  # as an engine start does: the torchvision shim first where torchvision is absent
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds each pass may run before it is interrupted and counted as failed (default: none)")
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     args = parser.parse_args(argv)
-    from conformance.conftest import unavailable_reason
+    from conformance.availability import unavailable_reason
 
     wanted = tuple(b.strip() for b in args.backends.split(",") if b.strip())
     missing = [b for b in wanted if unavailable_reason(b)]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from conformance.compare import assert_same_results
-from fixtures import load_prompts
+from engine_fixtures import load_prompts
 
 pytestmark = pytest.mark.dtype_dependent
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fixtures import load_prompts
+from engine_fixtures import load_prompts
 
 CHAT = [p["messages"] for p in load_prompts("chat")]
 

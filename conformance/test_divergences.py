@@ -17,7 +17,7 @@ import pytest
 
 from conformance.compare import assert_same_results
 from conformance.variants import answered_token, model_copy
-from fixtures import fixture_path, load_prompts
+from engine_fixtures import fixture_path, load_prompts
 
 LOOPER_PROMPTS = [p["messages"] for p in load_prompts("looper") + load_prompts("lists") + load_prompts("chat")[:1]]
 BUDGET = {"max_new_tokens": 24}

@@ -22,7 +22,7 @@ def engine_cores(pool, backend_names):
     """The guarded looper engine with its engine core in-process and in a child process (and HF's)."""
     if "vllm" not in backend_names:
         pytest.skip("vLLM is not among the backends of this run (--engine-backends)")
-    from fixtures import fixture_path
+    from engine_fixtures import fixture_path
 
     looper = str(fixture_path("tiny-looper"))
     engines = {}

@@ -19,7 +19,28 @@ import pytest
 
 pytest.importorskip("lm_eval", reason="the lm-eval extra is not installed (pip install 'xbackend-engine[lm-eval]')")
 
-ROOT = Path(__file__).resolve().parents[1]
+
+
+def task_root() -> Path:
+    """The folder the task YAMLs name their data from (``fixtures/lm_eval_tasks/...``): the repository's root in a
+    clone; installed from the wheel (where the folder is ``engine_fixtures``), a folder in the temp dir whose
+    ``fixtures/lm_eval_tasks`` links to the installed tasks."""
+    import tempfile
+
+    import engine_fixtures
+
+    tasks = Path(engine_fixtures.__file__).resolve().parent / "lm_eval_tasks"
+    if (tasks.parents[1] / "fixtures" / "lm_eval_tasks").is_dir():
+        return tasks.parents[1]
+    root = Path(tempfile.gettempdir()) / f"xbackend-engine-lm-eval-tasks-{os.getuid()}"
+    link = root / "fixtures" / "lm_eval_tasks"
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if not link.exists():
+        link.symlink_to(tasks, target_is_directory=True)
+    return root
+
+
+ROOT = task_root()
 TASKS = ROOT / "fixtures" / "lm_eval_tasks"
 SCHEMA = TASKS / "city_schema.json"
 SCORING = ["engine_mc", "engine_ppl"]
@@ -69,7 +90,7 @@ def evaluate(model: Any, tasks: list[str], *, model_args: dict[str, Any] | None 
     from engine.lm_eval import register
 
     register()
-    os.chdir(ROOT)  # the task YAMLs name their data relative to the repository root
+    os.chdir(ROOT)  # the task YAMLs name their data relative to it (task_root)
     shorter = {"max_gen_toks": max_gen_toks} if max_gen_toks else None  # overrides the task's generation_kwargs
     return simple_evaluate(model=model, model_args=model_args, tasks=tasks, log_samples=True, limit=limit,
                            apply_chat_template=chat, gen_kwargs=shorter,

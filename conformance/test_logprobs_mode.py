@@ -16,7 +16,7 @@ import pytest
 
 from conformance.precision import REFERENCE_TOL
 from engine.errors import ConfigError
-from fixtures import load_prompts
+from engine_fixtures import load_prompts
 
 PROMPTS = [p["messages"] for p in load_prompts("chat")[:4]]
 PROCESSING = {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.3}

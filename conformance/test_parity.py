@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from conformance.compare import check_logprobs_close, describe, divergence_steps, exact_pair
-from fixtures import load_prompts
+from engine_fixtures import load_prompts
 
 pytestmark = [pytest.mark.servable, pytest.mark.dtype_dependent]
 

@@ -8,7 +8,7 @@ import pytest
 from engine.errors import PluginCompatibilityError
 from engine.plugins import Plugin
 from engine.plugins.base import HF_STOPPING_CRITERIA
-from fixtures import load_prompts
+from engine_fixtures import load_prompts
 
 CHAT = [p["messages"] for p in load_prompts("chat")]
 JSON = [p["messages"] for p in load_prompts("json") if p["id"] != "json-30-fruits"]

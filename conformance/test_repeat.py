@@ -7,7 +7,7 @@ import pytest
 from conformance.compare import assert_same_results, close_at_divergence, first_divergence
 from engine.errors import UnsupportedCapabilityError
 from engine.rules.repeat import RepeatThresholds, reference_fire_index
-from fixtures import fixture_path, load_prompts
+from engine_fixtures import fixture_path, load_prompts
 
 pytestmark = pytest.mark.dtype_dependent
 

@@ -14,7 +14,7 @@ import pytest
 
 from conformance.compare import assert_same_results
 from engine.metrics import TRUNCATED_RATE, rollout_metrics
-from fixtures import load_prompts
+from engine_fixtures import load_prompts
 
 pytestmark = pytest.mark.dtype_dependent
 

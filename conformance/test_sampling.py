@@ -15,7 +15,7 @@ import pytest
 from conformance.compare import assert_same_results, divergence_steps, exact_pair
 from conformance.precision import REFERENCE_TOL, assert_top_k_close, own_error, rescored, value_bound
 from engine.errors import ConfigError
-from fixtures import load_prompts
+from engine_fixtures import load_prompts
 
 pytestmark = pytest.mark.dtype_dependent
 

@@ -23,7 +23,7 @@ from conformance.compare import assert_served_equal
 from conformance.served import scrape
 from conformance.test_repeat import BUDGET, LOOP_GUARD, MIXED
 from engine.config import RepeatTerminateConfig
-from fixtures import fixture_path
+from engine_fixtures import fixture_path
 
 pytestmark = pytest.mark.slow
 NS = "coordexp"
@@ -45,7 +45,7 @@ def served_config(pool, looper_path):
 @pytest.fixture(scope="session")
 def server(pool, backend, served_config):
     """One server per backend on the looper fixture, its guard activated from the environment at startup."""
-    from conformance.conftest import unavailable_reason
+    from conformance.availability import unavailable_reason
     from engine.client import launch_server
 
     if unavailable_reason(backend):
@@ -420,7 +420,7 @@ def free_port() -> int:
 def test_guard_that_cannot_run_exits_before_binding(pool, served_config, tmp_path):
     """vLLM without its runner's logits-processor interface: exit 3 with the reason; the port never listens (it is
     bound before the model loads, so that a port in use fails first, but nothing is accepted there)."""
-    from conformance.conftest import unavailable_reason
+    from conformance.availability import unavailable_reason
 
     if unavailable_reason("vllm"):
         pytest.skip(unavailable_reason("vllm"))

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from conformance.compare import describe
-from fixtures import fixture_path, load_prompts
+from engine_fixtures import fixture_path, load_prompts
 
 GREEDY = {"max_new_tokens": 16}
 
 
 @pytest.mark.parametrize("fixture", ["smollm2-135m-instruct", "tiny-looper"])
 def test_backend_loads_text_fixture_and_generates(pool, backend, fixture):
-    from conformance.conftest import unavailable_reason
+    from conformance.availability import unavailable_reason
 
     if unavailable_reason(backend):
         pytest.skip(unavailable_reason(backend))

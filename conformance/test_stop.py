@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conformance.compare import assert_same_results, close_at_divergence, first_divergence
-from fixtures import load_prompts
+from engine_fixtures import load_prompts
 
 pytestmark = [pytest.mark.servable, pytest.mark.dtype_dependent]
 

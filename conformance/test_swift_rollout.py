@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from conformance.test_repeat import BUDGET, LOOP_GUARD, MIXED
-from fixtures import fixture_path
+from engine_fixtures import fixture_path
 
 pytestmark = pytest.mark.slow
 SEEDS_ON = {"COORDEXP_ENABLE_VLLM_REPEAT_TERMINATE_INJECTION": "1",
@@ -95,7 +95,7 @@ def stop_group(process: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def guarded_engine(pool):
-    from conformance.conftest import unavailable_reason
+    from conformance.availability import unavailable_reason
 
     if "vllm" not in pool.options.backends or unavailable_reason("vllm"):
         pytest.skip(unavailable_reason("vllm") or "swift rollout runs vLLM, which --engine-backends leaves out")

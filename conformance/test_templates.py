@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fixtures import load_prompts
+from engine_fixtures import load_prompts
 
 MSGS = load_prompts("chat")[0]["messages"]
 

@@ -8,7 +8,7 @@ import pytest
 
 from conformance.variants import model_copy
 from engine.errors import RequestError, UnsupportedCapabilityError
-from fixtures.data.images import IMAGE_SIZES, make_image
+from engine_fixtures.data.images import IMAGE_SIZES, make_image
 
 BUDGETS = (786432, 100352, 50176)  # the original runtime's, a mid one, one that downscales every image
 # Measured independently (PLATFORM.md): 300x500 gives grid [1, 28, 16] -> 112 tokens at 100352, [1, 20, 12] -> 60
@@ -28,7 +28,7 @@ def images():
 
 @pytest.fixture(scope="session")
 def vlm_engine(pool, backend):
-    from conformance.conftest import unavailable_reason
+    from conformance.availability import unavailable_reason
 
     if unavailable_reason(backend):
         pytest.skip(unavailable_reason(backend))

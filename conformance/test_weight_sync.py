@@ -18,7 +18,7 @@ import time
 import pytest
 
 from conformance.test_repeat import MIXED
-from fixtures import fixture_path
+from engine_fixtures import fixture_path
 
 pytestmark = pytest.mark.slow
 PREAMBLE = " ".join(f"Note {i}: the shelf holds {i * 7} jars." for i in range(40))
@@ -57,7 +57,7 @@ def test_pushed_weights_answer_like_the_perturbed_checkpoint(pool, backend, pert
     from swift.rlhf_trainers.utils import FlattenedTensorBucket
     from swift.rlhf_trainers.vllm_client import VLLMClient
 
-    from conformance.conftest import unavailable_reason
+    from conformance.availability import unavailable_reason
     from engine.client import RolloutClient, launch_server
     from engine.weight_sync import WeightSyncClient
 
@@ -113,7 +113,7 @@ def test_pushes_under_load_round_trip_exactly(pool, backend, perturbed):
     import httpx
     from safetensors.torch import load_file
 
-    from conformance.conftest import unavailable_reason
+    from conformance.availability import unavailable_reason
     from engine.client import RolloutClient, launch_server
     from engine.weight_sync import WeightSyncClient
 

@@ -74,9 +74,9 @@ REQUEST_SECTIONS = ("generation", "stop", "vision", "repeat_terminate", "plugins
 class GenerationEngine:
     """Batch-first chat generation with one contract on every backend.
 
-    Example (needs a built model; ``python -m fixtures build``)::
+    Example (needs a built model; ``python -m engine_fixtures build``)::
 
-        from fixtures import fixture_path
+        from engine_fixtures import fixture_path
         engine = GenerationEngine({"backend": "hf", "model": str(fixture_path("smollm2-135m-instruct")),
                                    "generation": {"max_new_tokens": 16}})
         [r.text for r in engine.generate([[{"role": "user", "content": "What is the capital of France?"}]])]
@@ -139,7 +139,7 @@ class GenerationEngine:
         llama.cpp); each is a mapping or a config object, validated like the config file's, and
         replaces this engine's section whole. Nothing is loaded: comparing guard settings costs no second model.
         The derived engine's results equal those of an engine built from the merged config; closing it leaves
-        the shared backend to this one. Example (needs a built model; ``python -m fixtures build``)::
+        the shared backend to this one. Example (needs a built model; ``python -m engine_fixtures build``)::
 
             plain = GenerationEngine({"backend": "hf", "model": str(fixture_path("tiny-looper"))})
             guarded = plain.derive(repeat_terminate={"enabled": True, "max_consecutive_token_repeats": 4})
@@ -169,7 +169,9 @@ class GenerationEngine:
         return EngineConfig.from_dict(dict(config))
 
     def _create_backend(self, name: str) -> Backend:
-        settings = getattr(self.config, name)
+        from engine.backends.registry import settings_section
+
+        settings = getattr(self.config, settings_section(name))
         cls = backend_class(name, settings)  # e.g. vLLM's async_engine picks AsyncLLM's class
         return cls(self.config.model, settings, self.tokenizer, processor=self.processor,
                    repeat_terminate=self.config.repeat_terminate)

@@ -41,7 +41,7 @@ def check_model_dir(model: ModelConfig) -> Path:
     if not path.is_dir():
         raise ConfigError("model.path", model.path, "is not a local model directory",
                           fix="give a folder with config.json and tokenizer files (no hub downloads here); "
-                              "build the fixtures with `python -m fixtures build`")
+                              "build the fixtures with `python -m engine_fixtures build`")
     if not (path / "config.json").is_file():
         raise ConfigError("model.path", model.path, "has no config.json", fix="point at a Hugging Face checkpoint")
     return path

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from fixtures import cache
-from fixtures.data import PROMPT_SETS, load_prompts
+from engine_fixtures import cache
+from engine_fixtures.data import PROMPT_SETS, load_prompts
 
 
 def test_publish_and_key(tmp_path):
@@ -44,7 +44,7 @@ def test_prompt_sets_are_well_formed():
 
 
 def test_large_fixtures_are_built_only_on_demand():
-    from fixtures.build import FIXTURES, default_fixtures
+    from engine_fixtures.build import FIXTURES, default_fixtures
 
     assert "qwen2-0.5b-random" in FIXTURES and "qwen2-0.5b-random" not in default_fixtures()
     assert {"smollm2-135m-instruct", "tiny-looper", "tiny-qwen2-vl"} <= set(default_fixtures())
@@ -53,8 +53,8 @@ def test_large_fixtures_are_built_only_on_demand():
 def test_fixture_key_covers_the_shared_builder_module(monkeypatch):
     import inspect
 
-    from fixtures import seeded
-    from fixtures.build import FIXTURES
+    from engine_fixtures import seeded
+    from engine_fixtures.build import FIXTURES
 
     before = FIXTURES["tiny-looper"].key()
     real = inspect.getsource

@@ -15,7 +15,7 @@ from engine.errors import ConfigError
 from engine.rules.base import RuleSet
 from engine.rules.repeat import RepeatRule, RepeatThresholds
 from engine.rules.seeding import row_seed
-from fixtures.gguf_llama import permute_rotary
+from engine_fixtures.gguf_llama import permute_rotary
 
 
 @pytest.mark.parametrize(("section", "field"), [

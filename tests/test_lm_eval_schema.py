@@ -81,7 +81,7 @@ def test_a_pydantic_model_validates_and_agrees_with_its_schema_file():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1] / "fixtures" / "lm_eval_tasks"
-    model = "fixtures.lm_eval_tasks.city_model.CityAnswer"
+    model = "engine_fixtures.lm_eval_tasks.city_model.CityAnswer"
     both = ResponseSchema.load(str(root / "city_schema.json"), model)
     assert both.hash == ResponseSchema.load(schema_model=model).hash
     assert both.answer('{"country": "France", "city": "Paris"}') == '{"city":"Paris","country":"France"}'
@@ -95,7 +95,7 @@ def test_a_pydantic_model_validates_and_agrees_with_its_schema_file():
     ({"response_schema": "{not json"}, "response_schema"),
     ({"response_schema": "/no/such/schema.json"}, "response_schema"),
     ({"response_schema": {"type": "no-such-type"}}, "response_schema"),
-    ({"schema_model": "fixtures.no_such_module.Model"}, "schema_model"),
+    ({"schema_model": "engine_fixtures.no_such_module.Model"}, "schema_model"),
     ({"schema_model": "json.JSONDecoder"}, "schema_model"),
     ({}, "response_schema"),
 ])

@@ -23,8 +23,8 @@ TEXTS = ["The capital of France is Paris.", "héllo wörld, naïve café", "日�
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from fixtures import fixture_path
-    from fixtures.smollm2 import locate_gguf
+    from engine_fixtures import fixture_path
+    from engine_fixtures.smollm2 import locate_gguf
 
     built = fixture_path("smollm2-135m-instruct")
     if (built / "tokenizer.json").is_file():

@@ -59,7 +59,7 @@ def resolve_gguf(model: ModelConfig, settings: LlamaCppConfig) -> Path:
     if len(found) != 1:
         raise ConfigError("model.path", model.path, f"holds {len(found)} .gguf files, the llamacpp backend needs one",
                           fix=("set llamacpp.gguf_file to one of " + ", ".join(p.name for p in found)) if found else
-                          "put the GGUF beside the tokenizer files (python -m fixtures build writes "
+                          "put the GGUF beside the tokenizer files (python -m engine_fixtures build writes "
                           "smollm2-135m-instruct-gguf), or give the .gguf file as model.path")
     return found[0]
 
@@ -91,7 +91,7 @@ def check_vocabulary(llm: Any, tokenizer: Any) -> None:
 class LlamaCppBackend(BackendBase, backend="llamacpp"):
     """Generate with llama.cpp through llama-cpp-python (``pip install 'xbackend-engine[llamacpp]'``).
 
-    Usually built by ``GenerationEngine`` (needs ``python -m fixtures build``)::
+    Usually built by ``GenerationEngine`` (needs ``python -m engine_fixtures build``)::
 
         engine = GenerationEngine({"backend": "llamacpp",
                                    "model": str(fixture_path("smollm2-135m-instruct-gguf"))})
