@@ -1,12 +1,19 @@
-"""Conformance plumbing: one option group, engines shared per session, the backend as a parameter.
+"""The conformance suite's pytest plugin: its options, markers, shared engines and report, for any pytest run.
+
+Installed with the package (``pip install "xbackend-engine[conformance]"``), it is registered by the ``pytest11``
+entry point ``xbackend_engine_conformance``, so ``pytest --pyargs conformance`` runs the suite from any folder, with no
+clone and no conftest (``-p no:xbackend_engine_conformance`` turns it off). It acts on the suite's own checks only
+(test modules of the ``conformance`` package): a user's other tests in the same session see its options and markers
+and nothing else; nothing loads, no engine starts and no report is written unless a conformance check is collected.
 
 Options (all under "engine conformance" in ``pytest --help``):
 ``--engine-backends``, ``--engine-require``, ``--engine-model``, ``--engine-vlm-model``, ``--engine-dtype``,
-``--engine-device``, ``--engine-vllm-multiprocessing``.
-Defaults are the fixture models built by ``python -m fixtures build``. A backend that cannot run here is
-skipped with its reason printed in the summary, never silently, unless ``--engine-require`` lists it: then the
-session fails before any test (``nox -s conformance`` requires hf and vllm). After each run a per-backend x per-check
-table is written to ``reports/conformance-summary.md`` (and ``.parquet`` when pandas is installed).
+``--engine-device``, ``--engine-vllm-multiprocessing``, ``--engine-shard``, ``--engine-reports``.
+Defaults are the fixture models built by ``python -m engine_fixtures build`` (built on first use when missing). A
+backend that cannot run here is skipped with its reason printed in the summary, never silently, unless
+``--engine-require`` lists it: then the session fails before any test (``nox -s conformance`` requires all three).
+After each run the report is written to ``reports/``: ``conformance-report.json`` (``conformance/record.py``), the
+HTML matrix and the Markdown summary (``conformance/matrix.py``).
 
 Checks marked ``servable`` run twice, as the ``reach`` parameter says: ``in-process``, and ``served`` (marked
 ``served``), where every engine they compare is reached through ``python -m engine.serve`` too and must answer the
@@ -17,22 +24,27 @@ background). ``-m "not served"`` leaves them out; ``-m served`` runs only them.
 
 from __future__ import annotations
 
-import importlib.util
-from collections.abc import Iterator
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from conformance.availability import check_required, unavailable_reason
 from conformance.isa import follow_aten_capability
 from conformance.pool import EnginePool, PoolOptions
 from conformance.report import SummaryCollector
 from conformance.served import IN_PROCESS, SERVED
-from conformance.tiers import QuickTier, Workload
-from engine.backends.registry import SPECS
+from conformance.shards import parse as parse_shard
+from conformance.shards import split as split_shards
+from conformance.tiers import QuickTier
 from engine.config import BACKENDS, DTYPES
 
+PACKAGE = "conformance"
 POOL_KEY = pytest.StashKey[EnginePool]()
+CHECKS_KEY = pytest.StashKey[set[str]]()
+"""Node ids of the collected conformance checks: the collection and report hooks act on these only."""
 FORCED_PROBES = pytest.StashKey[list[str]]()
 CALL_PASSED = pytest.StashKey[bool]()
 SERVED_ORDER = ("test_parity.py", "test_divergences.py", "test_plugins.py", "test_stop.py",
@@ -40,14 +52,31 @@ SERVED_ORDER = ("test_parity.py", "test_divergences.py", "test_plugins.py", "tes
 """Served twins run module by module in this order (then any other): the first four compare the text engine
 of each backend, so one server per backend serves them all; the engine-core check leaves the looper's guarded
 servers running for the repeat checks, which then need one server per guard setting."""
-VLM_BACKENDS = tuple(name for name, s in SPECS.items() if s.serves_images)
-"""Backends that serve vision-language models (llamacpp does not: its VLM checks skip with the reason)."""
+MARKERS = {
+    "quick": "the conformance quick tier (-m quick): every check function at least once on each backend, served "
+             "twins where marked (conformance/tiers.py picks it; a parametrization may be marked to represent its "
+             "function)",
+    "servable": "a conformance check that also runs as its served twin (reach=served), every engine it compares "
+                "reached through python -m engine.serve too",
+    "served": "the served twin of a servable check (-m 'not served' skips them)",
+    "dtype_dependent": "a conformance check that compares backends or batches by the dtype's rule (exact in "
+                       "float32, vLLM's rule below it); nox -s conformance-bf16 runs them",
+}
+"""The suite's markers, registered by the plugin (so ``--strict-markers`` accepts them in any repository)."""
 
 
-def _default_model(name: str) -> str:
-    from fixtures import fixture_path
+def is_check(item: pytest.Item) -> bool:
+    """Whether ``item`` is one of the suite's checks (a test function of the ``conformance`` package)."""
+    module = getattr(item, "module", None)
+    return module is not None and module.__name__.split(".")[0] == PACKAGE
 
-    return str(fixture_path(name))
+
+def built_fixture(name: str) -> str:
+    """A fixture model's folder, built first where the cache has none or an outdated one (from registry packages
+    only; an up-to-date one costs hashing its source)."""
+    from engine_fixtures import ensure
+
+    return str(ensure(name))
 
 
 def _cuda_host() -> bool:
@@ -81,25 +110,82 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--engine-gpu-vllm-engines", type=int, default=6,
                     help="CUDA hosts: vLLM engines held on the card at once, servers' included; each gets an "
                          "equal share of 0.8 of the card (default: 6, 0.13 each)")
+    group.addoption("--engine-shard", default=None, metavar="K/N",
+                    help="run shard K of N (a CI matrix): each backend's checks and each cross-backend module go "
+                         "whole to one shard, so a shard loads only its own engines (conformance/shards.py); merge "
+                         "the reports with python -m conformance.matrix")
+    group.addoption("--engine-reports", default=None,
+                    help="folder of the conformance report, matrix and summary (default: reports/ in the folder pytest "
+                         "was started from)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    for name, text in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {text}")
+    if "torch" not in sys.modules and any(PACKAGE in str(arg) for arg in config.args):
+        # Intel MKL (torch's CPU BLAS) takes its slowest sgemm path on AMD CPUs unless a code branch is named (an
+        # fp32 SmolLM2 step on the project's 2-core AMD EPYC machines: 89 ms by default, 53 ms with AUTO; results
+        # stay deterministic). MKL reads it once, when torch loads; a value the caller set wins; servers inherit it.
+        os.environ.setdefault("MKL_CBWR", "AUTO")
     config.stash[FORCED_PROBES] = follow_aten_capability()  # before anything imports vLLM (conformance/isa.py)
-    backends = [b.strip() for b in config.getoption("--engine-backends").split(",") if b.strip()]
+    backends = selected_backends(config)
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
         raise pytest.UsageError(f"--engine-backends: unknown {unknown}; available: {', '.join(BACKENDS)}")
-    check_required(config.getoption("--engine-require"), backends)
-    model = config.getoption("--engine-model") or _default_model("smollm2-135m-instruct")
-    from fixtures import GGUF_TWINS
+    check_required(config.getoption("--engine-require"), list(backends))
+    shard = config.getoption("--engine-shard")
+    if shard:
+        try:
+            parse_shard(shard)
+        except ValueError as err:
+            raise pytest.UsageError(f"{err}; fix: e.g. --engine-shard 1/2 on one runner, 2/2 on the other") from None
+    config.stash[CHECKS_KEY] = set()
+    tier = QuickTier(is_check)
+    config.pluginmanager.register(tier, "engine-quick-tier")
 
-    twins = {_default_model(hf): _default_model(gguf) for hf, gguf in GGUF_TWINS.items()}
+    dtype = config.getoption("--engine-dtype")
+
+    def describe() -> dict[str, Any]:  # read at the session's end, for the report
+        pool = config.stash.get(POOL_KEY, None)
+        context = {} if pool is None else {
+            "vllm_runner": ",".join(sorted(pool.runners)) or "none started", "vllm_engine_core": pool.vllm_mode,
+            "served_calls": pool.reach.served_calls}
+        return {"model": pool.options.model if pool else "", "dtype": dtype, "backends": backends,
+                "workload": tier.workload.name, "context": context, "shards": [shard] if shard else []}
+
+    stem = "conformance-summary" + ("" if dtype == "float32" else f"-{dtype}")
+    out = Path(config.getoption("--engine-reports") or Path(config.invocation_params.dir) / "reports")
+    collector = SummaryCollector(out, describe, stem, checks=config.stash[CHECKS_KEY])
+    config.pluginmanager.register(collector, "engine-summary")
+
+
+def selected_backends(config: pytest.Config) -> tuple[str, ...]:
+    return tuple(b.strip() for b in config.getoption("--engine-backends").split(",") if b.strip())
+
+
+def pool_of(config: pytest.Config) -> EnginePool:
+    """The session's engine pool, made on first need: a run that collects no conformance check makes none (and
+    imports no torch for it)."""
+    pool = config.stash.get(POOL_KEY, None)
+    if pool is not None:
+        return pool
+    from engine_fixtures import GGUF_TWINS
+    from engine_fixtures.build import default_fixtures
+
+    backends = selected_backends(config)
+    for name in default_fixtures():  # what the checks load by name (the GGUF twins only for llama.cpp)
+        if "llamacpp" in backends or name not in GGUF_TWINS.values():
+            built_fixture(name)
+    model = config.getoption("--engine-model") or built_fixture("smollm2-135m-instruct")
+    twins = {}
+    if "llamacpp" in backends:  # the GGUF twins are built only for a run that checks llama.cpp
+        twins = {built_fixture(hf): built_fixture(gguf) for hf, gguf in GGUF_TWINS.items()}
     if config.getoption("--engine-gguf-model"):
         twins[model] = config.getoption("--engine-gguf-model")
     options = PoolOptions(
-        backends=tuple(backends),
+        backends=backends,
         model=model,
-        vlm_model=config.getoption("--engine-vlm-model") or _default_model("tiny-qwen2-vl"),
+        vlm_model=config.getoption("--engine-vlm-model") or built_fixture("tiny-qwen2-vl"),
         dtype=config.getoption("--engine-dtype"),
         device=config.getoption("--engine-device"),
         vllm_multiprocessing=config.getoption("--engine-vllm-multiprocessing") or _cuda_host(),
@@ -112,13 +198,7 @@ def pytest_configure(config: pytest.Config) -> None:
         from engine.backends.host import turn_torch_compile_off
 
         pool.compile_off = turn_torch_compile_off()
-    tier = QuickTier()
-    context = lambda: {"vllm_runner": ",".join(sorted(pool.runners)) or "none started",  # noqa: E731
-                       "vllm_engine_core": pool.vllm_mode, "served_calls": pool.reach.served_calls,
-                       "workload": tier.workload.name}
-    stem = "conformance-summary" + ("" if options.dtype == "float32" else f"-{options.dtype}")
-    config.pluginmanager.register(tier, "engine-quick-tier")
-    config.pluginmanager.register(SummaryCollector(Path(config.rootpath) / "reports", context, stem), "engine-summary")
+    return pool
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own grouping by backend, which it keeps for in-process checks
@@ -126,7 +206,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Served twins after every in-process check, grouped by module, cross-backend ones first; then each check's
     variants backend after backend (hf, llamacpp, vllm on one guard, then the next guard). Each server then
     starts once, and the pool can start the other backends' twin of a server ahead while one backend works (a
-    cross-backend check compares all of them at once)."""
+    cross-backend check compares all of them at once). Other tests of the session keep their order, ahead."""
+    checks = [item for item in items if is_check(item)]
+    if config.getoption("--engine-shard") and checks:
+        checks = keep_shard(config, items, checks)
+    config.stash[CHECKS_KEY].update(item.nodeid for item in checks)
+    if not checks:
+        return
     order = {item: i for i, item in enumerate(items)}
     first: dict[tuple[str, ...], int] = {}
 
@@ -138,10 +224,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         rest = sorted((k, repr(v)) for k, v in params(item).items() if k not in ("backend", "reach"))
         return (item.nodeid.split("::")[0], getattr(item, "originalname", item.name), repr(rest))
 
-    for item in items:
+    for item in checks:
         first.setdefault(variant(item), order[item])
 
     def rank(item: pytest.Item) -> tuple[Any, ...]:
+        if not is_check(item):
+            return (-1, order[item])
         if params(item).get("reach", IN_PROCESS) != SERVED:
             return (0, order[item])
         module = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
@@ -150,11 +238,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return (1, group, module, per_backend, first[variant(item)], params(item).get("backend", ""), order[item])
 
     items.sort(key=rank)
-    pool = config.stash[POOL_KEY]
-    cross = any({"backend_names", "engines"} & set(getattr(item, "fixturenames", ())) for item in items)
-    reached = {params(item)["backend"] for item in items if "backend" in params(item)}
+    pool = pool_of(config)
+    cross = any({"backend_names", "engines"} & set(getattr(item, "fixturenames", ())) for item in checks)
+    reached = {params(item)["backend"] for item in checks if "backend" in params(item)}
     pool.servers.ahead_backends = frozenset(b for b in pool.options.backends if (cross or b in reached)
-                                    and unavailable_reason(b) is None)
+                                            and unavailable_reason(b) is None)
+
+
+def keep_shard(config: pytest.Config, items: list[pytest.Item], checks: list[pytest.Item]) -> list[pytest.Item]:
+    """``--engine-shard K/N``: keep shard K's checks (other tests of the session stay in shard 1 only)."""
+    from conformance.record import result_id
+
+    k, n = parse_shard(config.getoption("--engine-shard"))
+    mine = set(split_shards([result_id(item.location) for item in checks], selected_backends(config), n)[k - 1])
+    kept = [item for item in items if (result_id(item.location) in mine if is_check(item) else k == 1)]
+    dropped = [item for item in items if item not in kept]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+    return [item for item in kept if is_check(item)]
 
 
 @pytest.hookimpl(wrapper=True)
@@ -163,20 +265,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if report.when == "call":
         item.stash[CALL_PASSED] = report.passed
     return report
-
-
-@pytest.fixture(autouse=True)
-def reach(request: pytest.FixtureRequest, pytestconfig: pytest.Config) -> Iterator[str]:
-    """How this check reaches the pool's engines: in-process, or (the served twin of a servable check) through
-    their servers too. A served twin none of whose calls reached a server fails: it would prove nothing."""
-    pool = pytestconfig.stash[POOL_KEY]
-    how = getattr(request, "param", IN_PROCESS)
-    before, pool.reach.how = pool.reach.served_calls, how
-    yield how
-    pool.reach.how = IN_PROCESS
-    if how == SERVED and request.node.stash.get(CALL_PASSED, False) and pool.reach.served_calls == before:
-        pytest.fail("this served twin never reached a server (its calls ran in-process only): drop its servable "
-                    "mark, or make it compare engines through generate()", pytrace=False)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -188,13 +276,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    pool = config.stash[POOL_KEY]
-    lines = []
-    if config.stash[FORCED_PROBES]:
-        lines.append(f"cpu kernels: forced below AVX-512 (ATEN_CPU_CAPABILITY); torch.cpu probes answering False in "
-                     f"this process: {', '.join(config.stash[FORCED_PROBES])} (conformance/isa.py)")
-    if "vllm" not in pool.options.backends or unavailable_reason("vllm"):
-        return lines
+    if not config.stash.get(FORCED_PROBES, None):
+        return []
+    return [f"cpu kernels: forced below AVX-512 (ATEN_CPU_CAPABILITY); torch.cpu probes answering False in "
+            f"this process: {', '.join(config.stash[FORCED_PROBES])} (conformance/isa.py)"]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """vLLM's own model-runner decision for ``--engine-model``, once conformance checks are collected."""
+    pool = session.config.stash.get(POOL_KEY, None)
+    if pool is None or "vllm" not in pool.options.backends or unavailable_reason("vllm"):
+        return
     try:
         from engine.backends.vllm.backend import import_vllm, llm_kwargs, prepare_environment
         from engine.backends.vllm.runner import plan_runner
@@ -205,134 +297,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         import_vllm()  # as an engine does: without torchvision, its stand-in first (vLLM's config imports need it)
         plan = plan_runner(llm_kwargs(ModelConfig(path=pool.options.model, dtype=pool.options.dtype), settings))
         runner = f"{plan.runner} (vLLM's own decision for --engine-model; row rules: {plan.problem or 'supported'})"
-    except Exception as err:  # the header must not hide the run; the engines will report the real error
+    except Exception as err:  # the line must not hide the run; the engines will report the real error
         runner = f"undecided ({type(err).__name__}: {err})"
     compile_state = "; torch.compile off (CPU host)" if pool.compile_off else ""
-    return [*lines, f"vllm: model runner {runner}; engine core {pool.vllm_mode}{compile_state}"]
-
-
-def check_required(option: str, backends: list[str]) -> None:
-    """``--engine-require``: every listed backend is selected and can run here, or the session stops now."""
-    required = [b.strip() for b in option.split(",") if b.strip()]
-    unknown = [b for b in required if b not in BACKENDS]
-    if unknown:
-        raise pytest.UsageError(f"--engine-require: unknown {unknown}; available: {', '.join(BACKENDS)}")
-    unselected = [b for b in required if b not in backends]
-    if unselected:
-        raise pytest.UsageError(f"--engine-require lists {unselected}, which --engine-backends "
-                                f"({','.join(backends)}) leaves out; fix: select them or require fewer")
-    missing = [reason for b in required if (reason := unavailable_reason(b))]
-    if missing:
-        raise pytest.UsageError(f"--engine-require: required backends cannot run here ({'; '.join(missing)}); "
-                                "fix: install them (nox -s conformance does) or drop them from --engine-require")
-
-
-def unavailable_reason(backend: str) -> str | None:
-    """Why ``backend`` cannot run on this machine, or None when it can."""
-    missing = [m for m in SPECS[backend].modules if importlib.util.find_spec(m) is None]
-    return f"{backend}: {', '.join(missing)} not installed" if missing else None
-
-
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "backend" in metafunc.fixturenames:
-        metafunc.parametrize("backend", list(metafunc.config.stash[POOL_KEY].options.backends), scope="session")
-    if metafunc.definition.get_closest_marker("servable") is not None:
-        metafunc.parametrize("reach", [IN_PROCESS, pytest.param(SERVED, marks=pytest.mark.served)], indirect=True)
-
-
-@pytest.fixture(scope="session")
-def workload(pytestconfig: pytest.Config) -> Workload:
-    """The quick tier's smaller workload where ``-m`` selected quick checks only, else the full gate's
-    (conformance/tiers.py)."""
-    return pytestconfig.pluginmanager.get_plugin("engine-quick-tier").workload
-
-
-@pytest.fixture(scope="session")
-def pool(pytestconfig: pytest.Config) -> Iterator[EnginePool]:
-    p = pytestconfig.stash[POOL_KEY]
-    yield p
-    p.close()
-
-
-@pytest.fixture(scope="session")
-def backend_names(pool: EnginePool) -> tuple[str, ...]:
-    """Every selected backend that can run here; parity checks skip (with the reason) below two."""
-    runnable = tuple(b for b in pool.options.backends if unavailable_reason(b) is None)
-    if len(runnable) < 2:
-        reasons = [unavailable_reason(b) for b in pool.options.backends]
-        pytest.skip(f"parity needs two runnable backends; have {runnable} ({'; '.join(r for r in reasons if r)})")
-    return runnable
-
-
-@pytest.fixture(scope="session")
-def engine(pool: EnginePool, backend: str) -> Any:
-    """The shared text engine of ``backend`` on ``--engine-model``."""
-    reason = unavailable_reason(backend)
-    if reason:
-        pytest.skip(reason)
-    return pool.text_engine(backend)
-
-
-@pytest.fixture(scope="session")
-def engines(pool: EnginePool, backend_names: tuple[str, ...]) -> dict[str, Any]:
-    """The shared text engine of every runnable backend, by name."""
-    return {b: pool.text_engine(b) for b in backend_names}
-
-
-@pytest.fixture(scope="session")
-def vlm_engines(pool: EnginePool, backend_names: tuple[str, ...]) -> dict[str, Any]:
-    """The shared engine of every runnable backend that serves vision-language models on ``--engine-vlm-model``."""
-    serving = [b for b in backend_names if b in VLM_BACKENDS]
-    if len(serving) < 2:
-        pytest.skip(f"VLM parity needs two backends that serve VLMs ({', '.join(VLM_BACKENDS)}); have {serving}")
-    return {b: pool.engine(b, pool.options.vlm_model) for b in serving}
-
-
-@pytest.fixture(scope="session")
-def model_path(pool: EnginePool) -> Path:
-    return Path(pool.options.model)
-
-
-@pytest.fixture
-def summary_note(request: pytest.FixtureRequest) -> Any:
-    """``summary_note(text)``: a measured fact of this check, printed at the end and kept in the summary files."""
-    collector = request.config.pluginmanager.get_plugin("engine-summary")
-    check = request.node.nodeid
-    return lambda text: collector.note(check, text)
-
-
-@pytest.fixture
-def count_backend_calls(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """``calls = count_backend_calls(engine)``: from then on, ``calls`` lists each backend.generate batch size
-    (to prove that a rejected request generated nothing)."""
-
-    def install(eng: Any) -> list[int]:
-        calls: list[int] = []
-        original = eng.backend.generate
-        monkeypatch.setattr(eng.backend, "generate", lambda p, plan: calls.append(len(p)) or original(p, plan))
-        return calls
-
-    return install
-
-
-@pytest.fixture(scope="session")
-def chat_server(pool: EnginePool) -> Any:
-    """``chat_server(backend)``: the running server of ``backend``'s text engine (the pool's, started on first use,
-    shared with the served twins; its Pattern C defaults are ``SERVED_CHAT``)."""
-
-    def get(backend: str) -> Any:
-        if unavailable_reason(backend):
-            pytest.skip(unavailable_reason(backend))
-        return pool.text_server(backend)
-
-    return get
-
-
-@pytest.fixture
-def client(chat_server: Any, backend: str) -> Iterator[Any]:
-    """The official ``openai`` client on ``backend``'s server."""
-    import openai
-
-    server = chat_server(backend)
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
+    session.config.get_terminal_writer().line(f"vllm: model runner {runner}; engine core {pool.vllm_mode}"
+                                              f"{compile_state}")

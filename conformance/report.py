@@ -1,28 +1,17 @@
-"""The per-run conformance summary: one row per backend x check, as markdown and (with pandas) Parquet."""
+"""The per-run conformance report, collected while the suite runs: one result per check run (``conformance/record.py``
+holds the schema), written at the end as ``conformance-report.json``, the HTML matrix and the Markdown summary
+(``conformance/matrix.py``), with the checks' notes and the time by module."""
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-from engine.config import BACKENDS
-
-OUTCOMES = ("passed", "failed", "skipped")
-
-
-def backend_of(nodeid: str) -> str:
-    """The backend a check ran on (its parameter), or "cross-backend".
-
-    >>> backend_of("conformance/test_stop.py::test_x[llamacpp-2]"), backend_of("conformance/test_parity.py::test_y")
-    ('llamacpp', 'cross-backend')
-    """
-    names = "|".join(BACKENDS)
-    match = re.search(rf"\[(?:[^\]]*-)?({names})(?:-[^\]]*)?\]", nodeid)
-    return match.group(1) if match else "cross-backend"
 
 
 def check_of(nodeid: str) -> str:
@@ -31,17 +20,23 @@ def check_of(nodeid: str) -> str:
 
 
 class SummaryCollector:
-    """A pytest plugin: counts outcomes per (backend, check) and writes the summary at session end."""
+    """A pytest plugin: one :class:`~conformance.record.Result` per check run, the checks' notes and the time by
+    module; at session end the report, the matrix and the summary (the plugin registers it).
 
-    def __init__(self, out_dir: Path, context: Any = None, stem: str = "conformance-summary") -> None:
+    ``describe()`` gives the run's model, dtype, backends, workload and engine context, read at the end."""
+
+    def __init__(self, out_dir: Path, describe: Callable[[], dict[str, Any]] | None = None,
+                 stem: str = "conformance-summary", checks: set[str] | None = None) -> None:
         self.out_dir = out_dir
+        self.checks = checks
+        """Node ids it counts (filled at collection by the plugin: the suite's own checks); None: every test."""
         self.stem = stem
-        self.context = context or dict
-        """Run-wide facts recorded in every row (e.g. the vLLM model runner), read at session end."""
-        self.counts: Counter[tuple[str, str, str]] = Counter()
-        self.skip_reasons: dict[tuple[str, str], str] = {}
+        self.describe = describe or dict
+        self.started = dt.datetime.now(dt.UTC)
+        self.results: dict[str, dict[str, Any]] = {}
+        """result id (``record.result_id``) -> what its reports said so far (verdict, seconds, message, failure)."""
         self.notes: list[tuple[str, str]] = []
-        """(check node id, text): measured facts checks report (e.g. how many prompts matched exactly)."""
+        """(result id, text): measured facts checks report (e.g. how many prompts matched exactly)."""
         self.seconds: Counter[str] = Counter()
         """Wall seconds per check module, setup (the engines and servers it first needed) and teardown included."""
         self.ran: Counter[str] = Counter()
@@ -49,30 +44,53 @@ class SummaryCollector:
     def note(self, check: str, text: str) -> None:
         self.notes.append((check, text))
 
-    @property
-    def rows(self) -> list[dict[str, Any]]:
-        keys = sorted({(b, c) for b, c, _ in self.counts})
-        context = self.context()
-        return [{"backend": b, "check": c, **{o: self.counts[(b, c, o)] for o in OUTCOMES},
-                 "skip_reason": self.skip_reasons.get((b, c), ""), **context} for b, c in keys]
-
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        self.seconds[check_of(report.nodeid)] += report.duration
-        self.ran[check_of(report.nodeid)] += report.when == "call"
-        if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
-            outcome = "failed" if report.outcome == "failed" else report.outcome
-            key = (backend_of(report.nodeid), check_of(report.nodeid))
-            self.counts[(*key, outcome)] += 1
-            if outcome == "skipped" and isinstance(report.longrepr, tuple):
-                self.skip_reasons[key] = str(report.longrepr[2])
+        from conformance.record import result_id
+
+        if self.checks is not None and report.nodeid not in self.checks:
+            return
+        key = result_id(report.location)
+        self.seconds[check_of(key)] += report.duration
+        self.ran[check_of(key)] += report.when == "call"
+        entry = self.results.setdefault(key, {"verdict": "", "seconds": 0.0, "message": "", "failure": ""})
+        entry["seconds"] += report.duration
+        verdict = verdict_of(report)
+        if verdict is None or (entry["verdict"] in ("failed", "error") and report.when == "teardown"):
+            return
+        entry["verdict"] = verdict
+        if report.skipped and isinstance(report.longrepr, tuple):
+            entry["message"] = str(report.longrepr[2]).removeprefix("Skipped: ")
+        elif report.failed:
+            entry["failure"] = report.longreprtext[-FAILURE_CHARS:]
+            entry["message"] = first_error_line(report.longreprtext)
+
+    def report(self) -> dict[str, Any]:
+        """This run's report (``conformance.record``'s schema)."""
+        from conformance.record import Result, check_name, new_report, run_info, subject_of
+
+        described = self.describe()
+        backends = tuple(described.get("backends", ()))
+        divergences = {check: m.group(1) for check, text in self.notes
+                       if (m := re.search(r"first divergence: ([^;]+)", text)) and m.group(1).strip() != "none"}
+        results = []
+        for nodeid, entry in self.results.items():
+            subject, params = subject_of(nodeid, backends)
+            results.append(Result(id=nodeid, check=check_name(nodeid), subject=subject, params=params,
+                                  verdict=entry["verdict"] or "error", duration_s=round(entry["seconds"], 3),
+                                  message=entry["message"], first_divergence=divergences.get(nodeid, ""),
+                                  failure=entry["failure"]))
+        run = run_info(model=described.get("model", ""), dtype=described.get("dtype", ""), backends=backends,
+                       workload=described.get("workload", ""), context=described.get("context", {}),
+                       started=self.started, shards=described.get("shards", []))
+        return new_report(run, results)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        if not self.rows:
+        if not self.results:
             return
         written = self.write()
         writer = session.config.get_terminal_writer()
-        writer.line(f"conformance summary: {', '.join(map(str, written))}")
-        writer.line("run context: " + ", ".join(f"{k}={v}" for k, v in self.context().items()))
+        writer.line(f"conformance report: {', '.join(map(str, written))}")
+        writer.line("run context: " + ", ".join(f"{k}={v}" for k, v in self.describe().get("context", {}).items()))
         for check, text in self.notes:
             writer.line(f"note ({check}): {text}")
         for line in self.time_table():
@@ -97,25 +115,50 @@ class SummaryCollector:
         return lines
 
     def write(self) -> list[Path]:
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        rows = self.rows
-        lines = [", ".join(f"{k}: {v}" for k, v in self.context().items()), ""] if self.context() else []
-        lines += ["| backend | check | passed | failed | skipped | skip reason |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['backend']} | {r['check']} | {r['passed']} | {r['failed']} | {r['skipped']} | "
-                  f"{r['skip_reason']} |" for r in rows]
-        if self.notes:
-            lines += ["", "## Notes", ""] + [f"- `{check}`: {text}" for check, text in self.notes]
-        if self.time_table():
-            lines += ["", "## Time by module", "", "```", *self.time_table(), "```"]
-        md = self.out_dir / f"{self.stem}.md"
-        md.write_text("\n".join(lines) + "\n")
-        written = [md]
-        try:
-            import pandas as pd
+        """The report (``<report>.json``), the HTML matrix and the Markdown summary (with the notes and the time by
+        module); the stem's suffix (``-bfloat16``) is kept on each."""
+        from conformance.matrix import markdown, page
+        from conformance.record import write
 
-            pq = self.out_dir / f"{self.stem}.parquet"
-            pd.DataFrame(rows).to_parquet(pq, index=False)
-            written.append(pq)
-        except ImportError:
-            pass
-        return written
+        report = self.report()
+        suffix = self.stem.removeprefix("conformance-summary")
+        json_path = write(report, self.out_dir / f"conformance-report{suffix}.json")
+        html_path = self.out_dir / f"conformance-matrix{suffix}.html"
+        html_path.write_text(page(report))
+        lines = [markdown(report)]
+        if self.notes:
+            lines += ["## Notes", ""] + [f"- `{check}`: {text}" for check, text in self.notes] + [""]
+        if self.time_table():
+            lines += ["## Time by module", "", "```", *self.time_table(), "```", ""]
+        md = self.out_dir / f"{self.stem}.md"
+        md.write_text("\n".join(lines))
+        return [json_path, html_path, md]
+
+
+FAILURE_CHARS = 20_000
+
+
+def verdict_of(report: pytest.TestReport) -> str | None:
+    """A phase report's verdict for its result (None: the phase decides nothing, e.g. a passed setup)."""
+    if report.when == "call":
+        if hasattr(report, "wasxfail"):
+            return "xfailed" if report.skipped else "xpassed"
+        return report.outcome
+    if report.failed:
+        return "error"
+    if report.skipped:
+        return "skipped"
+    return None
+
+
+def first_error_line(text: str) -> str:
+    """The first ``E `` line of a failure (pytest's assertion message), or its last line.
+
+    >>> first_error_line("def test():\\n>  assert x\\nE   AssertionError: 3 != 4\\nE   more")
+    'AssertionError: 3 != 4'
+    """
+    for line in text.splitlines():
+        if line.startswith("E "):
+            return line[1:].strip()[:500]
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1].strip()[:500] if lines else ""

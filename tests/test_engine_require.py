@@ -8,24 +8,24 @@ from pathlib import Path
 
 import pytest
 
-from conformance import conftest as conformance_conftest
+from conformance import availability
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_required_backend_that_cannot_run_stops_the_session(monkeypatch):
-    monkeypatch.setattr(conformance_conftest, "unavailable_reason",
+    monkeypatch.setattr(availability, "unavailable_reason",
                         lambda b: "vllm: vllm not installed" if b == "vllm" else None)
     with pytest.raises(pytest.UsageError, match=r"required backends cannot run here \(vllm: vllm not installed\)"):
-        conformance_conftest.check_required("hf,vllm", ["hf", "vllm"])
-    conformance_conftest.check_required("hf", ["hf", "vllm"])  # hf can run: nothing raised
+        availability.check_required("hf,vllm", ["hf", "vllm"])
+    availability.check_required("hf", ["hf", "vllm"])  # hf can run: nothing raised
 
 
 def test_unknown_or_unselected_required_backends_are_usage_errors():
     with pytest.raises(pytest.UsageError, match=r"unknown \['tgi'\]"):
-        conformance_conftest.check_required("tgi", ["hf"])
+        availability.check_required("tgi", ["hf"])
     with pytest.raises(pytest.UsageError, match=r"lists \['vllm'\], which --engine-backends \(hf\) leaves out"):
-        conformance_conftest.check_required("vllm", ["hf"])
+        availability.check_required("vllm", ["hf"])
 
 
 def test_the_pytest_session_fails_before_collecting_tests():

@@ -1,0 +1,145 @@
+"""The suite's fixtures: the shared engine pool, the backend as a parameter, the served twin's reach.
+
+They live in the package's conftest, not in the plugin (``conformance/plugin.py``), so that they apply to the suite's
+own checks only: generic names (``engine``, ``client``, ``pool``) never reach a user's other tests, and another
+plugin's fixture of the same name (pytest-flask's ``client``) never replaces ours here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conformance.availability import unavailable_reason
+from conformance.plugin import CALL_PASSED, pool_of
+from conformance.pool import EnginePool
+from conformance.served import IN_PROCESS, SERVED
+from conformance.tiers import Workload
+from engine.backends.registry import SPECS
+
+VLM_BACKENDS = tuple(name for name, s in SPECS.items() if s.serves_images)
+"""Backends that serve vision-language models (llamacpp does not: its VLM checks skip with the reason)."""
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "backend" in metafunc.fixturenames:
+        metafunc.parametrize("backend", list(pool_of(metafunc.config).options.backends), scope="session")
+    if metafunc.definition.get_closest_marker("servable") is not None:
+        metafunc.parametrize("reach", [IN_PROCESS, pytest.param(SERVED, marks=pytest.mark.served)], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def reach(request: pytest.FixtureRequest, pytestconfig: pytest.Config) -> Iterator[str]:
+    """How this check reaches the pool's engines: in-process, or (the served twin of a servable check) through
+    their servers too. A served twin none of whose calls reached a server fails: it would prove nothing."""
+    pool = pool_of(pytestconfig)
+    how = getattr(request, "param", IN_PROCESS)
+    before, pool.reach.how = pool.reach.served_calls, how
+    yield how
+    pool.reach.how = IN_PROCESS
+    if how == SERVED and request.node.stash.get(CALL_PASSED, False) and pool.reach.served_calls == before:
+        pytest.fail("this served twin never reached a server (its calls ran in-process only): drop its servable "
+                    "mark, or make it compare engines through generate()", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def workload(pytestconfig: pytest.Config) -> Workload:
+    """The quick tier's smaller workload where ``-m`` selected quick checks only, else the full gate's
+    (conformance/tiers.py)."""
+    return pytestconfig.pluginmanager.get_plugin("engine-quick-tier").workload
+
+
+@pytest.fixture(scope="session")
+def pool(pytestconfig: pytest.Config) -> Iterator[EnginePool]:
+    p = pool_of(pytestconfig)
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="session")
+def backend_names(pool: EnginePool) -> tuple[str, ...]:
+    """Every selected backend that can run here; parity checks skip (with the reason) below two."""
+    runnable = tuple(b for b in pool.options.backends if unavailable_reason(b) is None)
+    if len(runnable) < 2:
+        reasons = [unavailable_reason(b) for b in pool.options.backends]
+        pytest.skip(f"parity needs two runnable backends; have {runnable} ({'; '.join(r for r in reasons if r)})")
+    return runnable
+
+
+@pytest.fixture(scope="session")
+def engine(pool: EnginePool, backend: str) -> Any:
+    """The shared text engine of ``backend`` on ``--engine-model``."""
+    reason = unavailable_reason(backend)
+    if reason:
+        pytest.skip(reason)
+    return pool.text_engine(backend)
+
+
+@pytest.fixture(scope="session")
+def engines(pool: EnginePool, backend_names: tuple[str, ...]) -> dict[str, Any]:
+    """The shared text engine of every runnable backend, by name."""
+    return {b: pool.text_engine(b) for b in backend_names}
+
+
+@pytest.fixture(scope="session")
+def vlm_engines(pool: EnginePool, backend_names: tuple[str, ...]) -> dict[str, Any]:
+    """The shared engine of every runnable backend that serves vision-language models on ``--engine-vlm-model``."""
+    serving = [b for b in backend_names if b in VLM_BACKENDS]
+    if len(serving) < 2:
+        pytest.skip(f"VLM parity needs two backends that serve VLMs ({', '.join(VLM_BACKENDS)}); have {serving}")
+    return {b: pool.engine(b, pool.options.vlm_model) for b in serving}
+
+
+@pytest.fixture(scope="session")
+def model_path(pool: EnginePool) -> Path:
+    return Path(pool.options.model)
+
+
+@pytest.fixture
+def summary_note(request: pytest.FixtureRequest) -> Any:
+    """``summary_note(text)``: a measured fact of this check, printed at the end and kept in the summary files."""
+    from conformance.record import result_id
+
+    collector = request.config.pluginmanager.get_plugin("engine-summary")
+    check = result_id(request.node.location)
+    return lambda text: collector.note(check, text)
+
+
+@pytest.fixture
+def count_backend_calls(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``calls = count_backend_calls(engine)``: from then on, ``calls`` lists each backend.generate batch size
+    (to prove that a rejected request generated nothing)."""
+
+    def install(eng: Any) -> list[int]:
+        calls: list[int] = []
+        original = eng.backend.generate
+        monkeypatch.setattr(eng.backend, "generate", lambda p, plan: calls.append(len(p)) or original(p, plan))
+        return calls
+
+    return install
+
+
+@pytest.fixture(scope="session")
+def chat_server(pool: EnginePool) -> Any:
+    """``chat_server(backend)``: the running server of ``backend``'s text engine (the pool's, started on first use,
+    shared with the served twins; its Pattern C defaults are ``SERVED_CHAT``)."""
+
+    def get(backend: str) -> Any:
+        if unavailable_reason(backend):
+            pytest.skip(unavailable_reason(backend))
+        return pool.text_server(backend)
+
+    return get
+
+
+@pytest.fixture
+def client(chat_server: Any, backend: str) -> Iterator[Any]:
+    """The official ``openai`` client on ``backend``'s server."""
+    import openai
+
+    server = chat_server(backend)
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c

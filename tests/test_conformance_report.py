@@ -1,0 +1,151 @@
+"""The conformance report: what the collector records from a real pytest run, the versioned JSON, older versions read,
+shards merged, the HTML matrix's links and the Markdown summary."""
+
+from __future__ import annotations
+
+import doctest
+import json
+import re
+import textwrap
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from conformance import matrix, record
+from conformance import report as collector_module
+from conformance.report import SummaryCollector
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECKS = '''
+import pytest
+
+@pytest.fixture(params=["hf", "vllm"])
+def backend(request):
+    return request.param
+
+@pytest.fixture
+def broken_teardown():
+    yield
+    raise RuntimeError("teardown broke")
+
+def test_passes(backend):
+    pass
+
+def test_fails_on_vllm(backend):
+    assert backend == "hf", "3 != 4 on " + backend
+
+def test_skips(backend):
+    pytest.skip("llamacpp: llama_cpp not installed")
+
+@pytest.mark.xfail(reason="known", strict=True)
+def test_known():
+    assert False
+
+def test_compares_all(request):
+    [summary] = [p for p in request.config.pluginmanager.get_plugins() if hasattr(p, "note")]
+    from conformance.record import result_id
+    summary.note(result_id(request.node.location),
+        "greedy parity hf vs vllm: 5/6 token-identical; first divergence: chat-3@12")
+    assert False, "prompt chat-3 differs"
+
+def test_teardown_breaks(broken_teardown):
+    pass
+'''
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    folder = tmp_path_factory.mktemp("suite")
+    (folder / "test_checks.py").write_text(textwrap.dedent(CHECKS))
+    out = folder / "reports"
+    describe = lambda: {"model": "m", "dtype": "float32", "backends": ("hf", "vllm"), "workload": "quick",  # noqa: E731
+                        "context": {"vllm_runner": "v1"}}
+    collector = SummaryCollector(out, describe)
+    code = pytest.main([str(folder), "-q", "-p", "no:cacheprovider", "-p", "no:xbackend_engine_conformance"],
+                       plugins=[collector])
+    assert code == 1
+    return out, json.loads((out / "conformance-report.json").read_text())
+
+
+def by_id(report: dict, part: str) -> list[dict]:
+    return [r for r in report["results"] if part in r["id"]]
+
+
+def test_each_check_run_is_one_result_with_its_verdict_subject_and_text(run):
+    _, report = run
+    assert report["schema"] == record.SCHEMA and report["schema_version"] == record.SCHEMA_VERSION
+    assert {r["verdict"] for r in by_id(report, "test_passes")} == {"passed"}
+    [hf, vllm] = by_id(report, "test_fails_on_vllm")
+    assert (hf["subject"], hf["verdict"], vllm["subject"], vllm["verdict"]) == ("hf", "passed", "vllm", "failed")
+    assert vllm["message"] == "AssertionError: 3 != 4 on vllm" and "def test_fails_on_vllm" in vllm["failure"]
+    assert {r["message"] for r in by_id(report, "test_skips")} == {"llamacpp: llama_cpp not installed"}
+    assert by_id(report, "test_known")[0]["verdict"] == "xfailed"
+    [cross] = by_id(report, "test_compares_all")
+    assert cross["subject"] == "cross-backend" and cross["first_divergence"] == "chat-3@12"
+    [teardown] = by_id(report, "test_teardown_breaks")
+    assert teardown["verdict"] == "error" and "teardown broke" in teardown["failure"]
+    assert report["run"]["model"] == "m" and report["run"]["versions"]["pytest"] and report["run"]["host"]
+    assert all(r["check"].startswith("test_checks.py::") for r in report["results"])
+
+
+def test_the_matrix_links_every_cell_to_its_results_and_colours_it(run):
+    out, _ = run
+    page = (out / "conformance-matrix.html").read_text()
+    links = set(re.findall(r'href="#([^"]+)"', page))
+    anchors = set(re.findall(r'<section id="([^"]+)"', page))
+    assert links and links == anchors
+    row = re.search(r"<tr><th class=\"check\">test_checks.py::test_fails_on_vllm</th>(.*?)</tr>", page).group(1)
+    assert re.findall(r"<td class=\"(\w+)\"", row) == ["passed", "failed", "none"]  # no cross-backend variant
+    assert "3 != 4 on vllm" in page and "first divergence: <code>chat-3@12</code>" in page
+    summary = (out / "conformance-summary.md").read_text()
+    assert summary.startswith("# Conformance") and "| vllm | " in summary
+    assert "- `" in summary and "first divergence chat-3@12" in summary
+    assert matrix.main([str(out / "conformance-report.json"), "--html", str(out / "again.html"),
+                        "--markdown", str(out / "again.md")]) == 1  # a report with failures exits 1
+    assert (out / "again.html").read_text() == page
+
+
+def test_shards_merge_into_the_one_run_and_overlap_is_refused(run):
+    _, report = run
+    first = {**report, "results": report["results"][:5], "run": {**report["run"], "shards": ["1/2"]}}
+    second = {**report, "results": report["results"][5:], "run": {**report["run"], "shards": ["2/2"]}}
+    merged = record.merge([first, second])
+    assert [r["id"] for r in merged["results"]] == [r["id"] for r in report["results"]]
+    assert merged["run"]["shards"] == ["1/2", "2/2"]
+    with pytest.raises(record.ReportError, match="is in shard 1 and shard 2"):
+        record.merge([first, first])
+
+
+def test_older_and_foreign_reports(tmp_path, run):
+    out, report = run
+    again = record.read(out / "conformance-report.json")
+    assert again["results"] == report["results"] and again["read_from_version"] == 1
+    old = tmp_path / "conformance-summary.parquet"  # what the suite wrote before the versioned report
+    pd.DataFrame([{"backend": "hf", "check": "stop", "passed": 4, "failed": 0, "skipped": 1, "skip_reason": "",
+                   "workload": "quick"},
+                  {"backend": "vllm", "check": "stop", "passed": 3, "failed": 2, "skipped": 0, "skip_reason": "",
+                   "workload": "quick"}]).to_parquet(old, index=False)
+    v0 = record.read(old)
+    assert v0["read_from_version"] == 0 and [r["verdict"] for r in v0["results"]] == ["passed", "failed"]
+    assert "version-0 report" in matrix.run_line(v0) and "vllm" in matrix.page(v0)
+    newer = tmp_path / "newer.json"
+    newer.write_text(json.dumps({**report, "schema_version": record.SCHEMA_VERSION + 1}))
+    with pytest.raises(record.ReportError, match="newer than this tool's"):
+        record.read(newer)
+    foreign = tmp_path / "other.json"
+    foreign.write_text(json.dumps({"schema": "something else"}))
+    with pytest.raises(record.ReportError, match="not a conformance report"):
+        record.read(foreign)
+
+
+def test_reports_readme_documents_every_field():
+    readme = (ROOT / "reports" / "README.md").read_text()
+    assert f"Conformance report schema version: {record.SCHEMA_VERSION}" in readme
+    for name in (*record.RESULT_FIELDS, *record.RUN_FIELDS):
+        assert f"| `{name}` |" in readme, name
+
+
+@pytest.mark.parametrize("module", [record, matrix, collector_module])
+def test_doctests(module):
+    assert doctest.testmod(module).failed == 0
