@@ -16,10 +16,12 @@ import json
 import pytest
 
 from conformance.compare import assert_same_results
+from engine.backends.registry import SPECS
 
 pytestmark = pytest.mark.dtype_dependent
 
-CONSTRAINED = ("hf", "vllm")
+CONSTRAINED = tuple(name for name, spec in SPECS.items() if spec.structured_outputs)
+"""The backends that can constrain output (hf, vllm, and any registered one that declares it)."""
 """Backends with structured outputs (llama.cpp has none: the engine refuses json_schema there by name)."""
 PROMPT = [[{"role": "user", "content": "List zeros as a JSON array."}], [{"role": "user", "content": "Zeros?"}]]
 TWELVE_ZEROS = {"type": "array", "items": {"const": 0}, "minItems": 12, "maxItems": 12}
@@ -31,7 +33,7 @@ MIN_60 = {"name": "min_length", "min_chars": 60}
 
 @pytest.fixture(params=CONSTRAINED)
 def constrained(request, pool):
-    from conformance.conftest import unavailable_reason
+    from conformance.availability import unavailable_reason
 
     if request.param not in pool.options.backends:
         pytest.skip(f"{request.param} is not selected (--engine-backends)")

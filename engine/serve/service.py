@@ -62,7 +62,9 @@ class ServedEngine:
     @property
     def settings(self) -> Any:
         """The served backend's config section (``vllm:``, ``hf:``, ...)."""
-        return getattr(self.engine.config, self.engine.backend.name)
+        from engine.backends.registry import settings_section
+
+        return getattr(self.engine.config, settings_section(self.engine.backend.name))
 
     @property
     def model_name(self) -> str:

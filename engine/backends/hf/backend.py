@@ -146,7 +146,7 @@ class HfBackend(BackendBase, backend="hf"):
         text_config = getattr(self.model.config, "text_config", None) or self.model.config
         lengths = [n for n in (model.max_model_len, getattr(text_config, "max_position_embeddings", None)) if n]
         self.vocab_size = int(text_config.vocab_size)
-        self.capabilities = Capabilities(name=SPEC.name, logprobs=True, supports_vlm=processor is not None, hooks=HOOKS,
+        self.capabilities = Capabilities(name=self.name, logprobs=True, supports_vlm=processor is not None, hooks=HOOKS,
                                          max_model_len=min(lengths) if lengths else None, scoring=processor is None,
                                          rescoring=processor is None,
                                          structured_outputs=processor is None)

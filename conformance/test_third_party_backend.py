@@ -1,0 +1,84 @@
+"""A backend from another package joins the suite with no change to it, and a sharded run equals the run in one piece.
+
+The example backend (``conformance/example_backend``: a distribution whose ``xbackend_engine.backends`` entry point
+names its spec, and a transformers class that generates one row at a time) is put on ``PYTHONPATH`` and named in
+``--engine-backends``, as a user names their own. Every run here is a child pytest from an empty folder (the plugin
+found by its entry point, the checks by ``--pyargs``), HF and the example required: the whole suite collects an
+``example`` variant of every per-backend check that has an ``hf`` one; a selection (:data:`SELECTION`) passes on it,
+the example compared with HF in float32; and the same selection as two shards (``--engine-shard 1/2``, ``2/2``: one
+backend each) gives the same check ids and verdicts once merged.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conformance import matrix, record
+
+EXAMPLE = Path(__file__).resolve().parent / "example_backend"
+SELECTION = ["--pyargs", "conformance.test_contract", "conformance.test_parity", "-m", "not served", "-k",
+             "length_finish or min_new_tokens or empty_batch or logprobs_agree"]
+"""Per-backend checks on both backends and a cross-backend one comparing them, each a few short requests."""
+
+
+def child_pytest(folder: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(EXAMPLE), os.environ.get("PYTHONPATH")) if p)}
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--engine-backends=hf,example",
+               "--engine-require=hf,example", f"--engine-reports={folder / 'reports'}", *args]
+    done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-3000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    folder = tmp_path_factory.mktemp("whole")
+    child_pytest(folder, *SELECTION)
+    return folder, record.read(folder / "reports" / "conformance-report.json")
+
+
+def test_an_entry_point_backend_joins_every_check_and_passes(tmp_path, whole):
+    listed = child_pytest(tmp_path, "--pyargs", "conformance", "--collect-only", timeout=300)
+    ids = [line for line in listed.stdout.splitlines() if "::" in line]
+
+    def variants(backend: str) -> set[str]:  # each per-backend check with the backend taken out of its id
+        return {re.sub(rf"(?<=[\[-]){backend}(?=[\]-])", "*", i) for i in ids if re.search(rf"[\[-]{backend}[\]-]", i)}
+
+    assert variants("hf"), "no per-backend check collected"
+    missing = variants("hf") - variants("example")
+    assert not missing, f"checks without an example variant: {sorted(missing)}"
+
+    _, report = whole
+    on_example = [r for r in report["results"] if r["subject"] == "example"]
+    assert on_example and {r["verdict"] for r in on_example} == {"passed"}, on_example
+    assert report["run"]["backends"] == ["hf", "example"]
+    assert {r["verdict"] for r in report["results"]} == {"passed"}
+    compared = [r for r in report["results"] if r["subject"] == record.CROSS]
+    assert compared and all(r["check"] == "test_parity.py::test_logprobs_agree_in_fp32" for r in compared)
+
+
+def test_two_shards_give_the_ids_and_verdicts_of_one_run(tmp_path, whole):
+    _, one_run = whole
+    paths = []
+    for k in (1, 2):
+        child_pytest(tmp_path / f"shard-{k}", *SELECTION, f"--engine-shard={k}/2")
+        paths.append(tmp_path / f"shard-{k}" / "reports" / "conformance-report.json")
+    shards = [record.read(p) for p in paths]
+    assert [s["run"]["shards"] for s in shards] == [["1/2"], ["2/2"]]
+    assert all(s["results"] for s in shards), "a shard ran nothing"
+    subjects = [{r["subject"] for r in s["results"]} - {record.CROSS} for s in shards]
+    assert not subjects[0] & subjects[1], f"a backend's checks ran on both shards: {subjects}"
+    merged_path = tmp_path / "merged.json"
+    assert matrix.main([*map(str, paths), "--merged", str(merged_path), "--html", str(tmp_path / "m.html"),
+                        "--markdown", str(tmp_path / "m.md")]) == 0
+    merged = record.read(merged_path)
+    verdicts = lambda report: sorted((r["id"], r["verdict"]) for r in report["results"])  # noqa: E731
+    assert verdicts(merged) == verdicts(one_run)
+    assert merged["run"]["shards"] == ["1/2", "2/2"]
