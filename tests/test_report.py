@@ -62,6 +62,36 @@ def test_schema_check_names_what_is_wrong(tmp_path):
         check(frame.assign(schema_version=99))
 
 
+def test_an_older_report_reads_and_compares_with_a_new_one(tmp_path, capsys):
+    """A version-8 baseline (no confirm_rounds, no trainer figures: what version 8 wrote) reads as this version and
+    compares like with like; a newer version than this tool's is refused by name."""
+    from engine.report.schema import ADDED_IN, SCHEMA_VERSION
+
+    frame = read(make_report(tmp_path / "new", "new"))
+    later = [name for version, names in ADDED_IN.items() if version > 8 for name in names]
+    old = frame.drop(columns=later).assign(schema_version=8)
+    old_path = tmp_path / "old.parquet"
+    old.to_parquet(old_path, index=False)
+    upgraded = read(old_path)
+    assert list(upgraded.columns) == [c.name for c in COLUMNS] and upgraded.attrs["read_from_versions"] == [8]
+    assert (upgraded.confirm_rounds == 0).all() and upgraded.trainer_agreement.isna().all()
+    pd.testing.assert_series_equal(upgraded.engine_over_raw, frame.engine_over_raw)  # what it measured is kept
+    assert cli.main(["compare", str(old_path), str(tmp_path / "new" / "benchmark-latest.parquet")]) == 0
+    assert "4 compared" in capsys.readouterr().out
+    newer = tmp_path / "newer.parquet"
+    frame.assign(schema_version=SCHEMA_VERSION + 1).to_parquet(newer, index=False)
+    with pytest.raises(ReportSchemaError, match="newer than this tool's"):
+        read(newer)
+
+
+def test_every_column_an_older_version_lacks_is_listed_with_the_version_that_added_it():
+    from engine.report.schema import ADDED_IN, SCHEMA_VERSION
+
+    added = [name for names in ADDED_IN.values() for name in names]
+    assert len(added) == len(set(added)) and set(added) <= {c.name for c in COLUMNS}
+    assert max(ADDED_IN) == SCHEMA_VERSION  # a version bump lists what it added
+
+
 def test_reports_readme_documents_this_schema_version():
     readme = (ROOT / "reports" / "README.md").read_text()
     assert markdown_table() in readme

@@ -142,8 +142,65 @@ LIKE_FOR_LIKE = ("benchmark", "variant", "device", "backend", "model", "dtype", 
                  "new_tokens", "guard_set")
 
 
+ADDED_IN: dict[int, tuple[str, ...]] = {
+    2: ("us_per_token", "fast_over_reference"),
+    3: ("added_ms_per_step",),
+    4: ("requests", "requests_per_s", "p50_latency_ms", "p99_latency_ms", "served_over_inprocess"),
+    5: ("p50_ttft_ms", "streamed_over_plain", "pattern_c_over_chat"),
+    6: ("constrained_over_free",),
+    7: ("llamacpp_over_hf", "llamacpp_over_vllm"),
+    8: ("dlogprob_mean", "dlogprob_p99", "dlogprob_max", "importance_ratio_min", "importance_ratio_max"),
+    9: ("confirm_rounds",),
+    10: ("trainer_agreement", "k3_kl", "chi2_token", "is_weight_mean", "ess", "temp_only_weight_mean",
+         "temp_only_outside_frac"),
+}
+"""The columns each version added (every change so far added columns; none was renamed or retyped), so a report of
+any earlier version reads as this one: what it lacks is absent (NaN, '' or 0 rounds confirmed), never invented."""
+OLDEST_READABLE = 1
+DEFAULTS = {"float64": float("nan"), "string": "", "int64": 0, "bool": False}
+"""What a column an older version did not have holds once read (``confirm_rounds`` 0: none were added then)."""
+
+
 class ReportSchemaError(ValueError):
     """A report file does not match this schema version (missing columns or another version)."""
+
+
+def upgrade(frame: Any, *, source: str = "report") -> Any:
+    """``frame`` as this schema version: a report written by an older one gains the columns added since (see
+    :data:`ADDED_IN`), with their :data:`DEFAULTS`; ``frame.attrs["read_from_versions"]`` keeps the versions it was
+    written with. A newer version's report is refused (this tool cannot know its columns).
+
+    >>> import pandas as pd
+    >>> old = pd.DataFrame({"schema_version": [8], "wall_s": [1.0]})
+    >>> new = upgrade(old)
+    >>> int(new["schema_version"][0]), int(new["confirm_rounds"][0]), new.attrs["read_from_versions"]
+    (10, 0, [8])
+    >>> bool(pd.isna(new["trainer_agreement"][0])), "dlogprob_mean" in new  # added in 10; 8 already had it
+    (True, False)
+    """
+    if "schema_version" not in frame.columns or len(frame) == 0:
+        return frame
+    versions = sorted(set(int(v) for v in frame["schema_version"]))
+    if versions[-1] > SCHEMA_VERSION:
+        raise ReportSchemaError(f"{source}: schema_version {versions}, newer than this tool's {SCHEMA_VERSION}; fix: "
+                                "upgrade xbackend-engine to read it")
+    if versions[0] < OLDEST_READABLE:
+        raise ReportSchemaError(f"{source}: schema_version {versions}; this tool reads {OLDEST_READABLE} to "
+                                f"{SCHEMA_VERSION}")
+    if versions == [SCHEMA_VERSION]:
+        return frame
+    types = {c.name: c.dtype for c in COLUMNS}
+    out = frame.copy()
+    for version in range(versions[0] + 1, SCHEMA_VERSION + 1):
+        for name in ADDED_IN.get(version, ()):
+            if name not in out.columns:
+                out[name] = DEFAULTS[types[name]]
+                out[name] = out[name].astype(types[name])
+    out["schema_version"] = SCHEMA_VERSION
+    order = [c.name for c in COLUMNS if c.name in out.columns]
+    out = out[order + [name for name in out.columns if name not in order]]  # this version's column order
+    out.attrs["read_from_versions"] = versions
+    return out
 
 
 def check(frame: Any, *, source: str = "report") -> None:

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.report.schema import COLUMNS, FIGURE_COLUMNS, RATIO_COLUMNS, check
+from engine.report.schema import COLUMNS, FIGURE_COLUMNS, RATIO_COLUMNS, check, upgrade
 
 
 class ReportWriter:
@@ -65,14 +65,14 @@ class ReportWriter:
 
 
 def read(path: Path | str) -> Any:
-    """Load a report and check its schema."""
+    """Load a report (of this schema version, or an older one upgraded: ``schema.upgrade``) and check its schema."""
     import pandas as pd
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"report {str(path)!r} does not exist; fix: run `nox -s benchmark` (writes "
                                 "reports/benchmark-<run>.parquet) or pass an existing file")
-    frame = pd.read_parquet(path)
+    frame = upgrade(pd.read_parquet(path), source=str(path))
     check(frame, source=str(path))
     return frame
 
