@@ -26,7 +26,6 @@ import json
 import platform
 import socket
 from dataclasses import asdict, dataclass, fields
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -97,14 +96,7 @@ def run_info(*, model: str, dtype: str, backends: tuple[str, ...], workload: str
     import secrets
 
     from engine.report.metadata import cpu_name
-
-    def version(*dists: str) -> str:
-        for dist in dists:
-            try:
-                return metadata.version(dist)
-            except metadata.PackageNotFoundError:
-                continue
-        return ""
+    from engine.report.metadata import installed_version as version
 
     return {
         "run_id": f"{started.strftime('%Y%m%dT%H%M%SZ')}-{secrets.token_hex(3)}",

