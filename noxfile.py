@@ -247,6 +247,7 @@ def kit(session: nox.Session) -> None:
     empty, cache = work / "user-repo", work / "fixture-cache"
     session.run(python, "-c", f"import shutil; [shutil.rmtree(p, ignore_errors=True) for p in ({str(empty)!r}, "
                 f"{str(cache)!r})]; import os; os.makedirs({str(empty)!r})", external=True)
+    empty.mkdir(parents=True, exist_ok=True)  # (with --install-only the run above, which empties it, is skipped)
     session.chdir(empty)  # the user's folder: no clone on sys.path from here
     session.run(python, "-c", KIT_CHECK, external=True)
     session.run(python, "-m", "pytest", "-p", "no:cacheprovider", "--pyargs", *KIT_SELECTION, "-m",
