@@ -40,9 +40,9 @@ def subjects(report: dict[str, Any]) -> list[str]:
 
 
 def cells(report: dict[str, Any]) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """check -> subject -> its results, checks in the report's order."""
+    """check -> subject -> its results, checks sorted by module and function (a module's rows together)."""
     grid: dict[str, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
-    for r in report["results"]:
+    for r in sorted(report["results"], key=lambda r: r["check"]):
         grid[r["check"]][r["subject"]].append(r)
     return grid
 
