@@ -1,15 +1,10 @@
 """Repository-wide pytest settings."""
 
 import importlib.util
-import os
-import sys
 
-# Intel MKL (torch's CPU BLAS) takes its slowest sgemm path on AMD CPUs unless a code branch is named: on this
-# project's 2-core AMD EPYC machines an fp32 SmolLM2 step in HF took 89 ms by default and 53 ms with MKL_CBWR=AUTO
-# (MKL picks the best branch the CPU supports; results stay deterministic). MKL reads it once, when torch loads,
-# so it is set before anything imports torch; a value the caller set wins. Servers the suite launches inherit it.
-if "torch" not in sys.modules:
-    os.environ.setdefault("MKL_CBWR", "AUTO")
+from engine.backends.host import name_mkl_branch
+
+name_mkl_branch()  # before anything imports torch (every session of the repository: tests, conformance, benchmarks)
 
 # Start-up hooks for subprocesses; importing one in the test process would activate the compat shim.
 collect_ignore = ["engine/compat/site", "engine/swift_rollout/site", "conformance/isa_site"]

@@ -24,12 +24,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from conformance.record import CROSS, merge, read, write
+from conformance.record import BAD, CROSS, HELD, VERDICTS, merge, read, write
 
 COLOURS = {"passed": "#2e7d32", "failed": "#c62828", "mixed": "#ef6c00", "skipped": "#9e9e9e", "none": "#ffffff"}
 """Cell colours: every result passed; one failed (or errored, or passed when marked to fail); some passed and some
 skipped; all skipped; no result (the check has no variant for that subject)."""
-BAD = ("failed", "error", "xpassed")
 
 
 def subjects(report: dict[str, Any]) -> list[str]:
@@ -73,8 +72,7 @@ def totals(report: dict[str, Any]) -> Counter[str]:
 
 def headline(report: dict[str, Any]) -> str:
     count = totals(report)
-    parts = ", ".join(f"{count[v]} {v}" for v in ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
-                      if count[v])
+    parts = ", ".join(f"{count[v]} {v}" for v in VERDICTS if count[v])
     return (f"{parts} of {sum(count.values())} results ({len(cells(report))} checks x "
             f"{len(subjects(report))} subjects)")
 
@@ -98,7 +96,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["| subject | passed | failed | skipped |", "|---|---|---|---|"]
     for name in names:
         count = Counter(r["verdict"] for r in report["results"] if r["subject"] == name)
-        lines.append(f"| {name} | {count['passed'] + count['xfailed']} | "
+        lines.append(f"| {name} | {sum(count[v] for v in HELD)} | "
                      f"{sum(count[v] for v in BAD)} | {count['skipped']} |")
     failed = [r for r in report["results"] if r["verdict"] in BAD]
     if failed:
@@ -125,11 +123,11 @@ def page(report: dict[str, Any]) -> str:
             if not results:
                 row.append(f'<td class="none" title="no variant for {esc(name)}"></td>')
                 continue
-            passed = sum(r["verdict"] in ("passed", "xfailed") for r in results)
+            passed = sum(r["verdict"] in HELD for r in results)
             label = f"{passed}/{len(results)}"
             row.append(f'<td class="{key}" style="background:{COLOURS[key]}"><a href="#{anchor(check, name)}" '
                        f'title="{esc(key)}">{label}</a></td>')
-            shown = [r for r in results if r["verdict"] not in ("passed", "xfailed")] or results
+            shown = [r for r in results if r["verdict"] not in HELD] or results
             items = "".join(
                 f"<li><code>{esc(r['id'])}</code> <b>{esc(r['verdict'])}</b> ({r['duration_s']:.1f} s)"
                 + (f"<br>first divergence: <code>{esc(r['first_divergence'])}</code>" if r["first_divergence"] else "")

@@ -24,8 +24,6 @@ background). ``-m "not served"`` leaves them out; ``-m served`` runs only them.
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +37,7 @@ from conformance.served import IN_PROCESS, SERVED
 from conformance.shards import parse as parse_shard
 from conformance.shards import split as split_shards
 from conformance.tiers import QuickTier
+from engine.backends.host import name_mkl_branch
 from engine.config import BACKENDS, DTYPES
 
 PACKAGE = "conformance"
@@ -122,11 +121,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
-    if "torch" not in sys.modules and any(PACKAGE in str(arg) for arg in config.args):
-        # Intel MKL (torch's CPU BLAS) takes its slowest sgemm path on AMD CPUs unless a code branch is named (an
-        # fp32 SmolLM2 step on the project's 2-core AMD EPYC machines: 89 ms by default, 53 ms with AUTO; results
-        # stay deterministic). MKL reads it once, when torch loads; a value the caller set wins; servers inherit it.
-        os.environ.setdefault("MKL_CBWR", "AUTO")
+    if any(PACKAGE in str(arg) for arg in config.args):  # a run of the suite, from any folder
+        name_mkl_branch()
     config.stash[FORCED_PROBES] = follow_aten_capability()  # before anything imports vLLM (conformance/isa.py)
     backends = selected_backends(config)
     unknown = [b for b in backends if b not in BACKENDS]

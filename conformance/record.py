@@ -31,8 +31,12 @@ from typing import Any
 
 SCHEMA = "xbackend-engine.conformance-report"
 SCHEMA_VERSION = 1
-VERDICTS = ("passed", "failed", "skipped", "error", "xfailed", "xpassed")
+VERDICTS = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
 """A result's verdict: pytest's outcome of its call, ``error`` where its setup or teardown failed."""
+HELD = ("passed", "xfailed")
+"""Verdicts where the check held as written (an expected failure failed)."""
+BAD = ("failed", "error", "xpassed")
+"""Verdicts that fail a run (``xpassed``: a check marked to fail passed)."""
 CROSS = "cross-backend"
 
 
