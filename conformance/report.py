@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from conformance.target import DIFFERS
+
 
 def check_of(nodeid: str) -> str:
     module = nodeid.split("::")[0].rsplit("/", 1)[-1]
@@ -58,7 +60,9 @@ class SummaryCollector:
         if verdict is None or (entry["verdict"] in ("failed", "error") and report.when == "teardown"):
             return
         entry["verdict"] = verdict
-        if report.skipped and isinstance(report.longrepr, tuple):
+        if verdict == "differs":
+            entry["message"] = str(report.wasxfail).removeprefix(DIFFERS)
+        elif report.skipped and isinstance(report.longrepr, tuple):
             entry["message"] = str(report.longrepr[2]).removeprefix("Skipped: ")
         elif report.failed:
             entry["failure"] = report.longreprtext[-FAILURE_CHARS:]
@@ -67,6 +71,7 @@ class SummaryCollector:
     def report(self) -> dict[str, Any]:
         """This run's report (``conformance.record``'s schema)."""
         from conformance.record import Result, check_name, new_report, run_info, subject_of
+        from conformance.target import TARGET
 
         described = self.describe()
         backends = tuple(described.get("backends", ()))
@@ -74,14 +79,15 @@ class SummaryCollector:
                        if (m := re.search(r"first divergence: ([^;]+)", text)) and m.group(1).strip() != "none"}
         results = []
         for nodeid, entry in self.results.items():
-            subject, params = subject_of(nodeid, backends)
+            subject, params = subject_of(nodeid, (*backends, TARGET))
             results.append(Result(id=nodeid, check=check_name(nodeid), subject=subject, params=params,
                                   verdict=entry["verdict"] or "error", duration_s=round(entry["seconds"], 3),
                                   message=entry["message"], first_divergence=divergences.get(nodeid, ""),
                                   failure=entry["failure"]))
         run = run_info(model=described.get("model", ""), dtype=described.get("dtype", ""), backends=backends,
                        workload=described.get("workload", ""), context=described.get("context", {}),
-                       started=self.started, shards=described.get("shards", []))
+                       started=self.started, shards=described.get("shards", []),
+                       target=described.get("target"))
         return new_report(run, results)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
@@ -142,6 +148,8 @@ def verdict_of(report: pytest.TestReport) -> str | None:
     """A phase report's verdict for its result (None: the phase decides nothing, e.g. a passed setup)."""
     if report.when == "call":
         if hasattr(report, "wasxfail"):
+            if report.skipped and str(report.wasxfail).startswith(DIFFERS):
+                return "differs"  # conformance/target.py: an external server's finding
             return "xfailed" if report.skipped else "xpassed"
         return report.outcome
     if report.failed:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from conformance import matrix, record
+from conformance import matrix, record, stock, target
 from conformance import report as collector_module
 from conformance.report import SummaryCollector
 
@@ -51,6 +51,12 @@ def test_compares_all(request):
 
 def test_teardown_breaks(broken_teardown):
     pass
+
+def test_server_differs(backend):
+    from conformance.target import Findings
+    findings = Findings(strict=backend == "vllm")  # an external target's finding on hf; strict on vllm
+    findings.differ("stop_token_ids ignored")
+    findings.settle()
 '''
 
 
@@ -87,6 +93,21 @@ def test_each_check_run_is_one_result_with_its_verdict_subject_and_text(run):
     assert teardown["verdict"] == "error" and "teardown broke" in teardown["failure"]
     assert report["run"]["model"] == "m" and report["run"]["versions"]["pytest"] and report["run"]["host"]
     assert all(r["check"].startswith("test_checks.py::") for r in report["results"])
+    [differs, strict] = by_id(report, "test_server_differs")
+    assert (differs["verdict"], differs["message"]) == ("differs", "stop_token_ids ignored")
+    assert strict["verdict"] == "failed" and "stop_token_ids ignored" in strict["message"]
+
+
+def test_a_finding_about_a_target_is_coloured_and_listed_but_fails_nothing(run):
+    out, report = run
+    page = (out / "conformance-matrix.html").read_text()
+    row = re.search(r"<tr><th class=\"check\">test_checks.py::test_server_differs</th>(.*?)</tr>", page).group(1)
+    assert re.findall(r"<td class=\"(\w+)\"", row) == ["differs", "failed", "none"]
+    summary = (out / "conformance-summary.md").read_text()
+    assert "## Where the target differs from the reference" in summary and "stop_token_ids ignored" in summary
+    only_differs = {**report, "results": [r for r in report["results"] if r["verdict"] in ("passed", "differs")]}
+    path = record.write(only_differs, out / "differs-only.json")
+    assert matrix.main([str(path), "--html", str(out / "d.html"), "--markdown", str(out / "d.md")]) == 0
 
 
 def test_the_matrix_links_every_cell_to_its_results_and_colours_it(run):
@@ -120,7 +141,14 @@ def test_shards_merge_into_the_one_run_and_overlap_is_refused(run):
 def test_older_and_foreign_reports(tmp_path, run):
     out, report = run
     again = record.read(out / "conformance-report.json")
-    assert again["results"] == report["results"] and again["read_from_version"] == 1
+    assert again["results"] == report["results"] and again["read_from_version"] == record.SCHEMA_VERSION
+    v1 = tmp_path / "v1.json"  # before the verdict differs and the run's target
+    v1.write_text(json.dumps({**report, "schema_version": 1, "run": {k: v for k, v in report["run"].items()
+                                                                     if k != "target"},
+                              "results": [r for r in report["results"] if r["verdict"] != "differs"]}))
+    older = record.read(v1)
+    assert older["read_from_version"] == 1 and older["schema_version"] == record.SCHEMA_VERSION
+    assert "read from a version-1 report" in matrix.run_line(older)
     old = tmp_path / "conformance-summary.parquet"  # what the suite wrote before the versioned report
     pd.DataFrame([{"backend": "hf", "check": "stop", "passed": 4, "failed": 0, "skipped": 1, "skip_reason": "",
                    "workload": "quick"},
@@ -146,6 +174,6 @@ def test_reports_readme_documents_every_field():
         assert f"| `{name}` |" in readme, name
 
 
-@pytest.mark.parametrize("module", [record, matrix, collector_module])
+@pytest.mark.parametrize("module", [record, matrix, collector_module, target, stock])
 def test_doctests(module):
     assert doctest.testmod(module).failed == 0
