@@ -228,7 +228,7 @@ def kit(session: nox.Session) -> None:
     empty, cache = KIT_WORK / "user-repo", KIT_WORK / "fixture-cache"
     session.run(python, "-c", f"import shutil; [shutil.rmtree(p, ignore_errors=True) for p in ({str(empty)!r}, "
                 f"{str(cache)!r})]; import os; os.makedirs({str(empty)!r})", external=True)
-    empty.mkdir(parents=True, exist_ok=True)  # (with --install-only the run above, which empties it, is skipped)
+    _user_repo(empty)  # (with --install-only the run above, which empties it, is skipped)
     session.chdir(empty)  # the user's folder: no clone on sys.path from here
     session.run(python, "-c", KIT_CHECK, external=True)
     session.run(python, "-m", "pytest", "-p", "no:cacheprovider", "--pyargs", *KIT_SELECTION, "-m",
@@ -249,7 +249,7 @@ def targets(session: nox.Session) -> None:
     python = _kit_venv(session)
     stack_python = str(_stack(session) / "python")
     empty, cache = KIT_WORK / "user-repo", KIT_WORK / "fixture-cache"
-    empty.mkdir(parents=True, exist_ok=True)
+    _user_repo(empty)
     session.chdir(empty)
     env = {"TOKENIZERS_PARALLELISM": "false", "ENGINE_FIXTURES_DIR": str(cache)}
     for server, more in (("vllm-serve", ()), ("llama-cpp-server", ("--python", stack_python))):
@@ -258,6 +258,23 @@ def targets(session: nox.Session) -> None:
                     external=True)
         session.run(python, "-m", "conformance.matrix", f"reports/target-{server}/conformance-report.json",
                     external=True)
+
+
+USER_PYPROJECT = """[project]
+name = "user-repo"
+version = "0"
+
+[tool.pytest.ini_options]
+addopts = "--strict-markers"
+"""
+"""The user's own pytest configuration: pytest takes it (and its folder as rootdir) instead of looking further up,
+where this clone's pyproject.toml would be (the kit's folders live under .nox/); --strict-markers proves the plugin
+registers the suite's markers."""
+
+
+def _user_repo(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "pyproject.toml").write_text(USER_PYPROJECT)
 
 
 def _kit_venv(session: nox.Session) -> str:

@@ -68,6 +68,7 @@ MARKERS = {
     "servable": "a conformance check that also runs as its served twin (reach=served), every engine it compares "
                 "reached through python -m engine.serve too",
     "served": "the served twin of a servable check (-m 'not served' skips them)",
+    "slow": "takes more than a few seconds (deselect with -m 'not slow')",
     "dtype_dependent": "a conformance check that compares backends or batches by the dtype's rule (exact in "
                        "float32, vLLM's rule below it); nox -s conformance-bf16 runs them",
 }

@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine_fixtures import GGUF_TWINS, ensure
 
-    parser = argparse.ArgumentParser(prog="python -m conformance.stock", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m conformance.stock", description=main.__doc__,
+                                     epilog="Arguments after -- go to pytest.")
     parser.add_argument("server", choices=STOCK_SERVERS)
     parser.add_argument("--model", default=None, help="the HF model folder served and used as the reference "
                         "(default: the smollm2-135m-instruct fixture, built on first use)")
@@ -164,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
                         "reports/target-SERVER)")
     parser.add_argument("--expect-findings", action="store_true", help="fail when the checks that differ are not "
                         "the known ones (KNOWN_FINDINGS, at the pinned versions; docs/divergences.md)")
-    parser.add_argument("pytest_args", nargs="*", help="after --: more pytest arguments (-m, --engine-reports, ...)")
-    args = parser.parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    ours, rest = (given[:given.index("--")], given[given.index("--") + 1:]) if "--" in given else (given, [])
+    args = parser.parse_args(ours)  # what follows -- goes to pytest as is (-m, -k, --junitxml, ...)
     fixture = "smollm2-135m-instruct"
     model = args.model or str(ensure(fixture))
     if args.server == "vllm-serve":
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             "--engine-require", "hf", "--engine-model", model, "--engine-target-url", server.url,
             "--engine-target-model", SERVED_NAME, "--engine-target-context", str(args.context),
             "--engine-reports", str(reports),
-            *(["--engine-target-extra-body", json.dumps(extra)] if extra else []), *args.pytest_args]))
+            *(["--engine-target-extra-body", json.dumps(extra)] if extra else []), *rest]))
     if code == 0 and args.expect_findings:
         from conformance.record import read
 

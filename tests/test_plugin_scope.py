@@ -52,3 +52,15 @@ def test_the_plugin_can_be_turned_off(tmp_path):
     (tmp_path / "test_user.py").write_text("def test_x():\n    pass\n")
     off = pytest_in(tmp_path, "-p", "no:xbackend_engine_conformance", "--engine-backends=hf")
     assert off.returncode == 4 and "unrecognized arguments: --engine-backends=hf" in off.stderr
+
+
+def test_every_mark_the_suite_uses_is_registered_by_the_plugin():
+    """A user's ``--strict-markers`` (the kit's user repository sets it) accepts every check module of the suite."""
+    import re
+
+    from conformance.plugin import MARKERS
+
+    root = Path(__file__).resolve().parents[1] / "conformance"
+    used = {m for path in root.glob("*.py") for m in re.findall(r"pytest\.mark\.(\w+)", path.read_text())}
+    builtin = {"parametrize", "skip", "skipif", "xfail", "usefixtures", "filterwarnings"}
+    assert used - builtin <= set(MARKERS), used - builtin - set(MARKERS)

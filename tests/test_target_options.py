@@ -59,3 +59,11 @@ def test_findings_pass_when_none_and_otherwise_differ_or_fail():
     strict.differ("stop_token_ids ignored")
     with pytest.raises(pytest.fail.Exception, match="differs from the HF reference: stop_token_ids ignored"):
         strict.settle()
+
+
+def test_the_stock_launcher_refuses_a_model_without_its_gguf(capsys):
+    from conformance import stock
+
+    with pytest.raises(SystemExit) as exited:
+        stock.main(["llama-cpp-server", "--model", "/my/model", "--", "-k", "greedy"])  # nothing starts
+    assert exited.value.code == 2 and "--gguf: required with --model" in capsys.readouterr().err
