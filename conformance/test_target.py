@@ -87,30 +87,29 @@ def within_rule(reference: Any, ref: Any, got: Any, step: int) -> bool:
 def test_stop_strings_cut_where_reference_does(target, reference, findings):
     """A stop string taken from the middle of HF's greedy answer: the server's text is cut where HF's is (the stop
     string left out), with finish reason ``stop``."""
-    prompt = PROMPTS[2]
-    whole = greedy(reference, [prompt], 24)[0].text
-    words = whole.split()
+    words = greedy(reference, [PROMPTS[2]], 24)[0].text.split()
     stop = words[len(words) // 2]
-    ref = reference.complete([prompt], options={"max_new_tokens": 24, "temperature": 0.0}, stop={"strings": [stop]})[0]
-    got = target.complete(prompt, max_tokens=24, temperature=0.0, stop=[stop])
-    if (got.text, got.finish_reason) != (ref.text, ref.finish_reason):
-        findings.differ(f"stop {stop!r}: HF {ref.text!r} ({ref.finish_reason}), server {got.text!r} "
-                        f"({got.finish_reason})")
-    findings.settle()
+    check_cut(target, reference, findings, f"stop {stop!r}", {"strings": [stop]}, stop=[stop])
 
 
 def test_stop_token_ids_end_the_row(target, reference, findings):
     """``stop_token_ids`` (vLLM's extra field) with a token of HF's greedy answer: the row ends at it, its text left
     out, as HF ends it."""
-    prompt = PROMPTS[2]
-    whole = greedy(reference, [prompt], 24)[0]
+    whole = greedy(reference, [PROMPTS[2]], 24)[0]
     stop_id = whole.token_ids[len(whole.token_ids) // 2]
-    ref = reference.complete([prompt], options={"max_new_tokens": 24, "temperature": 0.0},
-                             stop={"token_ids": [stop_id]})[0]
-    got = target.complete(prompt, max_tokens=24, temperature=0.0, stop_token_ids=[stop_id])
+    check_cut(target, reference, findings, f"stop_token_ids [{stop_id}] ({reference.tokenizer.decode([stop_id])!r})",
+              {"token_ids": [stop_id]}, stop_token_ids=[stop_id])
+
+
+def check_cut(target: Any, reference: Any, findings: Findings, what: str, reference_stop: dict[str, Any],
+              **fields: Any) -> None:
+    """The server's greedy answer to ``PROMPTS[2]`` with ``fields`` is HF's with ``reference_stop``: the same text, cut
+    at the same place, and the same finish reason."""
+    ref = reference.complete([PROMPTS[2]], options={"max_new_tokens": 24, "temperature": 0.0},
+                             stop=reference_stop)[0]
+    got = target.complete(PROMPTS[2], max_tokens=24, temperature=0.0, **fields)
     if (got.text, got.finish_reason) != (ref.text, ref.finish_reason):
-        findings.differ(f"stop_token_ids [{stop_id}] ({reference.tokenizer.decode([stop_id])!r}): HF {ref.text!r} "
-                        f"({ref.finish_reason}), server {got.text!r} ({got.finish_reason})")
+        findings.differ(f"{what}: HF {ref.text!r} ({ref.finish_reason}), server {got.text!r} ({got.finish_reason})")
     findings.settle()
 
 

@@ -62,7 +62,9 @@ class RowFinishRecorder:
     the rules plugged in through the "hf_stopping_criteria" hook: a row stops right after the token that
     makes its rules demand an end (no EOS appended). ``on_token(row, position, token)`` (streaming) hears every
     token a row keeps, the one that ends it included, as soon as it exists; when it returns True the row's caller
-    is gone and the row ends there.
+    is gone and the row ends there. ``budgets`` (one per row, or None) end a row once it has that many tokens: what
+    its prompt leaves of the context (finish ``length``, as vLLM and llama.cpp end it), where a batch-wide
+    ``max_new_tokens`` would let a long prompt's row run past the context.
 
     >>> import torch
     >>> rec = RowFinishRecorder(prompt_len=2, terminal_ids=[0])
@@ -70,13 +72,18 @@ class RowFinishRecorder:
     [False, True]
     >>> rec.lengths
     [None, 1]
+    >>> RowFinishRecorder(prompt_len=2, terminal_ids=[0], budgets=[1, 4])(torch.tensor([[5, 5, 7], [5, 5, 7]]),
+    ...                                                                   None).tolist()
+    [True, False]
     """
 
     def __init__(self, prompt_len: int, terminal_ids: Sequence[int], stop_watches: list[Any] | None = None,
                  rule_sets: list[Any] | None = None,
-                 on_token: Callable[[int, int, int], bool | None] | None = None):
+                 on_token: Callable[[int, int, int], bool | None] | None = None,
+                 budgets: Sequence[int] | None = None):
         import torch
 
+        self.budgets = list(budgets) if budgets is not None else None
         self.prompt_len = prompt_len
         self.terminal = torch.tensor(list(terminal_ids), dtype=torch.long)
         self.stop_watches = stop_watches
@@ -104,6 +111,8 @@ class RowFinishRecorder:
             feed_new_tokens(self.rule_sets, input_ids, self.prompt_len)
             ended = torch.tensor([rs.decision().force_eos for rs in self.rule_sets], device=done.device)
             done = done | ended
+        if self.budgets is not None:
+            done = done | torch.tensor([step >= b for b in self.budgets], device=done.device)
         if self.on_token is not None:
             gone = [row for row, token in enumerate(last.tolist())
                     if self.lengths[row] is None and self.on_token(row, step - 1, token)]
@@ -226,13 +235,14 @@ class HfBackend(BackendBase, backend="hf"):
             outputs.extend(self._generate_batch(prompts[start : start + size], plan, sink))
         return outputs
 
-    def generation_config(self, plan: SamplingPlan) -> Any:
-        """The complete ``GenerationConfig`` for ``plan`` (nothing taken from the checkpoint)."""
+    def generation_config(self, plan: SamplingPlan, max_new_tokens: int | None = None) -> Any:
+        """The complete ``GenerationConfig`` for ``plan`` (nothing taken from the checkpoint); ``max_new_tokens``
+        lowers the plan's (a batch whose every row meets the context's end sooner)."""
         from transformers import GenerationConfig
 
         opts = plan.options
         return GenerationConfig(
-            max_new_tokens=opts.max_new_tokens,
+            max_new_tokens=min(opts.max_new_tokens, max_new_tokens or opts.max_new_tokens),
             min_new_tokens=opts.min_new_tokens or None,
             repetition_penalty=opts.repetition_penalty,
             eos_token_id=list(plan.terminal_token_ids) or None,  # none with ignore_eos and no stop ids
@@ -309,8 +319,9 @@ class HfBackend(BackendBase, backend="hf"):
                               min_new_tokens=min_new)
         watches = [StopStringWatch(plan.stop.strings, text_stream(decode), min_new_tokens=min_new)
                    for _ in prompts] if plan.stop.strings else None
+        budgets = self._context_budgets(inputs["attention_mask"], plan.options.max_new_tokens)
         recorder = RowFinishRecorder(width, plan.terminal_token_ids, watches, stop_sets if stop_specs else None,
-                                     on_token=on_token)
+                                     on_token=on_token, budgets=budgets)
         processors = []
         if logit_specs:
             processors.append(HfRowRules(logit_specs, prompt_len=width, eos_id=plan.eos_token_ids[0],
@@ -327,7 +338,8 @@ class HfBackend(BackendBase, backend="hf"):
         elif tap is not None:  # greedy: the draw is the argmax of what every processor left (vLLM's greedy path)
             sampler.append(tap)
         with torch.inference_mode():
-            out = self.model.generate(**inputs, generation_config=self.generation_config(plan),
+            out = self.model.generate(**inputs, generation_config=self.generation_config(
+                                          plan, max(budgets) if budgets else None),
                                       stopping_criteria=StoppingCriteriaList([recorder]),
                                       logits_processor=LogitsProcessorList(masks + processors + sampler))
         generated = out.sequences[:, width:].tolist()  # (batch, steps)
@@ -345,6 +357,15 @@ class HfBackend(BackendBase, backend="hf"):
                                                                  ids, plan),
                                          prompt_token_ids=tuple(seen), events=events))
         return results
+
+    def _context_budgets(self, attention_mask: Any, max_new_tokens: int) -> list[int] | None:
+        """Per row, the tokens its prompt leaves of the context, when one row would otherwise run past it (None:
+        ``max_new_tokens`` fits every row)."""
+        limit = self.capabilities.max_model_len
+        if limit is None:
+            return None
+        budgets = [limit - n for n in attention_mask.sum(dim=1).tolist()]
+        return budgets if min(budgets) < max_new_tokens else None
 
     def compile_schema(self, schema: str) -> Any:
         """The compiled grammar of ``schema`` (a checked JSON Schema's canonical text), compiled once: the engine
