@@ -143,7 +143,10 @@ def finding_changes(report: dict[str, Any], expected: frozenset[str]) -> list[st
 def main(argv: list[str] | None = None) -> int:
     """``python -m conformance.stock {vllm-serve,llama-cpp-server} [-- PYTEST ARGS]``: start the stock server on the
     fixture model (or ``--model``/``--gguf``), bound to 127.0.0.1, run the target checks against it
-    (``conformance/test_target.py``, HF as the reference), stop it; exits with pytest's status."""
+    (``conformance/test_target.py``, HF as the reference), stop it; exits with pytest's status. On a CPU host the
+    server runs with torch.compile off (``engine.backends.host.turn_torch_compile_off``, unless the environment says
+    otherwise), as the suite's own servers do: vLLM would otherwise build inductor kernels for two sampler helpers at
+    its first request (about a minute here), the same ops either way."""
     import argparse
     import json
 
@@ -170,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(ours)  # what follows -- goes to pytest as is (-m, -k, --junitxml, ...)
     fixture = "smollm2-135m-instruct"
     model = args.model or str(ensure(fixture))
+    from engine.backends.host import has_cuda, turn_torch_compile_off
+
+    if not has_cuda():  # as the suite's own CPU runs (conformance/plugin.py): the server inherits it
+        turn_torch_compile_off()
     if args.server == "vllm-serve":
         config = {"model": {"path": model, "dtype": "float32", "max_model_len": args.context},
                   "vllm": {"max_num_seqs": 16, "enforce_eager": True, "cpu_kv_cache_space_gib": 0.5}}

@@ -133,15 +133,15 @@ def test_min_tokens_hold_eos_back(target, reference, findings):
 
 def test_seeded_sampling_is_reproducible(target, findings):
     """The same seeded sampled request twice gives the same text; another seed gives another text on at least one
-    of three prompts (the seed is read, not ignored). Samplers differ by server, so HF is not the reference here."""
+    of two prompts (the seed is read, not ignored). Samplers differ by server, so HF is not the reference here."""
     fields = {"max_tokens": 12, "temperature": 1.0, "top_p": 1.0}
-    firsts = [target.complete(p, seed=1234, **fields).text for p in PROMPTS[:3]]
-    again = [target.complete(p, seed=1234, **fields).text for p in PROMPTS[:3]]
-    others = [target.complete(p, seed=4321, **fields).text for p in PROMPTS[:3]]
+    firsts = [target.complete(p, seed=1234, **fields).text for p in PROMPTS[:2]]
+    again = [target.complete(p, seed=1234, **fields).text for p in PROMPTS[:2]]
+    others = [target.complete(p, seed=4321, **fields).text for p in PROMPTS[:2]]
     if firsts != again:
         findings.differ(f"seed 1234 twice gave different texts: {firsts} then {again}")
     if firsts == others:
-        findings.differ(f"seeds 1234 and 4321 gave the same texts on three prompts ({firsts}): the seed is ignored")
+        findings.differ(f"seeds 1234 and 4321 gave the same texts on two prompts ({firsts}): the seed is ignored")
     findings.settle()
 
 
