@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import pytest
 
+    from conformance.pool import CPU_VLLM
+    from engine.backends.host import has_cuda, turn_torch_compile_off
     from engine_fixtures import GGUF_TWINS, ensure
 
     parser = argparse.ArgumentParser(prog="python -m conformance.stock", description=main.__doc__,
@@ -173,13 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(ours)  # what follows -- goes to pytest as is (-m, -k, --junitxml, ...)
     fixture = "smollm2-135m-instruct"
     model = args.model or str(ensure(fixture))
-    from engine.backends.host import has_cuda, turn_torch_compile_off
-
     if not has_cuda():  # as the suite's own CPU runs (conformance/plugin.py): the server inherits it
         turn_torch_compile_off()
     if args.server == "vllm-serve":
         config = {"model": {"path": model, "dtype": "float32", "max_model_len": args.context},
-                  "vllm": {"max_num_seqs": 16, "enforce_eager": True, "cpu_kv_cache_space_gib": 0.5}}
+                  "vllm": {"max_num_seqs": 16, **CPU_VLLM}}  # the suite's own CPU vLLM settings
         server = start_vllm_serve(config, SERVED_NAME)
     else:
         if args.gguf is None and args.model is not None:
