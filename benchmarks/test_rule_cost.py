@@ -2,7 +2,9 @@
 
 For each rule and batch size, the adapter (``HfRowRules``) is stepped over a fixed real SmolLM2 token stream as
 ``generate`` would call it (ids so far, a full-vocabulary logits row per request, on the benchmark device),
-twice per round, interleaved:
+twice per round, interleaved. The logits are the model's own next-token logits along the stream (8 positions;
+a step's rows take different ones; a step's tensor comes back every 8 steps, EOS's column restored after each
+step: a one-column write, timed in both variants alike):
 
 * ``decode+rowwise`` (reference): the path before the fast text path and the vectorized id rules, text from
   ``tokenizer.decode`` per token (two calls), every rule fed per row in Python;
@@ -10,10 +12,11 @@ twice per round, interleaved:
   repeat rules as array operations over the batch (from ``VECTOR_MIN_BATCH`` rows on; per row below it).
 
 Rules: ``repeat_ids`` (consecutive + n-gram thresholds), ``repeat_keys`` (plus ``max_object_keys``: reads
-text), ``min_length`` (EOS held back all along, never the top choice: a max over the vocabulary per row per
-step), ``json_boundary``. None fires on the stream, so every step costs what watching costs. Recorded:
-``us_per_token`` (per token per row) of each variant and ``fast_over_reference``. Both variants must make
-identical edits (checked on the last step's logits).
+text), ``min_length`` (EOS held back all along; until a row saw EOS on top of its unedited logits, each step
+asks whether it is, and each step asks whether EOS is the only token left), ``json_boundary``. None fires on the
+stream, so every step costs what watching costs. Recorded: ``us_per_token`` (per token per row) of each variant
+and ``fast_over_reference``. Both variants must make identical edits (EOS's column of every step and the rows'
+rule events).
 """
 
 from __future__ import annotations
@@ -57,21 +60,40 @@ def steps_for(bench: Any) -> int:
     return 64 if bench.size_name == "smoke" else 256
 
 
-def stepper(name: str, role: str, specs: list[RuleSpec], ids: Any, prompt_len: int, vocab: int, *,
-            text: Any, vectorize: bool, last: dict[str, Any]) -> Variant:
-    import torch
+POSITIONS = 8
+EOS = 2  # SmolLM2-Instruct's <|im_end|>
 
+
+def real_logits(model_path: str, stream: list[int], batch: int, device: str) -> list[Any]:
+    """The model's next-token logits after ``POSITIONS`` prefixes of the stream, as ``POSITIONS`` batch tensors
+    (tensor k's row r: the prefix ``k + r``, modulo ``POSITIONS``)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    with torch.inference_mode():
+        rows = model(torch.tensor([stream[:16 + POSITIONS]])).logits[0, 16:].float()
+    del model
+    return [rows[[(k + r) % POSITIONS for r in range(batch)]].to(device).contiguous() for k in range(POSITIONS)]
+
+
+def stepper(name: str, role: str, specs: list[RuleSpec], ids: Any, prompt_len: int, pool: list[Any], *,
+            text: Any, vectorize: bool, last: dict[str, Any]) -> Variant:
     from engine.backends.hf.rules import HfRowRules
 
     batch, width = ids.shape
-    scores = torch.zeros(batch, vocab, device=ids.device)
-    scores[:, 0] = 1.0  # token 0 on top, EOS (2) below it: min_length checks "EOS on top" on every step
+    fresh_eos = [scores[:, EOS].clone() for scores in pool]
 
     def run() -> int:
-        proc = HfRowRules(specs, prompt_len=prompt_len, eos_id=2, terminal_ids=[2], decode=text, vectorize=vectorize)
-        for end in range(prompt_len + 1, width + 1):
-            proc(ids[:, :end], scores)  # edits accumulate (EOS stays banned); nothing else touches the row
-        last[name] = scores  # the variant's own tensor (compared after the rounds; a clone here would be timed)
+        proc = HfRowRules(specs, prompt_len=prompt_len, eos_id=EOS, terminal_ids=[EOS], decode=text,
+                          vectorize=vectorize)
+        columns = []
+        for step, end in enumerate(range(prompt_len + 1, width + 1)):
+            scores = pool[step % POSITIONS]
+            proc(ids[:, :end], scores)  # bans EOS (min_length); no other rule fires on the stream
+            columns.append(scores[:, EOS].clone())
+            scores[:, EOS] = fresh_eos[step % POSITIONS]  # the next use sees the model's logits again
+        last[name] = (columns, [proc.events(row) for row in range(batch)])
         return batch * (width - prompt_len)
 
     return Variant(name, role, run)
@@ -81,6 +103,7 @@ def test_rule_cost(bench, benchmark, rule_case) -> None:
     import torch
     from transformers import AutoTokenizer
 
+    from engine.rules.min_length_bank import byte_counts
     from engine.rules.token_text import TokenBytes
 
     rule, batch = rule_case
@@ -94,13 +117,17 @@ def test_rule_cost(bench, benchmark, rule_case) -> None:
     table = TokenBytes.from_tokenizer(tokenizer)
     assert table is not None, "the benchmark measures the byte table; this tokenizer has none"
     decode = lambda seq: tokenizer.decode(list(seq), skip_special_tokens=True)  # noqa: E731
+    pool = real_logits(bench.model_path, stream, batch, device)
+    byte_counts(table)  # built once per tokenizer's table (a pass over the vocabulary), not per request: not timed
     last: dict[str, Any] = {}
-    reference = stepper("decode+rowwise", "reference", RULES[rule], ids, prompt_len, len(tokenizer), text=decode,
+    reference = stepper("decode+rowwise", "reference", RULES[rule], ids, prompt_len, pool, text=decode,
                         vectorize=False, last=last)
-    subject = stepper("table+vectorized", "subject", RULES[rule], ids, prompt_len, len(tokenizer), text=table,
+    subject = stepper("table+vectorized", "subject", RULES[rule], ids, prompt_len, pool, text=table,
                       vectorize=True, last=last)
     rounds = bench.measure(benchmark, f"rule_cost[{rule}-b{batch}]", [reference, subject], gated=False)
-    assert torch.equal(last[reference.name], last[subject.name]), "both paths must make the same edits"
+    (ref_columns, ref_events), (columns, events) = last[reference.name], last[subject.name]
+    assert all(torch.equal(a, b) for a, b in zip(ref_columns, columns, strict=True)), "the paths edit differently"
+    assert ref_events == events, "the paths' rule events differ"
     ratio = rounds.speed_ratio(subject.name, reference.name)
     bench.record({"benchmark": f"rule_cost[{rule}-b{batch}]", "group": "rule_cost", "backend": "hf",
                   "batch": batch, "prompt_len": "rule_stream", "prompt_tokens": batch * prompt_len,

@@ -27,8 +27,9 @@ class HfRowRules:
     """Applies each row's combined decision: force EOS, ban EOS (noting when EOS was the top choice), bias.
 
     Id-only repeat rules run vectorized over the batch (:class:`engine.rules.repeat_bank.RepeatBank`: array
-    operations on the step's new tokens, no per-row Python) from ``VECTOR_MIN_BATCH`` rows on; every other rule
-    runs per row through :class:`RuleSet`.
+    operations on the step's new tokens, no per-row Python) from ``VECTOR_MIN_BATCH`` rows on, and so does
+    ``min_length`` when it is the only other rule and the tokenizer has a byte table
+    (:class:`engine.rules.min_length_bank.MinLengthBank`); every other rule runs per row through :class:`RuleSet`.
 
     >>> import torch
     >>> from engine.rules.repeat import RepeatRule, RepeatThresholds
@@ -44,12 +45,18 @@ class HfRowRules:
     def __init__(self, specs: Sequence[RuleSpec], *, prompt_len: int, eos_id: int, terminal_ids: Sequence[int],
                  decode: Any, vectorize: bool = True, vector_min_batch: int = VECTOR_MIN_BATCH,
                  min_new_tokens: int = 0) -> None:
+        from engine.rules.min_length_bank import MIN_LENGTH_TARGET
         from engine.rules.repeat_bank import split_vectorizable
 
         self.all_specs = list(specs)
         self.vector_min_batch = vector_min_batch
         self.min_new_tokens = min_new_tokens
         self.vector_thresholds, self.specs = split_vectorizable(specs) if vectorize else ([], list(specs))
+        self.min_length_params: Any = None  # min_length alone among the per-row rules: run in a bank
+        if (vectorize and len(self.specs) == 1 and self.specs[0].target == MIN_LENGTH_TARGET
+                and hasattr(decode, "pieces")):
+            self.min_length_params, self.specs = self.specs[0].params, []
+        self.min_length: Any = None
         self.prompt_len = prompt_len
         self.eos_id = eos_id
         self.terminal_ids = list(terminal_ids)
@@ -60,9 +67,13 @@ class HfRowRules:
     def __call__(self, input_ids: Any, scores: Any) -> Any:
         import numpy as np
 
-        if self.vector_thresholds and not self.banks and input_ids.shape[0] < self.vector_min_batch:
-            self.vector_thresholds, self.specs = [], self.all_specs  # a few rows: Python per row is cheaper
+        banked = self.vector_thresholds or self.min_length_params is not None
+        if banked and not self.banks and self.min_length is None and input_ids.shape[0] < self.vector_min_batch:
+            # a few rows: Python per row is cheaper (and every rule then combines in one rule set per row)
+            self.vector_thresholds, self.min_length_params, self.specs = [], None, self.all_specs
         fire = self._vectorized_fire(input_ids, scores) if self.vector_thresholds else None
+        if self.min_length_params is not None:
+            self._min_length_step(input_ids, scores, fire)
         if not self.sets and self.specs:
             self.sets = rule_sets(self.specs, input_ids.shape[0], terminal_ids=self.terminal_ids, decode=self.decode,
                                   min_new_tokens=self.min_new_tokens)
@@ -81,6 +92,51 @@ class HfRowRules:
 
         rows = [(row, rs, self.eos_id) for row, rs in enumerate(self.sets) if forced is None or not forced[row]]
         apply_decisions(scores, decide(scores, rows))
+
+    def _min_length_step(self, input_ids: Any, scores: Any, fire: Any) -> None:
+        import numpy as np
+        import torch
+
+        from engine.backends.row_apply import (
+            FORCE,
+            apply_decisions,
+            ban_eos,
+            ban_eos_in_every_row,
+            rows_with_a_logit_above,
+        )
+        from engine.rules.base import Decision
+        from engine.rules.min_length_bank import MinLengthBank
+
+        bank = self.min_length
+        if bank is None:
+            bank = self.min_length = MinLengthBank(self.min_length_params, input_ids.shape[0], table=self.decode,
+                                                   terminal_ids=self.terminal_ids,
+                                                   min_new_tokens=self.min_new_tokens)
+        if input_ids.shape[1] - self.prompt_len > bank.fed:
+            bank.push(input_ids[:, self.prompt_len + bank.fed:].cpu().numpy())
+        force, held, bias = bank.decide(None if fire is None else ~fire)
+        eos = self.eos_id
+        edits = [(int(row), eos, FORCE) for row in np.flatnonzero(force)]
+        if bias.any():
+            nudge = Decision(bias=bank.bias)
+            edits += [(int(row), eos, nudge) for row in np.flatnonzero(bias)]
+        if edits:
+            apply_decisions(scores, edits)  # other rows than the held ones: the check below reads those unedited
+        if held.all():
+            on_top = ban_eos_in_every_row(scores, eos).cpu().numpy()
+            if on_top.any():
+                bank.note_eos_on_top(np.flatnonzero(on_top))
+            return
+        rows = np.flatnonzero(held)
+        if len(rows):
+            # One read answers both questions: a held row where some token beats EOS did not have EOS on top, and
+            # keeps a token once EOS is masked.
+            index = torch.from_numpy(rows).to(scores.device)
+            beaten = rows_with_a_logit_above(scores, index, scores[index, eos])
+            on_top = rows[~beaten.cpu().numpy()]
+            if len(on_top):
+                bank.note_eos_on_top(on_top)
+            ban_eos(scores, index, torch.full_like(index, eos), beaten=beaten)
 
     def _vectorized_fire(self, input_ids: Any, scores: Any) -> Any:
         import numpy as np
@@ -111,4 +167,6 @@ class HfRowRules:
             merged.update(self.sets[row].events())
         for bank in self.banks:
             merged.update(bank.events(row))
+        if self.min_length is not None:
+            merged.update(self.min_length.events(row))
         return merged
