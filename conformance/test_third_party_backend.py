@@ -27,26 +27,38 @@ SELECTION = ["--pyargs", "conformance.test_contract", "conformance.test_parity",
 """Per-backend checks on both backends and a cross-backend one comparing them, each a few short requests."""
 
 
-def child_pytest(folder: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def start_child(folder: Path, *args: str) -> subprocess.Popen[str]:
+    """A child pytest from ``folder`` with the example backend on ``PYTHONPATH``; read it with :func:`finish`."""
     folder.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(EXAMPLE), os.environ.get("PYTHONPATH")) if p)}
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--engine-backends=hf,example",
                "--engine-require=hf,example", f"--engine-reports={folder / 'reports'}", *args]
-    done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-3000:]
-    return done
+    return subprocess.Popen(command, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(child: subprocess.Popen[str], timeout: float = 600) -> str:
+    """The child's stdout once it passed (its output in the failure otherwise)."""
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out, err = child.communicate()
+    assert child.returncode == 0, out[-5000:] + err[-3000:]
+    return out
 
 
 @pytest.fixture(scope="module")
-def whole(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    folder = tmp_path_factory.mktemp("whole")
-    child_pytest(folder, *SELECTION)
-    return folder, record.read(folder / "reports" / "conformance-report.json")
+def whole(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[str]]:
+    """The selection's report, and the ids of the whole suite collected (the two children run at once)."""
+    folder, listing = tmp_path_factory.mktemp("whole"), tmp_path_factory.mktemp("listing")
+    run, listed = start_child(folder, *SELECTION), start_child(listing, "--pyargs", "conformance", "--collect-only")
+    ids = [line for line in finish(listed, timeout=300).splitlines() if "::" in line]
+    finish(run)
+    return record.read(folder / "reports" / "conformance-report.json"), ids
 
 
-def test_an_entry_point_backend_joins_every_check_and_passes(tmp_path, whole):
-    listed = child_pytest(tmp_path, "--pyargs", "conformance", "--collect-only", timeout=300)
-    ids = [line for line in listed.stdout.splitlines() if "::" in line]
+def test_an_entry_point_backend_joins_every_check_and_passes(whole):
+    report, ids = whole
 
     def variants(backend: str) -> set[str]:  # each per-backend check with the backend taken out of its id
         return {re.sub(rf"(?<=[\[-]){backend}(?=[\]-])", "*", i) for i in ids if re.search(rf"[\[-]{backend}[\]-]", i)}
@@ -55,7 +67,6 @@ def test_an_entry_point_backend_joins_every_check_and_passes(tmp_path, whole):
     missing = variants("hf") - variants("example")
     assert not missing, f"checks without an example variant: {sorted(missing)}"
 
-    _, report = whole
     on_example = [r for r in report["results"] if r["subject"] == "example"]
     assert on_example and {r["verdict"] for r in on_example} == {"passed"}, on_example
     assert report["run"]["backends"] == ["hf", "example"]
@@ -65,11 +76,12 @@ def test_an_entry_point_backend_joins_every_check_and_passes(tmp_path, whole):
 
 
 def test_two_shards_give_the_ids_and_verdicts_of_one_run(tmp_path, whole):
-    _, one_run = whole
-    paths = []
-    for k in (1, 2):
-        child_pytest(tmp_path / f"shard-{k}", *SELECTION, f"--engine-shard={k}/2")
-        paths.append(tmp_path / f"shard-{k}" / "reports" / "conformance-report.json")
+    one_run, _ = whole
+    # Both shards at once, as two CI runners would run them (and half the wall time here).
+    children = [start_child(tmp_path / f"shard-{k}", *SELECTION, f"--engine-shard={k}/2") for k in (1, 2)]
+    for child in children:
+        finish(child)
+    paths = [tmp_path / f"shard-{k}" / "reports" / "conformance-report.json" for k in (1, 2)]
     shards = [record.read(p) for p in paths]
     assert [s["run"]["shards"] for s in shards] == [["1/2"], ["2/2"]]
     assert all(s["results"] for s in shards), "a shard ran nothing"
