@@ -21,6 +21,7 @@ rule events).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -64,16 +65,21 @@ POSITIONS = 8
 EOS = 2  # SmolLM2-Instruct's <|im_end|>
 
 
-def real_logits(model_path: str, stream: list[int], batch: int, device: str) -> list[Any]:
-    """The model's next-token logits after ``POSITIONS`` prefixes of the stream, as ``POSITIONS`` batch tensors
-    (tensor k's row r: the prefix ``k + r``, modulo ``POSITIONS``)."""
+@functools.cache
+def position_logits(model_path: str, prefix: tuple[int, ...]) -> Any:
+    """The model's next-token logits after each of the last ``POSITIONS`` prefixes of ``prefix`` (one model load
+    and forward per session)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     with torch.inference_mode():
-        rows = model(torch.tensor([stream[:16 + POSITIONS]])).logits[0, 16:].float()
-    del model
+        return model(torch.tensor([list(prefix)])).logits[0, -POSITIONS:].float()
+
+
+def real_logits(model_path: str, stream: list[int], batch: int, device: str) -> list[Any]:
+    """:func:`position_logits` as ``POSITIONS`` batch tensors (tensor k's row r: position ``(k + r) % POSITIONS``)."""
+    rows = position_logits(model_path, tuple(stream[:16 + POSITIONS]))
     return [rows[[(k + r) % POSITIONS for r in range(batch)]].to(device).contiguous() for k in range(POSITIONS)]
 
 

@@ -168,13 +168,10 @@ def ban_eos_in_every_row(logits: Any, eos: int) -> Any:
     """
     import torch
 
-    column = logits[:, eos].clone()
-    beaten = rows_with_a_logit_above(logits, None, column)
-    logits[:, eos] = float("-inf")
-    if logits.device.type == "cpu" and bool(beaten.all()):
-        return ~beaten
-    open_rows = torch.nonzero(~beaten).flatten()  # EOS on top: masking it may leave nothing (a grammar's end)
-    kept = column[open_rows]
-    emptied = ~torch.isinf(kept) & ~rows_with_a_logit_above(logits, open_rows, torch.full_like(kept, float("-inf")))
-    logits[open_rows[emptied], eos] = kept[emptied]
+    beaten = rows_with_a_logit_above(logits, None, logits[:, eos])
+    if logits.device.type == "cpu" and bool(beaten.all()):  # every row keeps a token: one column write
+        logits[:, eos] = float("-inf")
+    else:
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        ban_eos(logits, rows, torch.full_like(rows, eos), beaten=beaten)
     return ~beaten
