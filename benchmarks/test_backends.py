@@ -1,16 +1,19 @@
-"""llama.cpp vs HF vs vLLM on the same requests, and the llama.cpp engine vs a raw ``Llama.generate``.
+"""llama.cpp vs HF vs vLLM on the same requests, the llama.cpp engine vs a raw ``Llama.generate``, and a llama.cpp
+batch vs its rows one call each.
 
-One case per batch size (1 and 8), four variants interleaved in one run, each generating exactly ``batch x
-new_tokens`` greedy tokens (EOS held back through the engine; the raw loop takes that many tokens):
+One case per batch size (1 and 8), variants interleaved in one run, each generating exactly ``batch x new_tokens``
+greedy tokens (EOS held back through the engine; the raw loop takes that many tokens):
 
 * ``hf``, ``vllm`` (references) and ``llamacpp`` (subject): the engine on each backend, same chat prompts, HF and
   vLLM on the SmolLM2 fixture, llama.cpp on its F32 GGUF twin (the same weights);
 * ``llamacpp-raw`` (reference): ``Llama.generate`` on the engine's own prompt ids with the same loaded model, no
-  logits processor.
+  logits processor, row after row (llama-cpp-python's generation API has no batch);
+* ``llamacpp-b1`` (reference, batches above 1): the engine on llama.cpp given the same rows one call each.
 
-Recorded: ``llamacpp_over_hf`` and ``llamacpp_over_vllm`` (speed ratios, above 1: llama.cpp faster) and
-``engine_over_raw`` (what the engine's llama.cpp adapter costs; gated like every ``engine_over_raw``). llama.cpp runs
-the rows of a batch one after another (see ``engine/backends/llamacpp/backend.py``), HF and vLLM batch them.
+Recorded: ``llamacpp_over_hf`` and ``llamacpp_over_vllm`` (speed ratios, above 1: llama.cpp faster),
+``engine_over_raw`` (what the engine's llama.cpp adapter costs, or gains by batching; gated like every
+``engine_over_raw``) and ``batch_over_single`` (what decoding a batch's rows as parallel sequences of one llama.cpp
+batch gains over one row at a time; gated at 2.0, ``engine.report.gate``).
 """
 
 from __future__ import annotations
@@ -60,6 +63,13 @@ def raw_llamacpp(engine: Any, messages: list[Any], options: dict[str, Any]) -> V
     return Variant("llamacpp-raw", "reference", run)
 
 
+def rows_one_by_one(engine: Any, messages: list[Any], options: dict[str, Any]) -> Variant:
+    def run() -> int:
+        return sum(len(engine.generate([m], options=options)[0].token_ids) for m in messages)
+
+    return Variant("llamacpp-b1", "reference", run)
+
+
 def test_backends(bench, benchmark, backends_batch: int) -> None:
     missing = [b for b in ("hf", "vllm") if b not in bench.backends]
     if missing:
@@ -73,15 +83,19 @@ def test_backends(bench, benchmark, backends_batch: int) -> None:
                 engine_variant("vllm", "reference", bench.engine("vllm"), messages, options),
                 engine_variant("llamacpp", "subject", llamacpp, messages, options),
                 raw_llamacpp(llamacpp, messages, options)]
+    gates = {"engine_over_raw": ("llamacpp", "llamacpp-raw")}
+    if backends_batch > 1:
+        variants.append(rows_one_by_one(llamacpp, messages, options))
+        gates["batch_over_single"] = ("llamacpp", "llamacpp-b1")
     label = f"backends[llamacpp-b{backends_batch}-short-o{options['max_new_tokens']}]"
-    rounds = bench.measure(benchmark, label, variants, gates={"engine_over_raw": ("llamacpp", "llamacpp-raw")})
+    rounds = bench.measure(benchmark, label, variants, gates=gates)
     expected = backends_batch * options["max_new_tokens"]
     for v in variants:  # fixed length: a variant that stopped early would flatter a ratio
         assert rounds.tokens(v.name) == {expected}, (v.name, rounds.tokens(v.name), expected)
     rendered, _ = llamacpp.prepare(messages, options=options)
     figures = {"llamacpp_over_hf": rounds.speed_ratio("llamacpp", "hf"),
                "llamacpp_over_vllm": rounds.speed_ratio("llamacpp", "vllm"),
-               "engine_over_raw": rounds.speed_ratio("llamacpp", "llamacpp-raw")}
+               **{ratio: rounds.speed_ratio(*pair) for ratio, pair in gates.items()}}
     bench.record({"benchmark": label, "group": "backends", "backend": "llamacpp", "batch": backends_batch,
                   "prompt_len": "short", "prompt_tokens": sum(len(r.token_ids) for r in rendered),
                   "new_tokens": options["max_new_tokens"], "fixed_length": True, "guard_set": "none"},

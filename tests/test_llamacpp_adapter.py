@@ -3,6 +3,7 @@ per-row logits processor (against transformers' own processors on the same logit
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 
 from engine.backends.llamacpp.backend import SEED_MODULUS, resolve_gguf
 from engine.backends.llamacpp.rules import LlamaCppRowStep
+from engine.backends.llamacpp.sequences import fit_groups
 from engine.config import EngineConfig, LlamaCppConfig, ModelConfig
 from engine.errors import ConfigError
 from engine.rules.base import RuleSet
@@ -24,6 +26,9 @@ from engine_fixtures.gguf_llama import permute_rotary
     ({"n_threads": 0}, "llamacpp.n_threads"),
     ({"n_batch": 0}, "llamacpp.n_batch"),
     ({"seed": -1}, "llamacpp.seed"),
+    ({"n_seq": 0}, "llamacpp.n_seq"),
+    ({"n_seq": 257}, "llamacpp.n_seq"),
+    ({"n_seq": 2.5}, "llamacpp.n_seq"),
     ({"gguf_file": "model.bin"}, "llamacpp.gguf_file"),
     ({"verbose": "yes"}, "llamacpp.verbose"),
     ({"n_gpu_layers": 1}, "llamacpp.n_gpu_layers"),
@@ -176,3 +181,19 @@ def test_temperature_divides_after_the_rules_and_logprobs_are_the_raw_distributi
     raw = torch.log_softmax(torch.tensor(scores), dim=-1)
     assert list(entry) == [0, 1, 3]  # the top two in order, then the sampled token
     assert all(math.isclose(entry[t], float(raw[t]), abs_tol=1e-6) for t in entry)
+
+
+@pytest.mark.parametrize(("needs", "n_seq", "n_ctx"), [
+    ([5] * 20, 16, 4096), ([100, 3000, 1000, 50, 4096, 1], 8, 4096), ([7, 7, 7], 1, 64), ([60, 5, 60], 4, 64)])
+def test_parallel_groups_keep_order_and_fit_the_pool(needs, n_seq, n_ctx):
+    groups = fit_groups(needs, n_seq, n_ctx)
+    assert [i for g in groups for i in g] == list(range(len(needs)))  # every row once, in order
+    assert all(len(g) <= n_seq and sum(needs[i] for i in g) <= n_ctx for g in groups)
+    # a group is closed only when the next row would not fit it
+    assert all(len(a) == n_seq or sum(needs[i] for i in a) + needs[b[0]] > n_ctx
+               for a, b in itertools.pairwise(groups))
+
+
+def test_a_row_larger_than_the_pool_is_refused():
+    with pytest.raises(ValueError, match="row 1 needs 65"):
+        fit_groups([10, 65], 4, 64)

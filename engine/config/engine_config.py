@@ -165,6 +165,9 @@ class LlamaCppConfig:
     """CPU threads for decoding (and prompt evaluation). None: every core of the machine (``os.cpu_count()``)."""
     n_batch: int = 512
     """Most prompt tokens llama.cpp evaluates in one step, in [1, inf)."""
+    n_seq: int = 16
+    """Most rows of a batch decoded together as parallel sequences of one llama.cpp batch, in [1, 256]; 1: rows
+    one after another. They share one KV pool of ``n_ctx`` cells (a second context beside the one-row context)."""
     seed: int | None = None
     """Seed of requests that give none, in [0, 2**63). None: such requests sample with a fresh random seed."""
     verbose: bool = False
@@ -183,6 +186,8 @@ class LlamaCppConfig:
             check_range("llamacpp.n_threads", self.n_threads, low=1)
         check_type("llamacpp.n_batch", self.n_batch, int, "an integer")
         check_range("llamacpp.n_batch", self.n_batch, low=1)
+        check_type("llamacpp.n_seq", self.n_seq, int, "an integer")
+        check_range("llamacpp.n_seq", self.n_seq, low=1, high=256)
         if self.seed is not None:
             check_type("llamacpp.seed", self.seed, int, "an integer")
             check_range("llamacpp.seed", self.seed, low=0, high=2**63, high_open=True)

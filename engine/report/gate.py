@@ -22,7 +22,8 @@ from engine.report.schema import RATIO_COLUMNS
 
 # engine >= 0.9 of raw backend throughput (the bar); a guard may cost at most a fifth.
 # A float32 rollout re-scored as it reports its logprobs: no token's weight may be 1 % off (measured: 2e-5).
-DEFAULT_MINIMUMS: dict[str, float] = {"engine_over_raw": 0.90, "guard_on_over_off": 0.80, "trainer_agreement": 0.99}
+DEFAULT_MINIMUMS: dict[str, float] = {"engine_over_raw": 0.90, "guard_on_over_off": 0.80, "trainer_agreement": 0.99,
+                                       "batch_over_single": 2.0}
 
 
 @dataclass(frozen=True)

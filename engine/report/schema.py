@@ -11,9 +11,9 @@ Bump :data:`SCHEMA_VERSION` on any change of a column's name, type or meaning, a
 >>> [c.name for c in COLUMNS][:3]
 ['schema_version', 'run_id', 'timestamp']
 >>> sorted(RATIO_COLUMNS)
-['constrained_over_free', 'engine_over_raw', 'fast_over_reference', 'guard_on_over_off', 'llamacpp_over_hf', \
-'llamacpp_over_vllm', 'ours_over_native', 'pattern_c_over_chat', 'served_over_inprocess', 'streamed_over_plain', \
-'trainer_agreement']
+['batch_over_single', 'constrained_over_free', 'engine_over_raw', 'fast_over_reference', 'guard_on_over_off', \
+'llamacpp_over_hf', 'llamacpp_over_vllm', 'ours_over_native', 'pattern_c_over_chat', 'served_over_inprocess', \
+'streamed_over_plain', 'trainer_agreement']
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,8 @@ RATIO_COLUMNS = {
     "llamacpp_over_hf": "backends: speed of the engine on llama.cpp (F32 GGUF twin) / on HF, same requests, fixed "
                         "length, interleaved rounds",
     "llamacpp_over_vllm": "backends: speed of the engine on llama.cpp / on vLLM, same requests and rounds",
+    "batch_over_single": "backends: speed of the engine on llama.cpp given the batch's rows in one call (parallel "
+                         "sequences) / given them one call per row, same rows and tokens",
     "trainer_agreement": "rollout_vs_trainer: the worst token importance weight exp(trainer - rollout) folded below 1 "
                          "(min over tokens of min(w, 1/w)) with the trainer re-scoring as the rollout reports (raw, or "
                          "processed with engine.score's processing); float32 cases only: 1 when the trainer sees "
@@ -153,6 +155,7 @@ ADDED_IN: dict[int, tuple[str, ...]] = {
     9: ("confirm_rounds",),
     10: ("trainer_agreement", "k3_kl", "chi2_token", "is_weight_mean", "ess", "temp_only_weight_mean",
          "temp_only_outside_frac"),
+    11: ("batch_over_single",),
 }
 """The columns each version added (every change so far added columns; none was renamed or retyped), so a report of
 any earlier version reads as this one: what it lacks is absent (NaN, '' or 0 rounds confirmed), never invented."""
@@ -174,7 +177,7 @@ def upgrade(frame: Any, *, source: str = "report") -> Any:
     >>> old = pd.DataFrame({"schema_version": [8], "wall_s": [1.0]})
     >>> new = upgrade(old)
     >>> int(new["schema_version"][0]), int(new["confirm_rounds"][0]), new.attrs["read_from_versions"]
-    (10, 0, [8])
+    (11, 0, [8])
     >>> bool(pd.isna(new["trainer_agreement"][0])), "dlogprob_mean" in new  # added in 10; 8 already had it
     (True, False)
     """

@@ -4,12 +4,15 @@ The engine renders every prompt with its one tokenizer (the Hugging Face files b
 tokenizer for a bare ``.gguf`` path); llama.cpp never applies a template or adds a BOS, it evaluates the ids it is
 given. At load the GGUF's vocabulary is checked against that tokenizer, token by token, so the ids mean the same.
 
-Rows run one after another through ``Llama.generate`` (one sequence per llama.cpp context; consecutive rows reuse the
-KV cache of a shared prompt prefix). Per token, :class:`~engine.backends.llamacpp.rules.LlamaCppRowStep` (the
-``logits_processor``) applies min_new_tokens, the repetition penalty, the row rules, the temperature, min-p, top-k
-and top-p; llama.cpp samples from what it leaves (greedy when the options are). The loop here ends a row on a terminal
-id, a stop string (found on the row's text with the engine's stop rule; the engine still truncates ``text``), a
-stopping rule, ``max_new_tokens`` or the context length.
+A batch of two rows or more decodes as parallel sequences of one llama.cpp batch per step
+(:mod:`engine.backends.llamacpp.sequences`, up to ``llamacpp.n_seq`` rows at once on a second context); one row runs
+through ``Llama.generate`` (one sequence; consecutive calls reuse the KV cache of a shared prompt prefix). Per
+token, :class:`~engine.backends.llamacpp.rules.LlamaCppRowStep` (the ``logits_processor``) applies min_new_tokens,
+the repetition penalty, the row rules, the temperature, min-p, top-k and top-p; llama.cpp samples from what it
+leaves with the row's own sampler chain and seed (greedy when the options are). Either way
+:class:`~engine.backends.llamacpp.row.LlamaCppRow` ends a row on a terminal id, a stop string (found on the row's
+text with the engine's stop rule; the engine still truncates ``text``), a stopping rule, ``max_new_tokens`` or the
+context length.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from engine.backends.base import BackendBase, BackendOutput, Capabilities, Promp
 from engine.backends.registry import SPECS
 from engine.config import LlamaCppConfig, ModelConfig
 from engine.errors import BackendUnavailableError, ConfigError, EngineError
-from engine.rules.events import stopped_on_seen_token
 
 SPEC = SPECS["llamacpp"]
 HOOKS = SPEC.hooks
@@ -122,6 +124,9 @@ class LlamaCppBackend(BackendBase, backend="llamacpp"):
         check_vocabulary(self.llm, tokenizer)
         self.n_ctx = min(n for n in (self.llm.n_ctx(), train_ctx) if n)
         self._table: Any = None
+        self._sequences: Any = None
+        """The parallel-sequences context (:class:`~engine.backends.llamacpp.sequences.ParallelSequences`), made
+        at the first batch of two rows or more."""
         self._lock = threading.Lock()
         self._closing = False
         """Set by :meth:`close`: the row in progress ends at its next token."""
@@ -134,6 +139,9 @@ class LlamaCppBackend(BackendBase, backend="llamacpp"):
         the process (SIGSEGV)."""
         self._closing = True
         with self._lock:
+            sequences, self._sequences = getattr(self, "_sequences", None), None
+            if sequences is not None:
+                sequences.close()  # its context before the model it was made on
             llm, self.llm = getattr(self, "llm", None), None
             if llm is not None:
                 llm.close()
@@ -151,14 +159,28 @@ class LlamaCppBackend(BackendBase, backend="llamacpp"):
 
     def generate(self, prompts: Sequence[Prompt], plan: SamplingPlan, *,
                  on_token: Callable[[int, int, int], bool | None] | None = None) -> list[BackendOutput]:
-        """Outputs in prompt order, one row after another. ``on_token(prompt_index, position, token_id)`` hears each
-        kept token as soon as it is sampled; returning True ends that row (its caller went away)."""
+        """Outputs in prompt order. ``on_token(prompt_index, position, token_id)`` hears each kept token as soon as
+        it is sampled; returning True ends that row (its caller went away)."""
+        from engine.backends.llamacpp.row import LlamaCppRow
+
         if any(p.image is not None for p in prompts):
             raise EngineError("llamacpp backend got an image; it serves text models only")
         with self._lock:
             if self.llm is None:
                 raise EngineError("the llamacpp backend is closed (the server is shutting down)")
-            return [self._generate_row(i, p, plan, on_token) for i, p in enumerate(prompts)]
+            decode = self._text_table() or self._decode
+            rows = [LlamaCppRow(i, p, plan, n_ctx=self.n_ctx, decode=decode, on_token=on_token)
+                    for i, p in enumerate(prompts)]
+            for row in rows:
+                if not row.prompt.token_ids or row.context_need > self.n_ctx:
+                    raise EngineError(f"llamacpp: prompt {row.index} has {len(row.prompt.token_ids)} tokens; it "
+                                      f"needs 1 to {self.n_ctx - 1} (n_ctx {self.n_ctx})")
+            if self._sequences is None:
+                from engine.backends.llamacpp.sequences import ParallelSequences
+
+                self._sequences = ParallelSequences(self.llm, n_seq=self.settings.n_seq, n_ctx=self.n_ctx)
+            self._sequences.decode(rows, [self._seed(r.prompt) for r in rows], closing=lambda: self._closing)
+            return [row.output() for row in rows]
 
     @property
     def default_seed(self) -> int | None:
@@ -172,60 +194,3 @@ class LlamaCppBackend(BackendBase, backend="llamacpp"):
         if prompt.seed is None:
             return int(_import_llama_cpp().LLAMA_DEFAULT_SEED)  # llama.cpp draws a random seed
         return prompt.seed % SEED_MODULUS
-
-    def _generate_row(self, index: int, prompt: Prompt, plan: SamplingPlan,
-                      on_token: Callable[[int, int, int], bool | None] | None) -> BackendOutput:
-        from engine.backends.llamacpp.rules import LlamaCppRowStep
-        from engine.rules.base import rule_sets
-        from engine.rules.detok import text_stream
-        from engine.rules.stop import StopStringWatch
-
-        opts, llm = plan.options, self.llm
-        terminal = set(plan.terminal_token_ids)
-        logit_specs = [s for s in plan.rules if s.hf_hook == "logits_processor"]
-        stop_specs = [s for s in plan.rules if s.hf_hook == "stopping_criteria"]
-        text_source = self._text_table() or self._decode
-        make = lambda specs: rule_sets(specs, 1, terminal_ids=plan.terminal_token_ids, decode=text_source,  # noqa: E731
-                                       min_new_tokens=opts.min_new_tokens)[0] if specs else None
-        rules, stoppers = make(logit_specs), make(stop_specs)
-        step = LlamaCppRowStep(prompt_len=len(prompt.token_ids), terminal_ids=plan.terminal_token_ids,
-                               min_new_tokens=opts.min_new_tokens, rules=rules, eos_id=plan.eos_token_ids[0],
-                               repetition_penalty=opts.repetition_penalty,
-                               temperature=None if opts.is_greedy else opts.temperature, min_p=opts.min_p,
-                               top_k=opts.top_k, top_p=opts.top_p, logprobs=opts.logprobs is not None,
-                               logprobs_mode=plan.logprobs_mode)
-        stops = StopStringWatch(plan.stop.strings, text_stream(text_source),
-                                min_new_tokens=opts.min_new_tokens) if plan.stop.strings else None
-        budget = min(opts.max_new_tokens, self.n_ctx - len(prompt.token_ids))
-        llm.set_seed(self._seed(prompt))
-        tokens: list[int] = []
-        logprobs: list[dict[int, float]] = []
-        generator = llm.generate(list(prompt.token_ids), temp=0.0 if opts.is_greedy else 1.0, top_k=0,
-                                 top_p=1.0, min_p=0.0, typical_p=1.0, repeat_penalty=1.0,
-                                 logits_processor=[step])  # the step truncated: llama.cpp draws from what it left
-        try:
-            for token in generator:
-                token = int(token)
-                tokens.append(token)
-                step.feed(token)
-                if opts.logprobs is not None:
-                    logprobs.append(step.top_logprobs(token, opts.logprobs))
-                done = token in terminal or len(tokens) >= budget
-                if stops is not None and not done:
-                    done = stops.feed(token)
-                if stoppers is not None and not done:
-                    stoppers.feed(token)
-                    done = stoppers.decision().force_eos
-                if on_token is not None and on_token(index, len(tokens) - 1, token):
-                    done = True
-                if done or self._closing:
-                    break
-        finally:
-            generator.close()
-        events: dict[str, Any] = {}
-        if rules is not None:
-            events.update(rules.events())
-        if stoppers is not None:
-            events.update(stopped_on_seen_token(stoppers.events()))
-        return BackendOutput(token_ids=tuple(tokens), logprobs=tuple(logprobs) if opts.logprobs is not None else None,
-                             prompt_token_ids=tuple(prompt.token_ids), events=events)

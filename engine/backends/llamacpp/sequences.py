@@ -1,0 +1,174 @@
+"""A batch's rows as parallel sequences of one llama.cpp batch per step (llama.cpp's batch API).
+
+``Llama.generate`` decodes one sequence; a batch of rows through it runs one row after another. Here every row is a
+sequence (its own ``seq_id``) of a second llama.cpp context on the loaded model, whose KV cache is one unified pool
+of ``n_ctx`` cells shared by up to ``n_seq`` rows: the rows' prompts are evaluated first (all but their last token,
+in chunks of ``n_batch``), then each step decodes one token of every unfinished row in a single ``llama_decode``.
+For each row the step applies the row's logits processor in place on the row's logits and draws with the row's own
+sampler (:func:`~engine.backends.llamacpp.row.sampler_chain`, seeded with the row's seed), so rules, stops, seeds
+and logprobs stay per row: a row decodes the same tokens whichever rows share its batch.
+
+Rows are taken in groups that fit the pool: at most ``n_seq`` rows whose prompts and budgets add up to at most
+``n_ctx`` cells (:func:`fit_groups`). Between groups, a sequence keeps the cells of the prompt prefix its next row
+shares with what it held (as ``Llama.generate`` reuses a cached prefix); the rest is removed.
+
+Every row, a batch of one included, decodes here: a row's tokens then do not depend on the batch it came in (the
+batcher merges calls).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from engine.backends.llamacpp.row import LlamaCppRow, sampler_chain
+
+
+def fit_groups(needs: Sequence[int], n_seq: int, n_ctx: int) -> list[list[int]]:
+    """Indices of consecutive rows, grouped so each group has at most ``n_seq`` rows and ``n_ctx`` cells in all.
+
+    >>> fit_groups([10, 10, 10, 30, 5], n_seq=2, n_ctx=40)
+    [[0, 1], [2, 3], [4]]
+    """
+    groups: list[list[int]] = []
+    cells = 0
+    for index, need in enumerate(needs):
+        if need > n_ctx:
+            raise ValueError(f"row {index} needs {need} KV cells, more than the pool's {n_ctx}")
+        if not groups or len(groups[-1]) == n_seq or cells + need > n_ctx:
+            groups.append([])
+            cells = 0
+        groups[-1].append(index)
+        cells += need
+    return groups
+
+
+class ParallelSequences:
+    """Decode rows as sequences of one llama.cpp batch, on a context of its own beside ``llm``'s.
+
+    Built by :class:`~engine.backends.llamacpp.backend.LlamaCppBackend` for batches of two rows or more::
+
+        sequences = ParallelSequences(llm, n_seq=16, n_ctx=4096)
+        sequences.decode(rows, seeds, closing=lambda: False)  # rows: LlamaCppRow, each takes its tokens
+        sequences.close()
+    """
+
+    def __init__(self, llm: Any, *, n_seq: int, n_ctx: int) -> None:
+        import llama_cpp
+        from llama_cpp import _internals
+
+        params = llama_cpp.llama_context_default_params()
+        for name, _ in params._fields_:  # the one-row context's settings (threads, KV type, flash attention off)
+            setattr(params, name, getattr(llm.context_params, name))
+        params.n_ctx, params.n_seq_max, params.kv_unified = n_ctx, n_seq, True
+        params.n_batch = max(params.n_batch, n_seq)  # a step holds one token of every row
+        self.llm, self.n_seq, self.n_ctx, self.n_batch = llm, n_seq, n_ctx, llm.n_batch
+        self.n_vocab = llm.n_vocab()
+        self.context = _internals.LlamaContext(model=llm._model, params=params, verbose=False)
+        self.batch = llama_cpp.llama_batch_init(max(self.n_batch, n_seq), 0, 1)
+        self.cached: list[list[int]] = [[] for _ in range(n_seq)]
+        """Per sequence, the ids whose KV cells the pool holds (positions 0..): a next group reuses a shared prefix."""
+
+    def close(self) -> None:
+        import llama_cpp
+
+        if self.batch is not None:
+            llama_cpp.llama_batch_free(self.batch)
+            self.batch = None
+        self.context.close()
+
+    def decode(self, rows: Sequence[LlamaCppRow], seeds: Sequence[int], closing: Callable[[], bool]) -> None:
+        """Decode ``rows`` (each at least one prompt token) until each is done or ``closing()`` says so."""
+        for group in fit_groups([r.context_need for r in rows], self.n_seq, self.n_ctx):
+            if closing():
+                return
+            self._decode_group([rows[i] for i in group], [seeds[i] for i in group], closing)
+
+    def _put(self, slot: int, token: int, position: int, seq: int, logits: bool) -> None:
+        batch = self.batch
+        batch.token[slot], batch.pos[slot], batch.n_seq_id[slot] = token, position, 1
+        batch.seq_id[slot][0], batch.logits[slot] = seq, logits
+
+    def _run(self, n_tokens: int) -> None:
+        import llama_cpp
+
+        from engine.errors import EngineError
+
+        self.batch.n_tokens = n_tokens
+        code = llama_cpp.llama_decode(self.context.ctx, self.batch)
+        if code != 0:
+            raise EngineError(f"llama_decode failed with {code} on a batch of {n_tokens} tokens (parallel sequences)")
+
+    def _decode_group(self, rows: list[LlamaCppRow], seeds: list[int], closing: Callable[[], bool]) -> None:
+        try:
+            self._decode_rows(rows, seeds, closing)
+        except BaseException:
+            self.forget()  # the pool may hold cells the bookkeeping does not know of
+            raise
+
+    def forget(self) -> None:
+        """Empty the pool (no prefix is reused by the next group)."""
+        import llama_cpp
+
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.context.ctx), True)
+        self.cached = [[] for _ in range(self.n_seq)]
+
+    def _keep_prefixes(self, rows: list[LlamaCppRow]) -> list[int]:
+        """Per row, how many of its first prompt ids its sequence already holds from the last group (their cells
+        are kept, the rest of every sequence is removed): the ids ``Llama.generate`` would also not evaluate again."""
+        import llama_cpp
+
+        memory = llama_cpp.llama_get_memory(self.context.ctx)
+        keep = []
+        for seq, held in enumerate(self.cached):
+            ids = rows[seq].prompt.token_ids[:-1] if seq < len(rows) else ()
+            same = 0
+            for a, b in zip(held, ids, strict=False):
+                if a != b:
+                    break
+                same += 1
+            if same < len(held):
+                llama_cpp.llama_memory_seq_rm(memory, seq, same, -1)
+                del held[same:]
+            if seq < len(rows):
+                keep.append(same)
+        return keep
+
+    def _decode_rows(self, rows: list[LlamaCppRow], seeds: list[int], closing: Callable[[], bool]) -> None:
+        import llama_cpp
+        import numpy as np
+
+        ctx = self.context.ctx
+        slot = 0
+        for seq, (row, kept) in enumerate(zip(rows, self._keep_prefixes(rows), strict=True)):
+            ids = row.prompt.token_ids
+            for position in range(kept, len(ids) - 1):  # the prompt but its last token, no logits, n_batch at a time
+                self._put(slot, ids[position], position, seq, False)
+                self.cached[seq].append(ids[position])
+                slot += 1
+                if slot == self.n_batch:
+                    self._run(slot)
+                    slot = 0
+        if slot:
+            self._run(slot)
+        samplers = [sampler_chain(self.llm, row.greedy, seed) for row, seed in zip(rows, seeds, strict=True)]
+        try:
+            live = list(range(len(rows)))  # sequence ids (= positions in ``rows``) still decoding
+            feed = [row.prompt.token_ids[-1] for row in rows]
+            while live and not closing():
+                for slot, seq in enumerate(live):
+                    self._put(slot, feed[seq], len(self.cached[seq]), seq, True)
+                    self.cached[seq].append(feed[seq])
+                self._run(len(live))
+                finished = []
+                for slot, seq in enumerate(live):
+                    row = rows[seq]
+                    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, slot), shape=(self.n_vocab,))
+                    row.step(row.ids(), logits)  # in place: the sampler reads the same buffer
+                    feed[seq] = int(samplers[seq].sample(self.context, slot))
+                    if row.take(feed[seq]):
+                        finished.append(seq)
+                live = [seq for seq in live if seq not in finished]
+        finally:
+            for sampler in samplers:
+                sampler.close()
