@@ -1,7 +1,10 @@
 """``AsyncBatcher``: concurrent async callers of a synchronous backend (HF) share batched ``generate`` calls.
 
-A submission waits at most ``wait_s`` for others; up to ``max_batch_size`` prompts whose plans are equal run in
-one ``generate`` on a single worker thread (the model is never used by two threads at once). Seeded calls merge
+A batch starts once no submission came for ``wait_s`` and none is on its way (a server counts the requests it is
+reading and preparing with :meth:`AsyncBatcher.arriving`), ``max_wait_s`` after its first submission at the latest,
+or with ``max_batch_size`` prompts: a burst of clients, whose requests a server prepares a few milliseconds apart,
+lands in one batch, and a lone request waits ``wait_s``. Prompts whose plans are equal run in one ``generate`` on a
+single worker thread (the model is never used by two threads at once). Seeded calls merge
 too: each row samples with its own seed (``Prompt.seed``, see ``engine.rules.seeding``), so a seed reproduces what
 the same call gives in-process whatever it was merged with. When a merged
 batch fails, each submission is retried alone, so one bad request does not fail its neighbours. A submission
@@ -14,8 +17,9 @@ its batch runs end at their next token, whether it streams or not.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -58,14 +62,18 @@ class AsyncBatcher:
 
     Example (any object with ``generate(prompts, plan)`` works)::
 
-        batcher = AsyncBatcher(hf_backend, max_batch_size=32, wait_s=0.005)
+        batcher = AsyncBatcher(hf_backend, max_batch_size=32, wait_s=0.005, max_wait_s=0.2)
         outputs = await batcher.submit(prompts, plan)      # from many tasks at once
     """
 
-    def __init__(self, backend: Any, *, max_batch_size: int = 32, wait_s: float = 0.005) -> None:
+    def __init__(self, backend: Any, *, max_batch_size: int = 32, wait_s: float = 0.005,
+                 max_wait_s: float | None = None) -> None:
         self.backend = backend
         self.max_batch_size = max_batch_size
         self.wait_s = wait_s
+        self.max_wait_s = wait_s if max_wait_s is None else max(max_wait_s, wait_s)
+        self.incoming = 0
+        """Requests on their way to :meth:`submit` (see :meth:`arriving`)."""
         self.batches: list[int] = []
         """Prompts per ``generate`` call made, in order (for tests and metrics)."""
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-batcher")
@@ -86,6 +94,16 @@ class AsyncBatcher:
         await self._queue.put(job)
         return await job.future
 
+    @contextlib.contextmanager
+    def arriving(self) -> Iterator[None]:
+        """Around the reading and preparing of a request that will be submitted (on the batcher's loop): a batch
+        about to start waits for it, up to ``max_wait_s`` after the batch's first submission."""
+        self.incoming += 1
+        try:
+            yield
+        finally:
+            self.incoming -= 1
+
     async def run_exclusive(self, fn: Any) -> Any:
         """``fn()`` on the worker thread, between two ``generate`` calls (the model is never used by two threads at
         once): e.g. loading a learner's weights into it."""
@@ -101,15 +119,16 @@ class AsyncBatcher:
         loop = asyncio.get_running_loop()
         while True:
             jobs = [await self._queue.get()]
-            deadline = loop.time() + self.wait_s
+            last = loop.time() + self.max_wait_s
             while sum(len(j.prompts) for j in jobs) < self.max_batch_size:
-                remaining = deadline - loop.time()
+                remaining = last - loop.time()
                 if remaining <= 0:
                     break
                 try:
-                    jobs.append(await asyncio.wait_for(self._queue.get(), remaining))
+                    jobs.append(await asyncio.wait_for(self._queue.get(), min(self.wait_s, remaining)))
                 except TimeoutError:
-                    break
+                    if not self.incoming:  # quiet for wait_s, and no request on its way
+                        break
             for group in self._groups([j for j in jobs if not j.future.done()]):
                 await self._run(group, loop)
 

@@ -497,7 +497,7 @@ class GenerationEngine:
 
             serve = self.config.serve
             self._batcher = AsyncBatcher(self.backend, max_batch_size=serve.max_batch_size,
-                                         wait_s=serve.batch_wait_ms / 1000)
+                                         wait_s=serve.batch_wait_ms / 1000, max_wait_s=serve.batch_wait_max_ms / 1000)
         return self._batcher
 
     def generate_vlm(self, requests: Sequence[VisionRequestLike], *, options: OptionsLike = None,

@@ -184,3 +184,47 @@ def test_rows_of_a_cancelled_submission_are_ended_by_the_backend(streams, hearin
 
     assert [r.token_ids for r in run(main())] == [(1,)]
     assert answers == [(0, False), (1, True)]
+
+
+async def spaced(batcher, n: int, gap_s: float, *, announced: bool, hold_s: float = 0.0):
+    """``n`` submissions ``gap_s`` apart, as a server prepares a burst of requests; ``announced``: each is held in
+    ``batcher.arriving()`` from the burst's start until it is submitted (a server's checking and preparing)."""
+    async def one(i: int):
+        if announced:
+            with batcher.arriving():
+                await asyncio.sleep(i * gap_s + hold_s)
+        else:
+            await asyncio.sleep(i * gap_s)
+        return await batcher.submit([prompt(i)], plan())
+
+    return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def test_a_burst_still_being_prepared_lands_in_one_batch():
+    backend = Recorder()
+    batcher = AsyncBatcher(backend, max_batch_size=32, wait_s=0.005, max_wait_s=1.0)
+    results = run(spaced(batcher, 6, 0.02, announced=True))  # 20 ms apart: four times the quiet wait
+    assert [r[0].token_ids for r in results] == [(i,) for i in range(6)]
+    assert backend.calls == [[(i,) for i in range(6)]]
+    assert batcher.incoming == 0
+
+
+def test_without_requests_on_their_way_a_quiet_wait_starts_the_batch():
+    backend = Recorder()
+    batcher = AsyncBatcher(backend, max_batch_size=32, wait_s=0.005, max_wait_s=1.0)
+    run(spaced(batcher, 3, 0.1, announced=False))  # nothing announced, 100 ms apart: three batches
+    assert backend.calls == [[(0,)], [(1,)], [(2,)]]
+
+
+def test_a_request_that_never_arrives_holds_a_batch_no_longer_than_max_wait():
+    backend = Recorder()
+    batcher = AsyncBatcher(backend, max_batch_size=32, wait_s=0.005, max_wait_s=0.1)
+
+    async def main():
+        with batcher.arriving():  # announced, never submitted (e.g. refused after its check)
+            began = time.perf_counter()
+            await batcher.submit([prompt(1)], plan())
+            return time.perf_counter() - began
+
+    waited = run(main())
+    assert backend.calls == [[(1,)]] and 0.1 <= waited < 1.0

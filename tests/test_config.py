@@ -123,3 +123,14 @@ def test_min_p_is_a_fraction_of_the_likeliest_and_needs_sampling():
         assert err.value.field == "generation.min_p"
     with pytest.raises(ConfigError, match="no effect with temperature 0"):
         GenerationOptions(min_p=0.1)
+
+
+@pytest.mark.parametrize(("serve", "field"), [
+    ({"batch_wait_max_ms": 1001}, "serve.batch_wait_max_ms"),
+    ({"batch_wait_ms": 20, "batch_wait_max_ms": 10}, "serve.batch_wait_max_ms"),
+    ({"batch_wait_max_ms": "long"}, "serve.batch_wait_max_ms"),
+])
+def test_the_batchers_longest_wait_is_checked_against_its_quiet_wait(serve, field):
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.from_dict({"backend": "hf", "model": "/m", "serve": serve})
+    assert info.value.field == field

@@ -93,7 +93,12 @@ got 'response'. Fix: pick another key, e.g. 'coordexp'.
     """Other names requests may give the model (``vllm serve --served-model-name A B``: A reports, B is accepted);
     the model's path as configured is always accepted too (a client written for ``vllm serve MODEL`` sends it)."""
     batch_wait_ms: float = 5.0
-    """HF backend: how long the batcher waits for more requests before one ``generate``, in [0, 1000]."""
+    """HF and llama.cpp backends: the batcher starts a ``generate`` once no request came for this long and none is
+    being checked and prepared, in [0, 1000] milliseconds (or at ``batch_wait_max_ms``, or with ``max_batch_size``
+    prompts)."""
+    batch_wait_max_ms: float = 200.0
+    """HF and llama.cpp backends: the longest the first request of a batch waits for the others of a burst (requests
+    still being prepared), in [batch_wait_ms, 1000] milliseconds."""
     max_batch_size: int = 32
     """HF backend: most prompts per batched ``generate`` call, in [1, inf)."""
     drain_timeout_s: float = 30.0
@@ -151,6 +156,9 @@ got 'response'. Fix: pick another key, e.g. 'coordexp'.
             check_type(f"serve.model_aliases[{i}]", alias, str, "a name")
         check_type("serve.batch_wait_ms", self.batch_wait_ms, (int, float), "a number")
         check_range("serve.batch_wait_ms", self.batch_wait_ms, low=0, high=1000)
+        check_type("serve.batch_wait_max_ms", self.batch_wait_max_ms, (int, float), "a number")
+        check_range("serve.batch_wait_max_ms", self.batch_wait_max_ms, low=self.batch_wait_ms, high=1000,
+                    fix=f"give a value in [{self.batch_wait_ms:g}, 1000]: at least serve.batch_wait_ms")
         check_type("serve.max_batch_size", self.max_batch_size, int, "an integer")
         check_range("serve.max_batch_size", self.max_batch_size, low=1)
         check_type("serve.drain_timeout_s", self.drain_timeout_s, (int, float), "a number")

@@ -6,6 +6,7 @@ The HTTP layer only translates; every generation goes through ``GenerationEngine
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -46,6 +47,17 @@ class ServedEngine:
     def dead_reason(self) -> str | None:
         """Why the engine can no longer generate (its backend says so), or None while it can."""
         return getattr(self.engine.backend, "dead_reason", None)
+
+    def arriving(self) -> contextlib.AbstractContextManager[None]:
+        """Around the checking and preparing of a generation request: the engine's batcher (HF, llama.cpp) holds a
+        batch about to start for it (a burst of clients lands in one batch); a backend that schedules requests
+        itself (vLLM's ``AsyncLLM``) needs nothing."""
+        from engine.backends.base import AsyncGenerating
+
+        batcher = getattr(self.engine, "batcher", None)
+        if batcher is None or isinstance(self.engine.backend, AsyncGenerating):
+            return contextlib.nullcontext()
+        return batcher().arriving()  # type: ignore[no-any-return]
 
     async def ready(self) -> None:
         """Wait for every gate (see ``gates``); a gate's failure is the waiting request's."""

@@ -136,7 +136,8 @@ class Surface(Generic[P]):
             return self.refused(err, start)
         # JSON, the body model, the parser (tokenizing), the limits and the engine's checks: CPU work on a body of up
         # to serve.max_body_bytes, run off the event loop so that /health and every stream go on meanwhile.
-        checked = await asyncio.to_thread(self._check, raw)
+        with self.served.arriving():  # the batcher waits for this request before it starts a batch
+            checked = await asyncio.to_thread(self._check, raw)
         if isinstance(checked[0], EngineError):
             return self.refused(checked[0], start, checked[1])
         call, fields, prepared = checked
