@@ -6,14 +6,15 @@ greedy tokens (EOS held back through the engine; the raw loop takes that many to
 
 * ``hf``, ``vllm`` (references) and ``llamacpp`` (subject): the engine on each backend, same chat prompts, HF and
   vLLM on the SmolLM2 fixture, llama.cpp on its F32 GGUF twin (the same weights);
-* ``llamacpp-raw`` (reference): ``Llama.generate`` on the engine's own prompt ids with the same loaded model, no
-  logits processor, row after row (llama-cpp-python's generation API has no batch);
-* ``llamacpp-b1`` (reference, batches above 1): the engine on llama.cpp given the same rows one call each.
+* ``llamacpp-raw`` (reference, batch 1): ``Llama.generate`` on the engine's own prompt ids with the same loaded
+  model, no logits processor;
+* ``llamacpp-b1`` (reference, batches above 1): the engine on llama.cpp given the same rows one call each (what a
+  raw ``Llama.generate`` does with a batch: llama-cpp-python's generation API has none).
 
 Recorded: ``llamacpp_over_hf`` and ``llamacpp_over_vllm`` (speed ratios, above 1: llama.cpp faster),
-``engine_over_raw`` (what the engine's llama.cpp adapter costs, or gains by batching; gated like every
-``engine_over_raw``) and ``batch_over_single`` (what decoding a batch's rows as parallel sequences of one llama.cpp
-batch gains over one row at a time; gated at 2.0, ``engine.report.gate``).
+``engine_over_raw`` at batch 1 (what the engine's llama.cpp adapter costs; gated like every ``engine_over_raw``)
+and ``batch_over_single`` above (what decoding a batch's rows as parallel sequences of one llama.cpp batch gains
+over one row at a time; gated at 2.0, ``engine.report.gate``).
 """
 
 from __future__ import annotations
@@ -81,12 +82,13 @@ def test_backends(bench, benchmark, backends_batch: int) -> None:
     llamacpp = bench.engine("llamacpp")
     variants = [engine_variant("hf", "reference", bench.engine("hf"), messages, options),
                 engine_variant("vllm", "reference", bench.engine("vllm"), messages, options),
-                engine_variant("llamacpp", "subject", llamacpp, messages, options),
-                raw_llamacpp(llamacpp, messages, options)]
-    gates = {"engine_over_raw": ("llamacpp", "llamacpp-raw")}
-    if backends_batch > 1:
+                engine_variant("llamacpp", "subject", llamacpp, messages, options)]
+    if backends_batch == 1:
+        variants.append(raw_llamacpp(llamacpp, messages, options))
+        gates = {"engine_over_raw": ("llamacpp", "llamacpp-raw")}
+    else:  # a raw Llama.generate runs rows one after another: the same as the engine's rows one call each
         variants.append(rows_one_by_one(llamacpp, messages, options))
-        gates["batch_over_single"] = ("llamacpp", "llamacpp-b1")
+        gates = {"batch_over_single": ("llamacpp", "llamacpp-b1")}
     label = f"backends[llamacpp-b{backends_batch}-short-o{options['max_new_tokens']}]"
     rounds = bench.measure(benchmark, label, variants, gates=gates)
     expected = backends_batch * options["max_new_tokens"]

@@ -12,8 +12,8 @@ Bump :data:`SCHEMA_VERSION` on any change of a column's name, type or meaning, a
 ['schema_version', 'run_id', 'timestamp']
 >>> sorted(RATIO_COLUMNS)
 ['batch_over_single', 'constrained_over_free', 'engine_over_raw', 'fast_over_reference', 'guard_on_over_off', \
-'llamacpp_over_hf', 'llamacpp_over_vllm', 'ours_over_native', 'pattern_c_over_chat', 'served_over_inprocess', \
-'streamed_over_plain', 'trainer_agreement']
+'llamacpp_over_hf', 'llamacpp_over_vllm', 'ours_over_native', 'ours_over_stock', 'pattern_c_over_chat', \
+'served_over_inprocess', 'streamed_over_plain', 'trainer_agreement']
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ RUN_COLUMNS = (
 )
 CASE_COLUMNS = (
     Column("benchmark", "string", "case id: group[backend-bN-prompt-oN-guard]; the comparison key with variant"),
-    Column("group", "string", "throughput, repeat_vs_native, rule_cost, served, chat_stream, pattern_c, "
-                              "constrained, backends or rollout_vs_trainer"),
+    Column("group", "string", "throughput, repeat_vs_native, rule_cost, served, served_vs_vllm_serve, chat_stream, "
+                              "pattern_c, constrained, backends or rollout_vs_trainer"),
     Column("backend", "string", "hf, vllm or llamacpp (backends: llamacpp, the subject of every ratio of the case)"),
     Column("model", "string", "model name (fixture name or folder name)"),
     Column("dtype", "string", "model dtype"),
@@ -104,6 +104,9 @@ RATIO_COLUMNS = {
     "llamacpp_over_vllm": "backends: speed of the engine on llama.cpp / on vLLM, same requests and rounds",
     "batch_over_single": "backends: speed of the engine on llama.cpp given the batch's rows in one call (parallel "
                          "sequences) / given them one call per row, same rows and tokens",
+    "ours_over_stock": "served_vs_vllm_serve: speed of python -m engine.serve on vLLM / of stock vllm serve, same "
+                       "model, settings and fixed-length greedy chat requests (official openai client, concurrent "
+                       "clients)",
     "trainer_agreement": "rollout_vs_trainer: the worst token importance weight exp(trainer - rollout) folded below 1 "
                          "(min over tokens of min(w, 1/w)) with the trainer re-scoring as the rollout reports (raw, or "
                          "processed with engine.score's processing); float32 cases only: 1 when the trainer sees "
@@ -155,7 +158,7 @@ ADDED_IN: dict[int, tuple[str, ...]] = {
     9: ("confirm_rounds",),
     10: ("trainer_agreement", "k3_kl", "chi2_token", "is_weight_mean", "ess", "temp_only_weight_mean",
          "temp_only_outside_frac"),
-    11: ("batch_over_single",),
+    11: ("batch_over_single", "ours_over_stock"),
 }
 """The columns each version added (every change so far added columns; none was renamed or retyped), so a report of
 any earlier version reads as this one: what it lacks is absent (NaN, '' or 0 rounds confirmed), never invented."""
