@@ -127,7 +127,8 @@ class AsyncBatcher:
                 try:
                     jobs.append(await asyncio.wait_for(self._queue.get(), min(self.wait_s, remaining)))
                 except TimeoutError:
-                    if not self.incoming:  # quiet for wait_s, and no request on its way
+                    # quiet for wait_s, and no request on its way (one may have been queued as the wait timed out)
+                    if not self.incoming and self._queue.empty():
                         break
             for group in self._groups([j for j in jobs if not j.future.done()]):
                 await self._run(group, loop)

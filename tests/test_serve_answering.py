@@ -139,3 +139,35 @@ def test_every_served_name_and_the_path_are_answered_and_others_are_404():
 
     listed = asyncio.run(models())
     assert [(m["id"], m["root"]) for m in listed] == [("stand-in", "stand-in"), ("alias", "stand-in")]
+
+
+class Counting(Looping):
+    """``Looping`` with a real ``AsyncBatcher``: records how many requests it counted on their way while preparing."""
+
+    def __init__(self) -> None:
+        from engine.batcher import AsyncBatcher
+
+        self._batcher = AsyncBatcher(self.backend)
+        self.seen: list[int] = []
+
+    def batcher(self):
+        return self._batcher
+
+    def prepare(self, requests, options=None, **kwargs):
+        self.seen.append(self._batcher.incoming)
+        return super().prepare(requests, options=options, **kwargs)
+
+
+def test_a_request_is_counted_on_its_way_to_the_batcher_while_it_is_checked():
+    engine = Counting()
+    app = create_app(ServedEngine(engine, Activation(None, "test")), close_engine=False)
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine.test") as client:
+            return [(await client.post("/v1/chat/completions", json=body)).status_code for body in (
+                {"model": "stand-in", "messages": MESSAGES},
+                {"model": "stand-in", "messages": MESSAGES, "min_tokens": -1})]
+
+    assert asyncio.run(run()) == [200, 400]
+    assert engine.seen == [1, 1]  # the batcher would wait for each while it was prepared
+    assert engine._batcher.incoming == 0  # answered or refused, neither is counted after

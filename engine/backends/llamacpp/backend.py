@@ -4,15 +4,14 @@ The engine renders every prompt with its one tokenizer (the Hugging Face files b
 tokenizer for a bare ``.gguf`` path); llama.cpp never applies a template or adds a BOS, it evaluates the ids it is
 given. At load the GGUF's vocabulary is checked against that tokenizer, token by token, so the ids mean the same.
 
-A batch of two rows or more decodes as parallel sequences of one llama.cpp batch per step
-(:mod:`engine.backends.llamacpp.sequences`, up to ``llamacpp.n_seq`` rows at once on a second context); one row runs
-through ``Llama.generate`` (one sequence; consecutive calls reuse the KV cache of a shared prompt prefix). Per
-token, :class:`~engine.backends.llamacpp.rules.LlamaCppRowStep` (the ``logits_processor``) applies min_new_tokens,
-the repetition penalty, the row rules, the temperature, min-p, top-k and top-p; llama.cpp samples from what it
-leaves with the row's own sampler chain and seed (greedy when the options are). Either way
-:class:`~engine.backends.llamacpp.row.LlamaCppRow` ends a row on a terminal id, a stop string (found on the row's
-text with the engine's stop rule; the engine still truncates ``text``), a stopping rule, ``max_new_tokens`` or the
-context length.
+Every call's rows decode as parallel sequences of one llama.cpp batch per step
+(:mod:`engine.backends.llamacpp.sequences`, up to ``llamacpp.n_seq`` rows at once on a second context; a call of one
+row too, so a row's tokens do not depend on the batch it came in). Per token, each row's
+:class:`~engine.backends.llamacpp.rules.LlamaCppRowStep` applies min_new_tokens, the repetition penalty, the row
+rules, the temperature, min-p, top-k and top-p to its logits; the row's own llama.cpp sampler (greedy, or a draw
+with the row's seed) picks from what it leaves. :class:`~engine.backends.llamacpp.row.LlamaCppRow` ends a row on a
+terminal id, a stop string (found on the row's text with the engine's stop rule; the engine still truncates
+``text``), a stopping rule, ``max_new_tokens`` or the context length.
 """
 
 from __future__ import annotations
@@ -126,7 +125,7 @@ class LlamaCppBackend(BackendBase, backend="llamacpp"):
         self._table: Any = None
         self._sequences: Any = None
         """The parallel-sequences context (:class:`~engine.backends.llamacpp.sequences.ParallelSequences`), made
-        at the first batch of two rows or more."""
+        at the first call."""
         self._lock = threading.Lock()
         self._closing = False
         """Set by :meth:`close`: the row in progress ends at its next token."""

@@ -1,8 +1,9 @@
-"""The llama.cpp adapter of the shared row rules: a ``logits_processor`` callable for ``Llama.generate``.
+"""The llama.cpp adapter of the shared row rules: one row's logits step, in the shape of a ``logits_processor``.
 
-llama-cpp-python calls each processor once per generated token with ``(input_ids, scores)`` (numpy: the ids so far
-and one row of logits in token-id order) and samples from what it returns. :class:`LlamaCppRowStep` is that
-callable for one row. It applies, in HF's order: ``min_new_tokens`` (terminal ids banned until then),
+The decoder (:mod:`engine.backends.llamacpp.sequences`) calls it once per generated token with ``(input_ids,
+scores)`` (the ids so far and the row's logits in token-id order, a numpy view of llama.cpp's own buffer) before the
+row's sampler draws from them. :class:`LlamaCppRowStep` is that callable for one row. It applies, in HF's order:
+``min_new_tokens`` (terminal ids banned until then),
 ``repetition_penalty`` (HF's rule), the row's rules (the shared :class:`~engine.rules.base.RuleSet`, decided and
 applied by :mod:`engine.backends.row_apply` on a zero-copy torch view of the row, exactly as on HF and vLLM), then
 the temperature, min-p, top-k and top-p. The penalty, min-p and truncation are the shared rules of

@@ -46,7 +46,7 @@ def fit_groups(needs: Sequence[int], n_seq: int, n_ctx: int) -> list[list[int]]:
 class ParallelSequences:
     """Decode rows as sequences of one llama.cpp batch, on a context of its own beside ``llm``'s.
 
-    Built by :class:`~engine.backends.llamacpp.backend.LlamaCppBackend` for batches of two rows or more::
+    Built by :class:`~engine.backends.llamacpp.backend.LlamaCppBackend` at its first call (every call decodes here)::
 
         sequences = ParallelSequences(llm, n_seq=16, n_ctx=4096)
         sequences.decode(rows, seeds, closing=lambda: False)  # rows: LlamaCppRow, each takes its tokens
