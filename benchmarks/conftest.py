@@ -260,16 +260,18 @@ class BenchSession:
         ``ungated_warmup``, and at least two calls in all when ``rounds_compared`` (its assertion compares rounds).
 
         ``gates``: the case's ratios the release gate checks, ``{ratio: (subject, reference)}``. When one is below
-        its minimum (``engine.report.gate.DEFAULT_MINIMUMS``) after the size's rounds, the case measures the size's
+        its minimum (``engine.report.gate.minimums_for("full")``) after the size's rounds, the case measures the size's
         ``confirm_rounds`` more, and every ratio of the case is then a median over all its rounds: on a shared
         machine one slow round (a ratio of 0.897 where this machine measured 0.966 and 1.065 for the same code)
         cannot fail a release, while a real regression misses in every round and still fails the gate."""
-        from engine.report.gate import DEFAULT_MINIMUMS
+        from engine.report.gate import minimums_for
 
-        if gated and self.item is not None and self.item.get_closest_marker("gated") is None:
+        marked = self.item is None or any(self.item.get_closest_marker(m) for m in ("gated", "gated_full"))
+        if gated and not marked:
             pytest.fail(f"{label} is gated (its ratios are read by the release gate) but {self.item.nodeid} has no "
                         "'gated' marker, so ENGINE_TIER=quick (CI) would leave it out; fix: pytestmark = "
-                        "pytest.mark.gated in its module, or measure(..., gated=False)")
+                        "pytest.mark.gated in its module ('gated_full': only the full tier's run, for a ratio of "
+                        "engine.report.gate.FULL_TIER_MINIMUMS), or measure(..., gated=False)")
         total = self.size.rounds if gated else self.size.ungated_rounds
         warmup = self.size.warmup if gated else self.size.ungated_warmup
         if rounds_compared:
@@ -279,7 +281,7 @@ class BenchSession:
         if rounds.calls != warmup + total:
             pytest.fail(f"{label}: pytest-benchmark ran {rounds.calls} rounds, expected {warmup} warm-up + "
                         f"{total} measured; drop --benchmark-disable (the report needs every round)")
-        missed = rounds.missed(gates or {}, DEFAULT_MINIMUMS) if gated else []
+        missed = rounds.missed(gates or {}, minimums_for("full")) if gated else []
         if missed:
             self.progress(f"{label}: {', '.join(missed)} after {total} rounds; confirming with "
                           f"{self.size.confirm_rounds} more")

@@ -3,18 +3,28 @@ client, side by side in one run.
 
 Both servers run the benchmark session's vLLM config (``python -m engine.serve`` on it, and ``vllm serve`` with the
 flags ``conformance.stock.vllm_serve_arguments`` derives from it: model, dtype, seed, context, batch size, KV cache,
-eager mode). For each concurrency ``c`` (1, 8, 32, 64), one round answers ``max(c, Size.served_requests)`` greedy
-chat requests of fixed length (``ignore_eos``, ``NEW_TOKENS`` tokens; asserted on both sides) with ``c`` client
-threads, each sending its next request when the last is answered. Before the rounds, the two servers answer the
+eager mode), with vLLM's executor laid out as ``vllm serve`` lays it out: ours gets ``vllm.multiprocessing: true``.
+On a CPU host that is what decides the speed, not the server: ``vllm serve`` runs the model in a worker process
+whose OpenMP threads are pinned to all cores but one (kept for the scheduler), while the engine's default
+(``multiprocessing: false``, vLLM's uniproc executor) runs torch on every core, unpinned. On this 2-core machine
+the default served 1.5x stock's tokens/s on a quiet machine and 0.34-0.64x with one or two busy processes beside
+it; laid out alike, ours/stock was 0.94-1.07 quiet and 0.99 beside one busy process (docs/benchmarks.md). The two
+servers are this module's own and are stopped after it: ``vllm serve``'s worker spins while idle and would take a
+core from every later benchmark.
+
+For each concurrency ``c`` (1, 8, 32, 64), one round answers ``max(c, Size.served_requests)`` greedy chat requests
+of fixed length (``ignore_eos``, ``NEW_TOKENS`` tokens; asserted on both sides) with ``c`` client threads, each
+sending its next request when the last is answered. Before the rounds, the two servers answer the
 case's requests once: the same greedy texts and prompt token counts, asserted.
 
 Recorded: ``ours_over_stock`` (stock's median wall / ours: above 1 ours serves faster), request latencies and
-tokens/s of both per round. Reported, not gated (the issue's bar is 0.97 at every concurrency; see
-docs/benchmarks.md for where it stands).
+tokens/s of both per round. Gated at 0.97 in the full tier's run (``engine.report.gate.FULL_TIER_MINIMUMS``;
+``gated_full``: CI's quick tier leaves the module out for its four CPU minutes).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,6 +33,8 @@ from benchmarks.conftest import SESSION_KEY
 from benchmarks.harness import Variant
 from benchmarks.test_chat import openai_client, plain
 from benchmarks.workload import batch_messages
+
+pytestmark = pytest.mark.gated_full  # the full tier's gate reads ours_over_stock; CI's quick tier leaves it out
 
 NEW_TOKENS = 16
 CONCURRENCY = (1, 8, 32, 64)
@@ -34,16 +46,38 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("stock_concurrency", CONCURRENCY if on else CONCURRENCY[:1])  # not opted in: skipped
 
 
-def stock_server(bench: Any) -> Any:
-    """Stock ``vllm serve`` on the session's vLLM config, started once per session (stopped with the servers)."""
+@pytest.fixture(scope="module")
+def servers(bench: Any) -> Iterator[dict[str, Any]]:
+    """Our server and stock ``vllm serve`` on the session's vLLM config with the same executor layout, started
+    side by side (each start is mostly imports and waiting) and stopped when the module ends."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from conformance.stock import start_vllm_serve
     from engine.backends.host import has_cuda
+    from engine.client import launch_server
     from engine.config import VllmConfig
 
-    config = bench.server_config("vllm")
+    if "vllm" not in bench.backends:
+        pytest.skip("the comparison with stock vllm serve needs vllm in --benchmark-backends")
+    ours = bench.server_config("vllm")
+    ours["vllm"] = {**ours["vllm"], "multiprocessing": True}  # vllm serve's executor (see the module docstring)
+    stock = bench.server_config("vllm")
     if not has_cuda():  # the KV cache our engine gives vLLM on CPU (vllm.cpu_kv_cache_space_gib), not vLLM's 92 %
-        config["vllm"] = {"cpu_kv_cache_space_gib": VllmConfig().cpu_kv_cache_space_gib, **config["vllm"]}
-    return bench._keep(("server", "stock-vllm"), lambda: start_vllm_serve(config, "stock"))
+        stock["vllm"] = {"cpu_kv_cache_space_gib": VllmConfig().cpu_kv_cache_space_gib, **stock["vllm"]}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        started = {"ours": pool.submit(launch_server, ours), "stock": pool.submit(start_vllm_serve, stock, "stock")}
+        try:
+            running = {name: future.result() for name, future in started.items()}
+        except BaseException:
+            for future in started.values():
+                if future.exception() is None:
+                    future.result().stop()
+            raise
+    try:
+        yield running
+    finally:
+        for server in running.values():
+            server.stop()
 
 
 def answer_all(client: Any, model: str, messages: list[Any], concurrency: int, fields: dict[str, Any]) -> list[Any]:
@@ -54,16 +88,13 @@ def answer_all(client: Any, model: str, messages: list[Any], concurrency: int, f
         return list(pool.map(lambda m: client.chat.completions.create(model=model, messages=m, **fields), messages))
 
 
-def test_ours_vs_vllm_serve(bench, benchmark, stock_concurrency: int) -> None:
-    if "vllm" not in bench.backends:
-        pytest.skip("the comparison with stock vllm serve needs vllm in --benchmark-backends")
+def test_ours_vs_vllm_serve(bench, benchmark, servers, stock_concurrency: int) -> None:
     concurrency = stock_concurrency
     n = max(concurrency, bench.size.served_requests)
     messages = batch_messages(n, "short")
     fields = {"max_tokens": NEW_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
     label = f"served_vs_vllm_serve[vllm-c{concurrency}-n{n}-o{NEW_TOKENS}]"
-    ours_server, stock = bench.server("vllm"), stock_server(bench)
-    with openai_client(ours_server) as ours_client, openai_client(stock) as stock_client:
+    with openai_client(servers["ours"]) as ours_client, openai_client(servers["stock"]) as stock_client:
         clients = {"ours": ours_client, "stock": stock_client}
         names = {name: client.models.list().data[0].id for name, client in clients.items()}
         answers = {name: answer_all(client, names[name], messages, concurrency, fields)
@@ -71,7 +102,7 @@ def test_ours_vs_vllm_serve(bench, benchmark, stock_concurrency: int) -> None:
         reference = Variant("stock", "reference", plain(stock_client, names["stock"], messages, concurrency,
                                                          **fields).run)
         subject = Variant("ours", "subject", plain(ours_client, names["ours"], messages, concurrency, **fields).run)
-        rounds = bench.measure(benchmark, label, [reference, subject], gated=False)
+        rounds = bench.measure(benchmark, label, [reference, subject], gates={"ours_over_stock": ("ours", "stock")})
     texts = {name: [a.choices[0].message.content for a in got] for name, got in answers.items()}
     same = sum(a == b for a, b in zip(texts["ours"], texts["stock"], strict=True))
     assert same == n, f"greedy answers differ between our server and vllm serve on {n - same} of {n} requests"

@@ -192,3 +192,22 @@ def test_the_gate_says_when_a_case_was_confirmed_with_more_rounds(tmp_path, caps
 
     lines = format_gate(gate(frame, {"engine_over_raw": 0.9})).splitlines()
     assert "6 more rounds measured" in lines[1] and "more rounds" not in lines[0]
+
+
+def test_the_full_tier_gate_needs_its_own_groups_and_the_quick_tier_leaves_them_out(tmp_path, capsys):
+    from engine.report.gate import DEFAULT_MINIMUMS
+
+    frame = read(make_report(tmp_path, "r"))
+    measured = {ratio: 5.0 for ratio in DEFAULT_MINIMUMS}  # every default ratio measured and passing
+    frame = frame.assign(**measured)
+    path = tmp_path / "all-default.parquet"
+    frame.to_parquet(path)
+    assert cli.main(["gate", str(path), "--tier", "quick"]) == cli.EXIT_OK
+    assert "ours_over_stock" not in capsys.readouterr().out
+    assert cli.main(["gate", str(path)]) == cli.EXIT_REGRESSED  # the default tier is full: its ratio is missing
+    assert "FAIL  ours_over_stock: no case" in capsys.readouterr().out
+    frame.assign(ours_over_stock=0.96).to_parquet(path)
+    assert cli.main(["gate", str(path), "--tier", "full"]) == cli.EXIT_REGRESSED  # below 0.97
+    assert "FAIL  ours_over_stock" in capsys.readouterr().out
+    frame.assign(ours_over_stock=0.98).to_parquet(path)
+    assert cli.main(["gate", str(path), "--tier", "full"]) == cli.EXIT_OK

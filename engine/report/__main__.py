@@ -28,6 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     gate.add_argument("--min", action="append", default=[], metavar="RATIO=NUMBER",
                       help=f"minimum for a ratio ({', '.join(RATIO_COLUMNS)}); replaces that ratio's default")
     gate.add_argument("--only", action="store_true", help="check only the ratios given with --min")
+    gate.add_argument("--tier", default="full", choices=("quick", "full"),
+                      help="the benchmark run's tier: quick (CI) leaves out the full tier's groups and their minimums "
+                           "(default: full)")
     return p
 
 
@@ -67,10 +70,10 @@ def _compare(args: argparse.Namespace, base: object, new: object) -> int:
 
 
 def _gate(args: argparse.Namespace, frame: object) -> int:
-    from engine.report.gate import DEFAULT_MINIMUMS, format_gate, gate, parse_minimum
+    from engine.report.gate import format_gate, gate, minimums_for, parse_minimum
 
     given = dict(parse_minimum(m) for m in args.min)
-    minimums = given if args.only else {**DEFAULT_MINIMUMS, **given}
+    minimums = given if args.only else {**minimums_for(args.tier), **given}
     if not minimums:
         raise ValueError("gate: no minimum to check; fix: pass --min RATIO=NUMBER or drop --only")
     result = gate(frame, minimums)

@@ -24,6 +24,23 @@ from engine.report.schema import RATIO_COLUMNS
 # A float32 rollout re-scored as it reports its logprobs: no token's weight may be 1 % off (measured: 2e-5).
 DEFAULT_MINIMUMS: dict[str, float] = {"engine_over_raw": 0.90, "guard_on_over_off": 0.80, "trainer_agreement": 0.99,
                                        "batch_over_single": 2.0}
+# Checked by the whole release gate's benchmark run (``ENGINE_TIER=full``), whose groups CI's quick tier leaves out
+# for time: our served vLLM keeps 0.97 of stock ``vllm serve``'s throughput (two more vLLM servers, ~4 CPU minutes).
+FULL_TIER_MINIMUMS: dict[str, float] = {"ours_over_stock": 0.97}
+TIERS = ("quick", "full")
+
+
+def minimums_for(tier: str) -> dict[str, float]:
+    """The minimums a report of ``tier`` must meet: ``quick`` (CI) the default ones, ``full`` those and the full tier's.
+
+    >>> sorted(minimums_for("full")) == sorted({**DEFAULT_MINIMUMS, **FULL_TIER_MINIMUMS})
+    True
+    >>> "ours_over_stock" in minimums_for("quick")
+    False
+    """
+    if tier not in TIERS:
+        raise ValueError(f"--tier {tier!r}: expected one of {', '.join(TIERS)}")
+    return {**DEFAULT_MINIMUMS, **(FULL_TIER_MINIMUMS if tier == "full" else {})}
 
 
 @dataclass(frozen=True)

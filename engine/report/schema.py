@@ -105,8 +105,8 @@ RATIO_COLUMNS = {
     "batch_over_single": "backends: speed of the engine on llama.cpp given the batch's rows in one call (parallel "
                          "sequences) / given them one call per row, same rows and tokens",
     "ours_over_stock": "served_vs_vllm_serve: speed of python -m engine.serve on vLLM / of stock vllm serve, same "
-                       "model, settings and fixed-length greedy chat requests (official openai client, concurrent "
-                       "clients)",
+                       "model, settings, executor layout and fixed-length greedy chat requests (official openai "
+                       "client, concurrent clients); gated at 0.97 by the full tier's gate",
     "trainer_agreement": "rollout_vs_trainer: the worst token importance weight exp(trainer - rollout) folded below 1 "
                          "(min over tokens of min(w, 1/w)) with the trainer re-scoring as the rollout reports (raw, or "
                          "processed with engine.score's processing); float32 cases only: 1 when the trainer sees "
