@@ -4,8 +4,8 @@ engine on the same rows (issue 49, point 2): tokens per second and greedy tokens
 The HF engine runs a batch through ``model.generate`` with its per-row logits processors (the rules, min-length,
 the repeat guard, per-row seeds); ``generate_batch`` schedules requests into a paged cache and takes per request only
 what its continuous-batching processors support (temperature, top-k, top-p; others are dropped unless
-``drop_unsupported_processors=False``). This script measures what the engine
-would gain by moving to it, on fixed-length greedy rows (EOS does not end a row on either side)::
+``drop_unsupported_processors=False``). This script measures what the engine would gain by moving to it, on
+fixed-length greedy rows (EOS does not end a row on either side)::
 
     python -m benchmarks.hf_continuous_batching --batches 8 64 --rounds 3   # in the stack venv, fixtures built
 

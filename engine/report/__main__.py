@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from engine.report.gate import TIERS
 from engine.report.schema import RATIO_COLUMNS, ReportSchemaError
 
 EXIT_OK, EXIT_REGRESSED, EXIT_UNUSABLE = 0, 1, 2
@@ -28,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     gate.add_argument("--min", action="append", default=[], metavar="RATIO=NUMBER",
                       help=f"minimum for a ratio ({', '.join(RATIO_COLUMNS)}); replaces that ratio's default")
     gate.add_argument("--only", action="store_true", help="check only the ratios given with --min")
-    gate.add_argument("--tier", default="full", choices=("quick", "full"),
+    gate.add_argument("--tier", default="full", choices=TIERS,
                       help="the benchmark run's tier: quick (CI) leaves out the full tier's groups and their minimums "
                            "(default: full)")
     return p
