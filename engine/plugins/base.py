@@ -60,8 +60,8 @@ class Plugin(ABC):
     """Accepted parameters and their defaults."""
     needs_sentence_ends: ClassVar[bool] = False
 
-    def __init__(self, index: int = 0, **params: Any) -> None:
-        self.where = f"plugins[{index}]"
+    def __init__(self, index: int = 0, *, where: str | None = None, **params: Any) -> None:
+        self.where = where or f"plugins[{index}]"  # ``where``: how a caller outside a config names the settings
         unknown = sorted(set(params) - set(self.params))
         if unknown:
             from engine.config.validation import did_you_mean

@@ -151,6 +151,8 @@ class Row:
     bank_seen: int = 0
     """Output tokens offered to the bank since the row joined it."""
     left_events: dict[str, Any] = field(default_factory=dict)
+    reported: bool = False
+    """Its end was reported (the vLLM plugin's audit: once per row, though EOS may be forced on several steps)."""
 
     def join(self, bank: Any, index: int, terminal: Iterable[int]) -> None:
         """Take bank index ``index``; the bank starts the row from its first token (a resumed request's
@@ -223,8 +225,10 @@ EVENTS = EventStore()
 """This process's store; the worker extension reads it, processors write it."""
 
 
-def build_row(args: RowArgs, decode: Any) -> Row:
-    """The row for ``args``, tracked in this process's :data:`EVENTS` under its key.
+def build_row(args: RowArgs, decode: Any, *, track: bool = True) -> Row:
+    """The row for ``args``, tracked in this process's :data:`EVENTS` under its key (``track``; the vLLM plugin's
+    rows, whose events nobody collects, are not: a request it sees again after a preemption restarts its rules and
+    is fed its committed tokens again, the same state for every rule but what min-length noted on the way).
 
     A request that comes back after a preemption (same key, not yet collected) keeps its rule state: its
     per-row rules go on from the first committed token they have not seen, and what they noted on the way (e.g.
@@ -232,7 +236,7 @@ def build_row(args: RowArgs, decode: Any) -> Row:
     and are fed the committed tokens again."""
     from engine.rules.repeat_bank import split_vectorizable
 
-    row = EVENTS.get(args.key)
+    row = EVENTS.get(args.key) if track else None
     if row is None:
         repeat, specs = split_vectorizable(args.specs)
         if len(repeat) > 1:  # a bank row holds one threshold set; more run per row
@@ -241,7 +245,8 @@ def build_row(args: RowArgs, decode: Any) -> Row:
         rules = RuleSet([s.build() for s in specs], terminal_ids=args.terminal, decode=decode,
                         min_new_tokens=args.min_new)
         row = Row(rules=rules, eos=args.eos, key=args.key, repeat=repeat)
-    EVENTS.track(args.key, row)
+    if track:
+        EVENTS.track(args.key, row)
     return row
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from engine.backends.row_apply import FORCE, apply_decisions, decide
-from engine.backends.vllm.rules import Row, TokenizerText, build_row, parse_request_args
+from engine.backends.vllm.rules import Row, RowArgs, TokenizerText, build_row, parse_request_args
 from engine.rules.repeat_bank import RepeatBank
 
 
@@ -32,9 +32,22 @@ class RowRulesV1(LogitsProcessor):
         self.bank = RepeatBank()  # id-only repeat rules, by batch index
         self.decode = TokenizerText(vllm_config.model_config.tokenizer)
 
+    tracks_events = True
+    """Rows are kept in the process's event store until the engine collects them (``build_row``)."""
+
     @classmethod
     def validate_params(cls, sampling_params: Any) -> None:
-        parse_request_args(sampling_params.extra_args)
+        cls.row_args(sampling_params, check=True)
+
+    @classmethod
+    def row_args(cls, params: Any, *, check: bool) -> RowArgs | None:
+        """The rule arguments of a request (``check``: at admission, everything proved to build), or None when its
+        row runs no rule. The engine's own requests carry them in ``extra_args``; the plugin
+        (:mod:`engine.vllm_plugin`) derives them from the user's settings instead."""
+        return parse_request_args(params.extra_args, check=check)
+
+    def ended(self, rows: list[Row]) -> None:
+        """Called with the rows a rule ends this step (EOS forced); the engine collects events another way."""
 
     def is_argmax_invariant(self) -> bool:
         return False
@@ -52,11 +65,11 @@ class RowRulesV1(LogitsProcessor):
             self._drop(index)
         for index, params, _prompt, output in batch_update.added:
             self._drop(index)  # an added request may replace the one at its index
-            args = parse_request_args(params.extra_args, check=False) if params is not None else None
+            args = self.row_args(params, check=False) if params is not None else None
             if args is None:
                 continue
             # A preempted request comes back with its output so far; its rules resume where they stopped.
-            row = build_row(args, self.decode)
+            row = build_row(args, self.decode, track=self.tracks_events)
             row.join(self.bank, index, args.terminal)
             self.rows[index] = (row, output)
         for a, b, direction in batch_update.moved:
@@ -101,4 +114,7 @@ class RowRulesV1(LogitsProcessor):
             forced.update(i for i, f in zip(repeat_rows, self.bank.has_fired(repeat_rows).tolist(), strict=True) if f)
         decisions = decide(logits, [r for r in per_row if r[0] not in forced])
         decisions += [(index, self.rows[index][0].eos, FORCE) for index in forced]
+        ending = [self.rows[index][0] for index, _, d in decisions if d.force_eos]
+        if ending:
+            self.ended(ending)
         return apply_decisions(logits, decisions)

@@ -30,7 +30,7 @@ from typing import Any
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor
 
 from engine.backends.row_apply import FORCE, apply_decisions, decide
-from engine.backends.vllm.rules import Row, TokenizerText, build_row, parse_request_args
+from engine.backends.vllm.rules import Row, RowArgs, TokenizerText, build_row, parse_request_args
 from engine.rules.repeat_bank import RepeatBank
 
 
@@ -54,19 +54,30 @@ class RowRulesV2(LogitsProcessor):
         self.has_row = np.zeros(req_states.max_num_reqs, dtype=bool)
         self.decode = TokenizerText(vllm_config.model_config.tokenizer)
 
+    tracks_events = True
+    """Rows are kept in the process's event store until the engine collects them (``build_row``)."""
+
     @classmethod
     def validate_params(cls, sampling_params: Any) -> None:
-        parse_request_args(sampling_params.extra_args)
+        cls.row_args(sampling_params, check=True)
+
+    @classmethod
+    def row_args(cls, params: Any, *, check: bool) -> RowArgs | None:
+        """The rule arguments of a request, or None (as ``RowRulesV1.row_args``)."""
+        return parse_request_args(params.extra_args, check=check)
+
+    def ended(self, rows: list[Row]) -> None:
+        """Called with the rows a rule ends this step (EOS forced)."""
 
     def add_request(self, req_idx: int, sampling_params: Any) -> bool:
         previous = self.slots.pop(req_idx, None)
         if previous is not None and previous.bank_at == req_idx:  # its previous occupant finished or was preempted
             previous.leave()  # (unless that request already came back in another slot)
         self.has_row[req_idx] = self.in_bank[req_idx] = False
-        args = parse_request_args(sampling_params.extra_args, check=False)
+        args = self.row_args(sampling_params, check=False)
         if args is None:
             return False
-        row = build_row(args, self.decode)
+        row = build_row(args, self.decode, track=self.tracks_events)
         row.join(self.bank, req_idx, args.terminal)
         self.slots[req_idx] = row
         self.has_row[req_idx] = True
@@ -124,4 +135,7 @@ class RowRulesV2(LogitsProcessor):
                 per_row.append((int(positions[i]), rules, row.eos))
         decisions = decide(logits, per_row)
         decisions += [(int(positions[i]), self.slots[int(slots[i])].eos, FORCE) for i in np.flatnonzero(forced)]
+        if any(d.force_eos for _, _, d in decisions):
+            by_position = dict(zip(positions.tolist(), slots.tolist(), strict=True))
+            self.ended([self.slots[by_position[p]] for p, _, d in decisions if d.force_eos])
         return apply_decisions(logits, decisions)
