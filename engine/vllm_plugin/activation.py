@@ -24,7 +24,8 @@ from engine.vllm_plugin.settings import server_subtree
 def guard_from_env(environ: Mapping[str, str]) -> RepeatTerminateConfig | None:
     """The server-wide ``repeat_terminate`` subtree the variables give, validated; None when none is set.
 
-    >>> guard = guard_from_env({"ENGINE_REPEAT_TERMINATE_JSON": '{"enabled": true, "max_consecutive_token_repeats": 4}'})
+    >>> guard = guard_from_env(
+    ...     {"ENGINE_REPEAT_TERMINATE_JSON": '{"enabled": true, "max_consecutive_token_repeats": 4}'})
     >>> guard.max_consecutive_token_repeats
     4
     >>> guard_from_env({}) is None
