@@ -216,8 +216,9 @@ TRL = "trl==1.16.0"
 """TRL's release whose ``trl vllm-serve`` the plugin checks run under; its ``[vllm]`` extra allows vLLM <= 0.31, so it
 lives in that build's venv (installed without the extra: the build is ours to pick)."""
 TRL_VLLM = "0.31.0"
-VERSION_CHECKS = ("conformance/test_vllm_plugin.py", "conformance/test_parity.py", "conformance/test_stop.py",
-                  "conformance/test_sampling.py", "conformance/test_logprobs_mode.py", "conformance/test_repeat.py")
+VERSION_CHECKS = ("conformance/test_vllm_plugin.py", "conformance/test_trl_vllm_serve.py", "conformance/test_parity.py",
+                  "conformance/test_stop.py", "conformance/test_sampling.py", "conformance/test_logprobs_mode.py",
+                  "conformance/test_repeat.py")
 """The core subset each vLLM build runs: the plugin's checks, parity, stops, seeds and sampling, logprobs modes and
 the guard, on HF and vLLM, in-process (the served twins are the stack's)."""
 

@@ -26,11 +26,14 @@ True
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import sys
 import types
 from pathlib import Path
 from typing import Any, ClassVar
+
+log = logging.getLogger(__name__)
 
 IMAGE_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 SITE_DIR = Path(__file__).resolve().parent / "site"
@@ -54,10 +57,29 @@ def install() -> bool:
     if torchvision_available():
         return False
     _serve_pil_image_module()
-    _patch_auto_video_processor()
+    if video_processor_base() is not None:
+        _patch_auto_video_processor()
+    else:  # transformers before 5.19: no stand-in video processor; text models are unaffected
+        log.warning("engine.compat.torchvision: transformers %s has no VideoProcessorMixin; Qwen2-VL processors need "
+                    "torchvision there (text models are unaffected)", _transformers_version())
     _export_to_subprocesses()
     _state["installed"] = True
     return True
+
+
+def video_processor_base() -> Any:
+    """transformers' ``VideoProcessorMixin`` (5.19 and later), the base of the image-only stand-in; None before it."""
+    try:
+        from transformers.video_processing_utils import VideoProcessorMixin
+    except ImportError:
+        return None
+    return VideoProcessorMixin
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
 
 
 def _serve_pil_image_module() -> None:
