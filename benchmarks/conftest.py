@@ -105,11 +105,11 @@ def bench(pytestconfig: pytest.Config) -> Iterator[BenchSession]:
     session.close()
 
 
-VLLM_ENGINES_AT_ONCE = 4
-"""vLLM engines a benchmark run holds on one card at once: the engine, the raw ``LLM``, the served engine (one
-server process, shared by the served and chat benchmarks) and the ``rollout_vs_trainer`` group's engine in the other
-dtype; at ``engine_share(4)`` = 0.2 each they take 0.8 of it, the rest is left to the HF models and the processes'
-CUDA contexts."""
+VLLM_ENGINES_AT_ONCE = 5
+"""vLLM engines a benchmark run holds on one card at once: the engine, the raw ``LLM`` (and its twin with the guard's
+plugin loaded), the served engine (one server process, shared by the served and chat benchmarks) and the
+``rollout_vs_trainer`` group's engine in the other dtype; at ``engine_share(5)`` each they take 0.8 of it, the
+rest is left to the HF models and the processes' CUDA contexts."""
 
 
 class BenchSession:
@@ -198,18 +198,21 @@ class BenchSession:
         config["model"]["logprobs_mode"] = logprobs_mode
         return self._keep(("engine", backend, dtype, logprobs_mode), lambda: GenerationEngine(config))
 
-    def raw_vllm(self) -> Any:
-        """A bare ``vllm.LLM`` with the engine's own arguments, minus what the engine adds."""
+    def raw_vllm(self, *, plugin: bool = False) -> Any:
+        """A bare ``vllm.LLM`` with the engine's own arguments, minus what the engine adds; ``plugin``: the same with
+        the guard's vLLM plugin loaded (``engine.vllm_plugin``), as a user adds it to the vLLM they run."""
 
         def build() -> Any:
             import vllm
 
             from engine.backends.vllm.backend import llm_kwargs
+            from engine.vllm_plugin import PROCESSOR
 
             plain = self.engine("vllm")  # prepares the environment the same way
-            return vllm.LLM(**llm_kwargs(plain.config.model, plain.config.vllm))
+            more = {"logits_processors": [PROCESSOR]} if plugin else {}
+            return vllm.LLM(**llm_kwargs(plain.config.model, plain.config.vllm), **more)
 
-        return self._keep(("raw", "vllm"), build)
+        return self._keep(("raw", "vllm", *(["plugin"] if plugin else [])), build)
 
     def server(self, backend: str) -> Any:
         """``python -m engine.serve`` on the plain engine's config (a free port on 127.0.0.1); the HF batcher may

