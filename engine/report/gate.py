@@ -22,13 +22,14 @@ from engine.report.schema import RATIO_COLUMNS
 
 # engine >= 0.9 of raw backend throughput (the issue's bar); a guard may cost at most a fifth.
 # A float32 rollout re-scored as it reports its logprobs: no token's weight may be 1 % off (measured: 2e-5).
-# The guard's vLLM plugin, loaded but not asked, costs a deployment at most 1 % (engine.vllm_plugin).
 DEFAULT_MINIMUMS: dict[str, float] = {"engine_over_raw": 0.90, "guard_on_over_off": 0.80, "trainer_agreement": 0.99,
-                                       "batch_over_single": 2.0, "plugin_idle_over_without": 0.99}
+                                       "batch_over_single": 2.0}
 # Checked by the whole release gate's benchmark run (``ENGINE_TIER=full``), whose groups CI's quick tier leaves out
 # for time: our served vLLM keeps 0.97 of stock ``vllm serve``'s throughput (two more vLLM servers: 5-7 minutes on
 # a 2-core CPU).
-FULL_TIER_MINIMUMS: dict[str, float] = {"ours_over_stock": 0.97}
+# The guard's vLLM plugin, loaded but not asked, costs a deployment at most 1 % (engine.vllm_plugin): a 1 % bar on a
+# 2-core CPU whose rounds spread 8-36 % is for the full tier's confirmed medians, not CI's three rounds.
+FULL_TIER_MINIMUMS: dict[str, float] = {"ours_over_stock": 0.97, "plugin_idle_over_without": 0.99}
 TIERS = ("quick", "full")
 
 

@@ -105,7 +105,8 @@ RATIO_COLUMNS = {
     "batch_over_single": "backends: speed of the engine on llama.cpp given the batch's rows in one call (parallel "
                          "sequences) / given them one call per row, same rows and tokens",
     "plugin_idle_over_without": "vllm_plugin: speed of a bare vllm.LLM with the guard's plugin loaded but not asked "
-                                "(engine.vllm_plugin) / of the same LLM without it, fixed length; gated at 0.99",
+                                "(engine.vllm_plugin) / of the same LLM without it, fixed length; gated at 0.99 by the "
+                                "full tier's gate",
     "ours_over_stock": "served_vs_vllm_serve: speed of python -m engine.serve on vLLM / of stock vllm serve, same "
                        "model, settings, executor layout and fixed-length greedy chat requests (official openai "
                        "client, concurrent clients); gated at 0.97 by the full tier's gate",
@@ -183,7 +184,7 @@ def upgrade(frame: Any, *, source: str = "report") -> Any:
     >>> old = pd.DataFrame({"schema_version": [8], "wall_s": [1.0]})
     >>> new = upgrade(old)
     >>> int(new["schema_version"][0]), int(new["confirm_rounds"][0]), new.attrs["read_from_versions"]
-    (11, 0, [8])
+    (12, 0, [8])
     >>> bool(pd.isna(new["trainer_agreement"][0])), "dlogprob_mean" in new  # added in 10; 8 already had it
     (True, False)
     """

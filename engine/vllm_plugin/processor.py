@@ -15,17 +15,16 @@ Importing this module imports vLLM (the interfaces it subclasses); :mod:`engine.
 from __future__ import annotations
 
 import logging
-from functools import cache
 from typing import Any
 
 from vllm.v1.sample.logits_processor import LogitsProcessor as V1Interface
 
-from engine.backends.vllm.rules import EXTRA_KEY, Row, RowArgs
+from engine.backends.vllm.rules import Row, RowArgs
 from engine.backends.vllm.v1_rules import RowRulesV1
-from engine.errors import ConfigError
 from engine.vllm_plugin.activation import server_guard
 from engine.vllm_plugin.audit import AUDIT
-from engine.vllm_plugin.settings import SUBTREES, GuardSettings, subtrees
+from engine.vllm_plugin.rows import row_args
+from engine.vllm_plugin.settings import SUBTREES
 
 try:  # Model Runner V2's interface (vLLM >= 0.31); import-light, so the frontend can load it to validate
     from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2Interface
@@ -35,50 +34,6 @@ except ImportError:  # an older vLLM: the V1 runner only
     V2Interface, RowRulesV2 = None, None  # type: ignore[assignment,misc]
 
 log = logging.getLogger(__name__)
-
-
-@cache
-def sentence_end_ids(tokenizer_path: str) -> tuple[int, ...]:
-    """The ids whose text ends a sentence (min-length's ``punctuation_bias`` nudges them), once per tokenizer."""
-    from transformers import AutoTokenizer
-
-    from engine.rules.min_length import is_sentence_end_token
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    return tuple(i for i in range(len(tokenizer)) if is_sentence_end_token(tokenizer.decode([i])))
-
-
-def row_args(params: Any, *, check: bool, tokenizer: str | None = None) -> RowArgs | None:
-    """The rules a request's row runs under the plugin, from its ``extra_args`` and the server's guard; None: none.
-
-    ``check`` (at admission, in the frontend, before vLLM has filled in the EOS id): a bad setting raises
-    ``ConfigError`` (a ``ValueError``: vLLM answers it as a 400 naming it). Rows of the engine's own requests (which
-    carry ``extra_args["engine_rules"]``) are the engine's processor's, never the plugin's."""
-    extra = params.extra_args or {}
-    if EXTRA_KEY in extra:
-        return None
-    settings = GuardSettings.resolve(extra, server=server_guard())
-    if settings is None:
-        return None
-    asked = bool(subtrees(extra))
-    if params.ignore_eos:  # the guard ends rows with EOS, which this request ignores
-        if asked and check:
-            raise ConfigError(f"vllm_xargs.{'/'.join(sorted(subtrees(extra)))}", "given with ignore_eos",
-                              "ends a row with EOS, which ignore_eos turns off",
-                              fix="drop ignore_eos, or the guard's settings, from the request")
-        return None
-    if check:
-        settings.specs(min_tokens=params.min_tokens)  # every spec builds (its values were checked on the way)
-        return RowArgs(specs=(), key="check", eos=0, terminal=frozenset())
-    eos = params.eos_token_id
-    if eos is None:
-        return None
-    ends = sentence_end_ids(tokenizer) if settings.needs_sentence_ends and tokenizer else ()
-    import uuid
-
-    return RowArgs(specs=tuple(settings.specs(min_tokens=params.min_tokens, sentence_end_ids=ends)),
-                   key=uuid.uuid4().hex, eos=int(eos), terminal=frozenset({int(eos), *params.all_stop_token_ids}),
-                   min_new=int(params.min_tokens or 0))
 
 
 class _Plugin:
