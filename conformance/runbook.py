@@ -3,7 +3,7 @@ one-screen verdict to send back (``nox -s gpu``, or ``python -m conformance.runb
 
 On one CUDA GPU with no internet (the fixtures are built from registry packages the install already fetched):
 
-1. the host: torch is a CUDA build, the card, the vLLM version (pinned 0.32.0, as on CPU hosts);
+1. the host: torch is a CUDA build, the card, the vLLM version (the newest the vllm-cuda extra allows, 0.30-0.33);
 2. vLLM's own runner decision for the fixture model: Model Runner V2 is the CUDA default;
 3. the adapter, repeat, rule-ended, parity, served and engine-core checks on V2 (the default), then again with
    ``VLLM_USE_V2_MODEL_RUNNER=0`` (V1), each in float32;
