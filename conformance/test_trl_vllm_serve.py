@@ -31,11 +31,14 @@ TRL_VERSION = "1.16"
 
 
 def trl_version() -> str | None:
+    """The installed TRL's version, read from its metadata: importing TRL at collection would import transformers'
+    vision modules before the suite's torchvision stand-in is in place (the VLM checks then fail)."""
+    import importlib.metadata
+
     try:
-        import trl
-    except ImportError:
+        return importlib.metadata.version("trl")
+    except importlib.metadata.PackageNotFoundError:
         return None
-    return str(trl.__version__)
 
 
 needs_trl = pytest.mark.skipif(not (trl_version() or "").startswith(TRL_VERSION),
