@@ -35,20 +35,21 @@ def looper() -> str:
     return str(fixture_path("tiny-looper"))
 
 
-@pytest.fixture(scope="module")
-def plugin_llm(pool: Any, backend_names: tuple[str, ...], looper: str) -> Any:
+@pytest.fixture(scope="session")
+def plugin_llm(pool: Any, backend_names: tuple[str, ...]) -> Any:
     """A bare ``vllm.LLM`` on the looper with the plugin, built from the engine's own vLLM arguments (nothing of the
-    engine's runs in it but the plugin's processor): what an RL framework builds in-process."""
+    engine's runs in it but the plugin's processor): what an RL framework builds in-process. Kept for the session, as
+    the pool keeps its engines: an in-process vLLM engine that is deleted tears down the process's model-parallel
+    groups, which every other in-process engine uses (the next one then fails: "pipeline model parallel group is not
+    initialized")."""
     if "vllm" not in backend_names:
         pytest.skip(f"the plugin runs inside vLLM; backends here: {backend_names}")
     import vllm
 
     from engine.backends.vllm.backend import llm_kwargs
 
-    engine = pool.reference("vllm", looper)  # prepares vLLM's environment as the engine does
-    llm = vllm.LLM(**llm_kwargs(engine.config.model, engine.config.vllm), logits_processors=[PROCESSOR])
-    yield llm
-    del llm
+    engine = pool.reference("vllm", str(fixture_path("tiny-looper")))  # prepares vLLM's environment as the engine does
+    return vllm.LLM(**llm_kwargs(engine.config.model, engine.config.vllm), logits_processors=[PROCESSOR])
 
 
 def run_llm(llm: Any, prompts: list[tuple[int, ...]], extra_args: dict[str, Any] | None, max_tokens: int) -> list[Any]:
