@@ -136,6 +136,20 @@ def _stack(session: nox.Session, *, llamacpp: bool = True) -> Path:
     return STACK / "bin"
 
 
+TRL_CLIENT = ROOT / ".nox" / "trl-1.16"
+"""TRL 1.16 for the suite's TRL-client check (``conformance/trl_probe.py``): installed without its dependencies (the
+stack has them) into a folder of its own, put first on that subprocess's path only, because the stack keeps the TRL
+ms-swift pins."""
+
+
+def _trl_client(session: nox.Session) -> dict[str, str]:
+    """Install :data:`TRL_CLIENT` once (``TRL``, a pure-Python wheel); the variable that points the check at it."""
+    if not (TRL_CLIENT / "trl").is_dir():
+        session.run_install(str(STACK / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                            "--no-deps", "--target", str(TRL_CLIENT), TRL, external=True)
+    return {"ENGINE_TRL_PATH": str(TRL_CLIENT)}
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """Unit, property and doctest tests of the library (no vLLM needed)."""
@@ -152,10 +166,11 @@ def conformance(session: nox.Session) -> None:
     # Every backend must run: a missing one fails the session instead of turning parity checks into skips.
     require = os.environ.get("ENGINE_REQUIRE", "hf,vllm,llamacpp")
     bin_dir = _stack(session, llamacpp=LLAMACPP in require.split(","))
+    trl = _trl_client(session)
     REPORTS.mkdir(exist_ok=True)
     session.run(str(bin_dir / "pytest"), "conformance", *_marks(session),
                 f"--junitxml={REPORTS / 'conformance-junit.xml'}", f"--engine-require={require}", *session.posargs,
-                env={"TOKENIZERS_PARALLELISM": "false"}, external=True)
+                env={"TOKENIZERS_PARALLELISM": "false", **trl}, external=True)
 
 
 @nox.session(name="conformance-bf16", venv_backend="none")

@@ -86,6 +86,11 @@ class ServedTwin:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.local, name)
 
+    def server(self) -> Any:
+        """The twin's running server (started on first need), for a check that drives it with a client of its own."""
+        assert self._server is not None, "a reference has no server"
+        return self._server()
+
     def generate(self, requests: Any, *, options: Any = None, stop: Any = None, plugins: Any = None) -> Any:
         from engine.client import RolloutClient, RolloutServerError
 

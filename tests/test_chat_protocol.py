@@ -224,3 +224,21 @@ def test_n_asks_for_a_group_of_choices_counted_once_for_the_prompt():
     full = completion_body([result(), result(), result()], call, model="m", tokenizer=None)
     assert [c["index"] for c in full["choices"]] == [0, 1, 2]
     assert full["usage"] == {"prompt_tokens": 4, "completion_tokens": 9, "total_tokens": 13}
+
+
+def test_return_token_ids_gives_the_prompts_and_each_choices_ids_streamed_too():
+    """vLLM's ``return_token_ids`` on the chat route: the response's ``prompt_token_ids`` (the rendered conversation)
+    and each choice's ``token_ids``; streamed, the first chunk carries the prompt's ids, the closing one all the
+    answer's (as it carries its logprobs), the deltas none."""
+    call = parse_completion(body(n=2, return_token_ids=True))
+    full = completion_body([result(), result()], call, model="m", tokenizer=None)
+    assert full["prompt_token_ids"] == list(result().prompt_token_ids)
+    assert [c["token_ids"] for c in full["choices"]] == [list(result().token_ids)] * 2
+    assert "prompt_token_ids" not in completion_body([result()], parse_completion(body()), model="m", tokenizer=None)
+    streamed = parse_completion(body(stream=True, return_token_ids=True))
+    first = chunk("id1", 1, "m", streamed, delta={"role": "assistant", "content": ""}, prompt_ids=[1, 2])
+    assert first["prompt_token_ids"] == [1, 2] and first["choices"][0]["token_ids"] == []
+    delta = chunk("id1", 1, "m", streamed, delta={"content": "He"})
+    assert "prompt_token_ids" not in delta and delta["choices"][0]["token_ids"] == []
+    last = chunk("id1", 1, "m", streamed, result=result(), tokenizer=None)
+    assert last["choices"][0]["token_ids"] == list(result().token_ids)

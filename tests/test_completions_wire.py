@@ -176,3 +176,48 @@ def test_prompts_past_the_limits_are_refused_before_any_is_tokenized():
     with pytest.raises(RequestError, match=r"prompt\[1\]"):
         parse_text_completion({"model": "m", "prompt": ["hi", "x" * 1001]}, Counting())
     assert calls == []
+
+
+def test_rl_clients_get_the_ids_sampled_and_tokens_named_by_id():
+    """TRL's body (token-id prompts, ``n``, ``logprobs: 0``, ``return_token_ids``, ``return_tokens_as_token_ids``):
+    each choice carries its prompt's ids and its own, prompt-major; logprobs name tokens ``token_id:<id>``."""
+    call = parse(prompt=[[104, 105], [33]], n=2, logprobs=0, return_token_ids=True, return_tokens_as_token_ids=True)
+    answers = [GenerationResult(text=t, raw_text=t, token_ids=(ord(t), 46), prompt_token_ids=(), finish_reason="stop",
+                                stop_reason=46, logprobs=({ord(t): -0.5, 50: -1.0}, {46: -0.1})) for t in "wxyz"]
+    body = completion_body(call, answers, [None, None], model="m", tokenizer=TOK)
+    choices = body["choices"]
+    assert [c["prompt_token_ids"] for c in choices] == [[104, 105], [104, 105], [33], [33]]
+    assert [c["token_ids"] for c in choices] == [[ord(t), 46] for t in "wxyz"]
+    assert choices[0]["logprobs"]["tokens"] == ["token_id:119", "token_id:46"]
+    assert choices[0]["logprobs"]["top_logprobs"][0] == {"token_id:119": -0.5, "token_id:50": -1.0}
+    plain = completion_body(parse(prompt=[[104]], logprobs=0), answers[:1], [None], model="m", tokenizer=TOK)
+    assert "token_ids" not in plain["choices"][0] and plain["choices"][0]["logprobs"]["tokens"] == ["w", "."]
+    echoed = completion_body(parse(prompt=[[104]], echo=True, return_token_ids=True), answers[:1], [None], model="m",
+                             tokenizer=TOK)
+    assert echoed["choices"][0]["text"] == "w"  # vLLM leaves the echoed prompt's text out when ids are asked for
+
+
+@pytest.mark.parametrize(("structured", "schema"), [
+    ({"json": {"type": "integer"}}, {"type": "integer"}),
+    ({"json": '{"type": "integer"}'}, {"type": "integer"}),
+    ({"json_object": True}, {"type": "object"}),
+])
+def test_structured_outputs_json_is_the_engines_schema(structured, schema):
+    assert parse(prompt="x", structured_outputs=structured).json_schema == schema
+
+
+@pytest.mark.parametrize(("fields", "field"), [
+    ({"structured_outputs": {"regex": "[0-9]+"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
+    ({"structured_outputs": {"json": {"type": "integer"}, "json_object": True}}, "structured_outputs.json_object"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"json": {}}, "response_format": {"type": "json_object"}}, "structured_outputs"),
+    ({"structured_outputs": {"json": {}, "disable_any_whitespace": True}},
+     "structured_outputs.disable_any_whitespace"),
+])
+def test_structured_outputs_other_kinds_are_refused_by_name(fields, field):
+    with pytest.raises(RequestError) as err:
+        parse(prompt="x", **fields)
+    assert err.value.field == field, str(err.value)

@@ -38,6 +38,22 @@ class ResponseFormat(Body):
     json_schema: Annotated[JsonSchemaFormat | None, Wire("the schema's object")] = None
 
 
+class StructuredOutputs(Body):
+    """vLLM's ``structured_outputs``: ``json`` (a schema) and ``json_object`` map onto the engine's constrained
+    decoding; the other kinds are refused by name (the engine constrains to JSON Schemas only)."""
+
+    json_: Annotated[dict[str, Any] | str | None, Wire("the JSON Schema answers are built to"),
+                     Field(alias="json")] = None
+    json_object: Annotated[bool | None, Wire("any JSON object")] = None
+    regex: Annotated[str | None, Wire("refused: the engine constrains to JSON Schemas")] = None
+    choice: Annotated[list[str] | None, Wire("refused: the engine constrains to JSON Schemas")] = None
+    grammar: Annotated[str | None, Wire("refused: the engine constrains to JSON Schemas")] = None
+    structural_tag: Annotated[str | None, Wire("refused: the engine constrains to JSON Schemas")] = None
+    disable_any_whitespace: Annotated[bool | None, Wire("false only")] = None
+    disable_additional_properties: Annotated[bool | None, Wire("false only")] = None
+    whitespace_pattern: Annotated[str | None, Wire("refused: the engine's grammar sets whitespace")] = None
+
+
 class OpenAISampling(SamplingOptions):
     """What the chat and text completions bodies share (``openai/sampling.py`` reads it), beyond the options every
     surface names alike."""
@@ -52,6 +68,9 @@ class OpenAISampling(SamplingOptions):
     min_tokens: Annotated[int | None, Engine("generation.min_new_tokens")] = None
     stop_token_ids: Annotated[list[int] | None, Engine("stop.token_ids", read=False)] = None
     response_format: Annotated[ResponseFormat | None, Wire("constrained decoding (json_schema)")] = None
+    structured_outputs: Annotated[StructuredOutputs | None, Wire("vLLM's constrained decoding (json only)")] = None
+    return_token_ids: Annotated[bool | None, Wire("each choice's token_ids and the prompt's ids (vLLM's field)")] = None
+    return_tokens_as_token_ids: Annotated[bool | None, Wire('logprobs name tokens "token_id:<id>"')] = None
     ignore_eos: Annotated[bool | None, Engine("generation.ignore_eos")] = None
     include_stop_str_in_output: Annotated[bool | None, Engine("stop.include_stop_str", read=False)] = None
     skip_special_tokens: Annotated[bool | None, Neutral((True,))] = None

@@ -135,7 +135,8 @@ def completion_id() -> str:
 def _logprobs(result: GenerationResult, call: CompletionCall, tokenizer: Any) -> dict[str, Any] | None:
     if not call.logprobs:
         return None
-    return logprobs_content(result, tokenizer, 0 if call.top_logprobs is None else call.top_logprobs)
+    return logprobs_content(result, tokenizer, 0 if call.top_logprobs is None else call.top_logprobs,
+                            as_ids=call.tokens_as_ids)
 
 
 def completion_body(results: Sequence[GenerationResult], call: CompletionCall, *, model: str,
@@ -144,20 +145,27 @@ def completion_body(results: Sequence[GenerationResult], call: CompletionCall, *
     OpenAI's and vLLM's servers do, and every choice's tokens."""
     prompt = len(results[0].prompt_token_ids)
     completion = sum(len(r.token_ids) for r in results)
-    return {
+    choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
+                "logprobs": _logprobs(r, call, tokenizer), "finish_reason": r.finish_reason,
+                **({"token_ids": list(r.token_ids)} if call.return_token_ids else {})} for i, r in enumerate(results)]
+    body = {
         "id": completion_id(), "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": i, "message": {"role": "assistant", "content": r.text},
-                     "logprobs": _logprobs(r, call, tokenizer), "finish_reason": r.finish_reason}
-                    for i, r in enumerate(results)],
+        "choices": choices,
         "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
         "system_fingerprint": None,
     }
+    if call.return_token_ids:
+        body["prompt_token_ids"] = list(results[0].prompt_token_ids)  # the rendered conversation, as the engine ran it
+    return body
 
 
 def chunk(cid: str, created: int, model: str, call: CompletionCall, *, delta: dict[str, Any] | None = None,
-          result: GenerationResult | None = None, tokenizer: Any = None, usage_only: bool = False) -> dict[str, Any]:
+          result: GenerationResult | None = None, tokenizer: Any = None, usage_only: bool = False,
+          prompt_ids: list[int] | None = None) -> dict[str, Any]:
     """One ``chat.completion.chunk``: a delta; with ``result`` the closing one (finish reason, logprobs); with
-    ``usage_only`` the trailing usage chunk (``stream_options.include_usage``), whose ``choices`` are empty."""
+    ``usage_only`` the trailing usage chunk (``stream_options.include_usage``), whose ``choices`` are empty. With
+    ``return_token_ids`` each choice carries ``token_ids`` (all of them in the closing chunk, as its logprobs) and
+    ``prompt_ids`` go into the first chunk's ``prompt_token_ids``."""
     body: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                             "system_fingerprint": None}
     if usage_only:
@@ -167,6 +175,10 @@ def chunk(cid: str, created: int, model: str, call: CompletionCall, *, delta: di
     if result is not None:
         choice["finish_reason"] = result.finish_reason
         choice["logprobs"] = _logprobs(result, call, tokenizer)
+    if call.return_token_ids:
+        choice["token_ids"] = list(result.token_ids) if result is not None else []
+        if prompt_ids is not None:
+            body["prompt_token_ids"] = prompt_ids
     body["choices"] = [choice]
     if call.include_usage:
         body["usage"] = None

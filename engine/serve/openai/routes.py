@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 
 from engine.serve.openai import chat, text
 from engine.serve.openai.bodies import ChatCompletionRequest, CompletionRequest
+from engine.serve.openai.server_info import server_info
 from engine.serve.service import ServedEngine
 from engine.serve.shared.calls import Call, Surface
 from engine.serve.shared.fields import FieldTable
@@ -45,6 +46,11 @@ def router(served: ServedEngine) -> APIRouter:
                                             "logprobs_mode": engine.config.model.logprobs_mode}
                                            for name in (model, *served.serve.model_aliases)]}
 
+    @api.get("/server_info")
+    async def show_server_info(request: Request, config_format: str = "text") -> Any:
+        """vLLM's ``/server_info`` (what TRL's client reads before training): :mod:`engine.serve.openai.server_info`."""
+        return server_info(served, config_format=config_format, with_path=served.sent_the_key(request.scope["headers"]))
+
     @chats.route(api, "/v1/chat/completions")
     async def chat_completions(call: Call) -> Any:
         c = call.parsed
@@ -55,7 +61,8 @@ def router(served: ServedEngine) -> APIRouter:
         cid, created = chat.completion_id(), int(time.time())
 
         async def open_stream() -> tuple[Any, list[Any]]:  # validation raises here, before any generation
-            role = chat.chunk(cid, created, model, c, delta={"role": "assistant", "content": ""})
+            prompt_ids = list(call.prepared[0][0].token_ids) if c.return_token_ids else None
+            role = chat.chunk(cid, created, model, c, delta={"role": "assistant", "content": ""}, prompt_ids=prompt_ids)
             return engine.astream(c.request, **c.kwargs, prepared=call.prepared), [role]
 
         def events(part: Any) -> list[Any]:
@@ -91,18 +98,29 @@ def router(served: ServedEngine) -> APIRouter:
                                     text.completion_body(c, out[0], out[1], model=model, tokenizer=engine.tokenizer))
         cid, created = text.completion_id(), int(time.time())
 
+        unsent = [c.prompts[0]] if c.return_token_ids else []  # the prompt's ids, until a chunk carries them
+
+        def ids(token_ids: list[int]) -> dict[str, list[int]] | None:
+            """``return_token_ids``: the chunk's token ids (all of them in the closing chunk), and the prompt's in
+            the first chunk."""
+            if not c.return_token_ids:
+                return None
+            return {"token_ids": token_ids, **({"prompt_token_ids": unsent.pop()} if unsent else {})}
+
         async def open_stream() -> tuple[Any, list[Any]]:
             stream = engine.astream_complete(c.prompts[0], **c.kwargs, prepared=call.prepared)
             if not c.echo:
                 return stream, []
             echoed = text.choice_logprobs(c, 0, None, (await prompt_scores())[0], engine.tokenizer, answer=False)
-            return stream, [text.chunk(cid, created, model, text=c.texts[0], logprobs=echoed)]
+            return stream, [text.chunk(cid, created, model, text=text.shown_prompt(c, 0), logprobs=echoed,
+                                       ids=ids([]))]
 
         def events(part: Any) -> list[Any]:
-            out = [text.chunk(cid, created, model, text=part.delta)] if part.delta else []
+            out = [text.chunk(cid, created, model, text=part.delta, ids=ids([]))] if part.delta else []
             if part.result is not None:
                 logprobs = text.choice_logprobs(c, 0, part.result, None, engine.tokenizer, prompt=False)
-                out.append(text.chunk(cid, created, model, logprobs=logprobs, finish_reason=part.result.finish_reason))
+                out.append(text.chunk(cid, created, model, logprobs=logprobs, finish_reason=part.result.finish_reason,
+                                      ids=ids(list(part.result.token_ids))))
                 if c.include_usage:
                     out.append(text.chunk(cid, created, model, usage=usage(part.result)))
             return out

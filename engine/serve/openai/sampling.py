@@ -22,6 +22,11 @@ Choices written down (OpenAI's reference leaves them open or this server cannot 
   ``skip_special_tokens`` and ``spaces_between_special_tokens`` (true only: answers are decoded without special
   tokens on every backend), ``vllm_xargs`` (empty only: no custom logits processors), and on the chat route
   ``chat_template_kwargs`` with ``enable_thinking`` (off by default).
+* RL clients' fields, as vLLM 0.32 answers them: ``return_token_ids`` (each choice's ``token_ids``, the prompt's
+  ``prompt_token_ids``: the ids the trainer learns from are the ids sampled, never re-tokenized text) and
+  ``return_tokens_as_token_ids`` (logprobs name tokens ``"token_id:<id>"``); ``structured_outputs`` with ``json`` or
+  ``json_object`` is the engine's ``json_schema`` (with ``response_format`` too: a 400), its other kinds a 400 naming
+  them.
 * A stop string that is exactly a special token's text (``stop: ["<|im_end|>"]``, as ChatML clients send) ends the
   row at that token on every backend, recorded in the engine's result (``meta["stop_strings_as_token_ids"]``).
 * ``model`` must name the served model: its name, another ``--served-model-name``, or its path (else 404, as vLLM's
@@ -33,6 +38,7 @@ Choices written down (OpenAI's reference leaves them open or this server cannot 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +63,10 @@ class Sampling:
     """``response_format``'s schema, for the engine's constrained decoding (None: free text)."""
     n: int
     """Choices per prompt."""
+    return_token_ids: bool
+    """vLLM's ``return_token_ids``: the ids sampled (and the prompt's) beside the text, never re-tokenized."""
+    tokens_as_ids: bool
+    """vLLM's ``return_tokens_as_token_ids``: logprobs name each token ``"token_id:<id>"``."""
 
     def shared(self) -> dict[str, Any]:
         """These fields by name: what a route's call is built from."""
@@ -101,8 +111,60 @@ def parse_sampling(body: OpenAISampling, own: dict[str, Any]) -> Sampling:
         stop = {**(stop or {}), "token_ids": body.stop_token_ids}  # checked by the engine, named back by the table
     options, stop, plugins = engine_extension(body.engine, options, stop, options_from="by a top-level field",
                                               stop_field="stop" if body.stop else "stop_token_ids")
+    schema = response_schema(body.response_format)
+    structured = structured_schema(body.structured_outputs)
+    if schema is not None and structured is not None:
+        raise RequestError("structured_outputs", body.structured_outputs.model_dump(by_alias=True, exclude_unset=True),
+                           "conflicts with response_format", fix="constrain the answer in one of them")
     return Sampling(model=body.model, options=options, stop=stop, plugins=plugins, stream=stream,
-                    include_usage=include_usage, json_schema=response_schema(body.response_format), n=n)
+                    include_usage=include_usage, json_schema=structured if schema is None else schema, n=n,
+                    return_token_ids=bool(body.return_token_ids), tokens_as_ids=bool(body.return_tokens_as_token_ids))
+
+
+UNCONSTRAINED_KINDS = ("regex", "choice", "grammar", "structural_tag")
+"""vLLM's ``structured_outputs`` kinds the engine has no decoding for (it constrains to JSON Schemas)."""
+
+
+def structured_schema(value: Any) -> Any:
+    """The JSON Schema a validated ``structured_outputs`` (vLLM's field) asks for, or None: ``json`` (a schema, or
+    its JSON text) or ``json_object``; the other kinds are refused by name.
+
+    >>> from engine.serve.openai.bodies import StructuredOutputs
+    >>> structured_schema(StructuredOutputs.model_validate({"json": '{"type": "integer"}'}))
+    {'type': 'integer'}
+    >>> structured_schema(StructuredOutputs.model_validate({"json_object": True}))
+    {'type': 'object'}
+    >>> structured_schema(StructuredOutputs.model_validate({"regex": "[0-9]+"}))
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: structured_outputs.regex is not supported: this server constrains answers to JSON \
+Schemas only, got '[0-9]+'. Fix: send structured_outputs.json with a JSON Schema, or leave structured_outputs out.
+    """
+    if value is None:
+        return None
+    fix = "send structured_outputs.json with a JSON Schema, or leave structured_outputs out"
+    for name in ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern"):
+        if getattr(value, name):
+            raise RequestError(f"structured_outputs.{name}", getattr(value, name), "is not supported by this server "
+                               "(the engine's grammar sets whitespace and properties)", fix="leave it out")
+    for kind in UNCONSTRAINED_KINDS:
+        if getattr(value, kind) is not None:
+            raise RequestError(f"structured_outputs.{kind}", getattr(value, kind), "is not supported: this server "
+                               "constrains answers to JSON Schemas only", fix=fix)
+    schema, whole = value.json_, bool(value.json_object)
+    if schema is not None and whole:
+        raise RequestError("structured_outputs.json_object", True, "conflicts with structured_outputs.json",
+                           fix="send one of them")
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as err:
+            raise RequestError("structured_outputs.json", value.json_, f"is not JSON ({err})",
+                               fix="send the schema as an object, or as valid JSON text") from None
+    if schema is None and not whole:
+        raise RequestError("structured_outputs", value.model_dump(by_alias=True, exclude_unset=True),
+                           "asks for no constraint", fix=fix)
+    return {"type": "object"} if whole else schema
 
 
 def response_schema(value: Any) -> Any:

@@ -36,7 +36,7 @@ from engine.backends.base import TokenScores
 from engine.errors import RequestError, RequestTooLarge
 from engine.serve.openai.bodies import CompletionRequest
 from engine.serve.openai.sampling import Sampling, parse_sampling
-from engine.serve.shared.formats import shown_logprob
+from engine.serve.shared.formats import shown_logprob, token_name
 from engine.types import GenerationResult
 
 DEFAULT_MAX_TOKENS = 16
@@ -186,33 +186,37 @@ def completion_id() -> str:
 
 
 def legacy_logprobs(token_ids: Sequence[int], steps: Sequence[tuple[float | None, Mapping[int, float] | None]],
-                    tokenizer: Any, offset: int = 0) -> dict[str, Any]:
+                    tokenizer: Any, offset: int = 0, as_ids: bool = False) -> dict[str, Any]:
     """OpenAI's legacy logprobs object for ``token_ids``: ``steps[j]`` is token j's logprob and its alternatives
     (token id -> logprob, the chosen one included), ``(None, None)`` where there are none (a prompt's first token);
-    ``offset`` is where the first token's text starts in the choice's text.
+    ``offset`` is where the first token's text starts in the choice's text. ``as_ids`` names each token
+    ``"token_id:<id>"`` (vLLM's ``return_tokens_as_token_ids``; the offsets then advance by those names, as vLLM's do).
 
     >>> from types import SimpleNamespace
     >>> tok = SimpleNamespace(decode=lambda ids: "".join(chr(96 + i) for i in ids))
     >>> legacy_logprobs([1, 2], [(None, None), (-0.5, {2: -0.5, 3: -1.5})], tok, offset=4)
     {'tokens': ['a', 'b'], 'token_logprobs': [None, -0.5], 'top_logprobs': [None, {'b': -0.5, 'c': -1.5}], \
 'text_offset': [4, 5]}
+    >>> legacy_logprobs([2], [(-0.5, {2: -0.5, 3: -1.5})], tok, as_ids=True)["top_logprobs"]
+    [{'token_id:2': -0.5, 'token_id:3': -1.5}]
     """
     tokens, logprobs, tops, offsets = [], [], [], []
     for token_id, (logprob, alternatives) in zip(token_ids, steps, strict=True):
-        text = tokenizer.decode([token_id])
+        text = token_name(token_id, tokenizer, as_ids)
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
         logprobs.append(None if logprob is None else shown_logprob(logprob))
-        tops.append(None if alternatives is None else _by_text(alternatives, tokenizer))
+        tops.append(None if alternatives is None else _by_text(alternatives, tokenizer, as_ids))
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _by_text(alternatives: Mapping[int, float], tokenizer: Any) -> dict[str, float]:
-    """Alternatives keyed by token text, likeliest first; two tokens with one text keep the likelier logprob."""
+def _by_text(alternatives: Mapping[int, float], tokenizer: Any, as_ids: bool) -> dict[str, float]:
+    """Alternatives keyed by token text (or ``"token_id:<id>"``), likeliest first; two tokens with one text keep the
+    likelier logprob."""
     out: dict[str, float] = {}
     for token_id, logprob in sorted(alternatives.items(), key=lambda kv: -kv[1]):
-        out.setdefault(tokenizer.decode([token_id]), shown_logprob(logprob))
+        out.setdefault(token_name(token_id, tokenizer, as_ids), shown_logprob(logprob))
     return out
 
 
@@ -245,8 +249,14 @@ def choice_logprobs(call: TextCompletionCall, index: int, result: GenerationResu
     if result is not None and answer:
         ids += result.token_ids
         steps += answer_steps(result)
-    offset = len(call.texts[index]) if call.echo and not prompt else 0
-    return legacy_logprobs(ids, steps, tokenizer, offset=offset)
+    offset = len(shown_prompt(call, index)) if call.echo and not prompt else 0
+    return legacy_logprobs(ids, steps, tokenizer, offset=offset, as_ids=call.tokens_as_ids)
+
+
+def shown_prompt(call: TextCompletionCall, index: int) -> str:
+    """What ``echo`` puts before prompt ``index``'s answer: its text, or nothing when the client asked for token ids
+    (``return_token_ids``: the ids are in ``prompt_token_ids``, and vLLM does not detokenize the prompt then)."""
+    return "" if call.return_token_ids else call.texts[index]
 
 
 def completion_body(call: TextCompletionCall, results: Sequence[GenerationResult | None],
@@ -260,9 +270,13 @@ def completion_body(call: TextCompletionCall, results: Sequence[GenerationResult
     for k, result in enumerate(results):
         i = k // call.n
         answer = result.text if result is not None else ""
-        choices.append({"index": k, "text": (call.texts[i] if call.echo else "") + answer,
-                        "logprobs": choice_logprobs(call, i, result, scores[i], tokenizer),
-                        "finish_reason": result.finish_reason if result is not None else "length"})
+        choice = {"index": k, "text": (shown_prompt(call, i) if call.echo else "") + answer,
+                  "logprobs": choice_logprobs(call, i, result, scores[i], tokenizer),
+                  "finish_reason": result.finish_reason if result is not None else "length"}
+        if call.return_token_ids:
+            choice.update(prompt_token_ids=call.prompts[i],
+                          token_ids=list(result.token_ids) if result is not None else [])
+        choices.append(choice)
         completion_tokens += len(result.token_ids) if result is not None else 0
     return {"id": completion_id(), "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "system_fingerprint": None,
@@ -271,10 +285,13 @@ def completion_body(call: TextCompletionCall, results: Sequence[GenerationResult
 
 
 def chunk(cid: str, created: int, model: str, *, index: int = 0, text: str = "", logprobs: Any = None,
-          finish_reason: str | None = None, usage: dict[str, int] | None = None) -> dict[str, Any]:
-    """One streamed ``text_completion`` chunk; with ``usage`` the trailing usage chunk (no choices)."""
+          finish_reason: str | None = None, usage: dict[str, int] | None = None,
+          ids: dict[str, list[int]] | None = None) -> dict[str, Any]:
+    """One streamed ``text_completion`` chunk; with ``usage`` the trailing usage chunk (no choices); ``ids``: the
+    choice's ``token_ids`` (and, on the first chunk, ``prompt_token_ids``) when the client asked for them."""
     body: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": model,
                             "system_fingerprint": None}
     if usage is not None:
         return {**body, "choices": [], "usage": usage}
-    return {**body, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, **(ids or {})}
+    return {**body, "choices": [choice]}

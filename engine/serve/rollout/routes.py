@@ -33,7 +33,8 @@ def router(served: ServedEngine) -> APIRouter:
         return report if report["status"] == "ok" else JSONResponse(report, status_code=503)  # a dead engine
 
     @api.get("/get_world_size/")
-    async def world_size() -> dict[str, int]:
+    @api.get("/get_world_size")  # vLLM's name (TRL's client); ``include_dp`` is moot: no data parallelism here
+    async def world_size(include_dp: bool = True) -> dict[str, int]:
         return {"world_size": served.world_size()}
 
     @api.post("/get_engine_type/")

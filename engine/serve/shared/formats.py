@@ -86,20 +86,33 @@ def shown_logprob(value: float) -> float:
     return value if math.isfinite(value) else FLOOR
 
 
-def logprobs_content(result: GenerationResult, tokenizer: Any, top: int | None) -> dict[str, Any] | None:
-    """Per-token logprobs in OpenAI's (and swift's) shape: token, logprob, bytes, and ``top`` alternatives."""
+def token_name(token_id: int, tokenizer: Any, as_ids: bool = False) -> str:
+    """How logprobs name a token: its text, or ``"token_id:<id>"`` (vLLM's ``return_tokens_as_token_ids``, for tokens
+    whose text is not valid on its own, e.g. half of a UTF-8 character).
+
+    >>> token_name(7, None, as_ids=True)
+    'token_id:7'
+    """
+    return f"token_id:{token_id}" if as_ids else tokenizer.decode([token_id])
+
+
+def logprobs_content(result: GenerationResult, tokenizer: Any, top: int | None,
+                     as_ids: bool = False) -> dict[str, Any] | None:
+    """Per-token logprobs in OpenAI's (and swift's) shape: token (or ``"token_id:<id>"`` with ``as_ids``), logprob,
+    bytes (of the token's text), and ``top`` alternatives."""
     if result.logprobs is None:
         return None
     content = []
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": token_name(token_id, tokenizer, as_ids), "logprob": shown_logprob(logprob),
+                "bytes": list(tokenizer.decode([token_id]).encode("utf8"))}
+
     for token_id, step in zip(result.token_ids, result.logprobs, strict=True):
-        token = tokenizer.decode([token_id])
-        entry: dict[str, Any] = {"token": token, "logprob": shown_logprob(step[token_id]),
-                                 "bytes": list(token.encode("utf8"))}
+        chosen = entry(token_id, step[token_id])
         if top is not None:
-            best = sorted(step.items(), key=lambda kv: -kv[1])[:top]
-            entry["top_logprobs"] = [{"token": (t := tokenizer.decode([k])), "logprob": shown_logprob(lp),
-                                      "bytes": list(t.encode("utf8"))} for k, lp in best]
-        content.append(entry)
+            chosen["top_logprobs"] = [entry(k, lp) for k, lp in sorted(step.items(), key=lambda kv: -kv[1])[:top]]
+        content.append(chosen)
     return {"content": content}
 
 
