@@ -1,0 +1,121 @@
+"""The run's reaper: every process a test run starts dies with the run, however the run ends (SIGKILL and the
+kernel's OOM killer included, which leave no Python code a chance to clean up).
+
+A small watcher process of its own session (a signal to the run's process group does not reach it) follows the run's
+process tree: every half second it notes each descendant of the run (pid and start time: our servers, stock ``vllm
+serve``, their engine cores, in-process vLLM's engine cores, lm-eval and swift children). When the run's process is
+gone, or its pipe to the watcher closes, it kills every noted process still alive with the same start time (a reused
+pid is never touched), and every process those left behind, then exits. On a run that ends well there is nothing left
+to kill; a leak is killed all the same.
+
+The suite's plugin starts it for a run of the suite (``conformance/plugin.py``), the benchmarks' conftest for a
+benchmark run; ``python -m conformance.reaper --parent PID`` is the watcher itself.
+
+>>> tree = {1: (0, 5), 10: (1, 7), 11: (10, 8), 12: (11, 9), 20: (1, 3)}
+>>> sorted(descendants(10, tree))
+[11, 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+PERIOD_S = 0.5
+"""How often the watcher notes the run's tree: a process started and orphaned within one period can escape."""
+_started: subprocess.Popen[bytes] | None = None
+
+
+def process_table() -> dict[int, tuple[int, int]]:
+    """Every process now: pid -> (parent pid, start time in clock ticks since boot), from ``/proc``."""
+    table = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces
+        table[int(entry.name)] = (int(fields[1]), int(fields[19]))
+    return table
+
+
+def descendants(root: int, table: Mapping[int, tuple[int, int]]) -> set[int]:
+    """The pids below ``root`` in ``table`` (pid -> (parent, start))."""
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in table.items():
+        children.setdefault(parent, []).append(pid)
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def reap(noted: Mapping[int, int]) -> list[int]:
+    """Kill every noted process (pid -> start time) still alive as itself, and every process below them now; returns
+    the pids killed."""
+    table = process_table()
+    alive = {pid for pid, start in noted.items() if table.get(pid, (0, -1))[1] == start}
+    for pid in list(alive):
+        alive |= descendants(pid, table)
+    for pid in alive:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return sorted(alive)
+
+
+def watch(parent: int, pipe: int | None) -> None:
+    """Note ``parent``'s tree until it is gone (or ``pipe`` reads end-of-file), then :func:`reap` it."""
+    start = process_table().get(parent, (0, None))[1]
+    noted: dict[int, int] = {}
+    me = os.getpid()
+    while True:
+        table = process_table()
+        if table.get(parent, (0, None))[1] != start:
+            break
+        noted.update({pid: table[pid][1] for pid in descendants(parent, table) if pid != me})
+        if pipe is None:
+            time.sleep(PERIOD_S)
+            continue
+        ready, _, _ = select.select([pipe], [], [], PERIOD_S)
+        if ready and not os.read(pipe, 4096):  # end-of-file: the run's end of the pipe is closed
+            break
+    killed = reap(noted)
+    if killed:
+        print(f"conformance.reaper: the run (pid {parent}) ended; killed {len(killed)} process(es) it had left: "
+              f"{killed}", file=sys.stderr)
+
+
+def start() -> subprocess.Popen[bytes]:
+    """Start the watcher for this process (once per process); returns it. Its stdin is a pipe whose writing end only
+    this process holds: closed when this process ends, however it ends."""
+    global _started
+    if _started is None or _started.poll() is not None:
+        _started = subprocess.Popen([sys.executable, "-m", "conformance.reaper", "--parent", str(os.getpid())],
+                                    stdin=subprocess.PIPE, start_new_session=True, close_fds=True)
+    return _started
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m conformance.reaper", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parent", type=int, required=True, help="the run's pid, whose tree dies with it")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the run, not its reaper
+    watch(args.parent, sys.stdin.fileno() if not sys.stdin.isatty() else None)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
