@@ -54,6 +54,19 @@ HOSTILE = {  # id: (path, raw body, status, the field the error names, a phrase 
     "lone-surrogate": ("/v1/chat/completions",
                        '{"model": "MODEL", "messages": [{"role": "user", "content": "a\\ud800b"}]}', 400,
                        "messages[0].content", "lone surrogate"),
+    # Hostile round 3: a lone surrogate outside message content was a 500 (each names where it is now).
+    "lone-surrogate-json-key": ("/v1/chat/completions", '{"model": "MODEL", "messages": [{"role": "user", '
+                                '"content": "Hi"}], "\\ud800": 1}', 400, "body (a key)", "lone surrogate"),
+    "lone-surrogate-completions-prompt": ("/v1/completions", '{"model": "MODEL", "prompt": "a\\ud800", '
+                                          '"max_tokens": 2}', 400, "prompt", "lone surrogate"),
+    "lone-surrogate-tokenize": ("/tokenize", '{"model": "MODEL", "prompt": "a\\udc00b"}', 400, "prompt",
+                                "lone surrogate"),
+    "lone-surrogate-infer-option-key": ("/infer/", '{"infer_requests": [{"messages": [{"role": "user", "content": '
+                                        '"Hi"}]}], "engine": {"options": {"\\ud800": 1}}}', 400,
+                                        "engine.options (a key)", "lone surrogate"),
+    "lone-surrogate-stop-key": ("/infer/", '{"infer_requests": [{"messages": [{"role": "user", "content": "Hi"}]}], '
+                                '"engine": {"stop": {"\\ud800": ["x"]}}}', 400, "engine.stop (a key)",
+                                "lone surrogate"),
     "temperature-1e-300": ("/infer/", json.dumps(infer(temperature=1e-300)), 400, "request_config.temperature",
                            "must be 0 (greedy) or at least 0.01"),
     "temperature-2.5": ("/v1/chat/completions",

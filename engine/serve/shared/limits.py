@@ -65,15 +65,49 @@ async def read_bytes(request: Any, max_bytes: int, idle_s: float) -> bytes:
 
 
 def parse_json(raw: bytes) -> Any:
-    """``raw`` as JSON, or a ``RequestError`` naming the body (run off the event loop: a 16 MiB body takes a while)."""
+    """``raw`` as JSON, or a ``RequestError`` naming the body (run off the event loop: a 16 MiB body takes a while);
+    a key or string holding a lone surrogate is refused by its path (:func:`check_unicode_strings`)."""
     try:
-        return json.loads(raw)
+        data = json.loads(raw)
     except RecursionError:
         raise RequestError("body", raw[:60].decode("utf8", "replace"), "nests arrays or objects too deeply",
                            fix="send a request body nested a few levels deep") from None
     except ValueError as err:  # not JSON, not UTF-8, or an integer beyond Python's 4300 digits
         raise RequestError("body", raw[:60].decode("utf8", "replace"), f"is not valid JSON ({err})",
                            fix="send a JSON object with Content-Type: application/json") from None
+    if b"\\ud" in raw.lower():  # only a \uD800-\uDFFF escape can give one: most bodies skip the walk
+        check_unicode_strings(data)
+    return data
+
+
+def check_unicode_strings(body: Any) -> None:
+    """Refuse a parsed JSON body any of whose keys or strings holds a lone surrogate (JSON's ``"\\ud800"``: not
+    valid Unicode, which no tokenizer, stop matcher or log line can take), naming where, before any field is read.
+
+    >>> check_unicode_strings({"prompt": ["ok", "a" + chr(0xD800)]})
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: prompt[1] holds a lone surrogate at character 1 (not valid Unicode text), got \
+'a\\ud800'. Fix: send the text as valid UTF-8.
+    >>> check_unicode_strings({"engine": {"options": {chr(0xDC00) + "x": 1}}})
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: engine.options (a key) holds a lone surrogate at character 0 (not valid Unicode \
+text), got '\\udc00x'. Fix: send the text as valid UTF-8.
+    """
+    from engine.types import check_unicode
+
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            check_unicode(value, path or "body")
+        elif isinstance(value, Mapping):
+            for key, item in value.items():
+                check_unicode(key, f"{path or 'body'} (a key)")
+                stack.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
 
 
 def check_counts(body: Any, *, max_items: int, requests: str | None, max_prompts: int) -> None:
