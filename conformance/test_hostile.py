@@ -375,6 +375,65 @@ def test_silent_and_lying_connections_are_closed_by_the_server(server, backend, 
     summary_note(f"silent sockets on {backend}: 20 closed after {waited:.1f} s; a 10**12 Content-Length: 413")
 
 
+def test_trickled_heads_bodies_and_a_full_connection_table_cannot_keep_clients_out(server, backend, summary_note):
+    """Hostile round 3: a request head trickled a byte a second is closed within ``serve.idle_connection_timeout_s``
+    (a head deadline, not a first-byte one); a body trickled a byte a second gets its 408 within
+    ``serve.body_timeout_s`` (a total deadline, not a pause between parts); with the connection table full of
+    stalled sockets (one byte each), ``/health`` still answers at once: the oldest idle connection makes room."""
+    import socket
+
+    import httpx
+
+    from conformance.servers import SERVED_TIMEOUTS
+    from engine.config import ServeConfig
+
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    head_s, body_s = SERVED_TIMEOUTS["idle_connection_timeout_s"], SERVED_TIMEOUTS["body_timeout_s"]
+
+    def trickle(opening: bytes, drip: bytes, limit_s: float) -> tuple[bytes, float]:
+        """Send ``opening``, then ``drip`` a byte a second until the server answers or closes (its first bytes,
+        and when), for at most ``limit_s``."""
+        with socket.create_connection((host, int(port)), timeout=1) as sock:
+            sock.sendall(opening)
+            began = time.perf_counter()
+            while time.perf_counter() - began < limit_s:
+                try:
+                    got = sock.recv(64)
+                    return got, time.perf_counter() - began
+                except TimeoutError:
+                    pass
+                try:
+                    sock.sendall(drip)
+                except OSError:  # closed by the server
+                    return b"", time.perf_counter() - began
+            return b"still open", time.perf_counter() - began
+
+    got, head_took = trickle(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ", b"a", head_s + 10)
+    assert got == b"" and head_took < head_s + 3, f"a trickled head: {got!r} after {head_took:.1f} s"
+    got, body_took = trickle(b"POST /infer/ HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 1000\r\n\r\n{", b" ", body_s + 10)
+    assert got.startswith(b"HTTP/1.1 408") and body_took < body_s + 3, f"a trickled body: {got!r} after " \
+                                                                        f"{body_took:.1f} s"
+    count = ServeConfig().max_connections + 16  # the suite's servers keep the default cap
+    stalled = []
+    try:
+        for _ in range(count):
+            sock = socket.create_connection((host, int(port)), timeout=30)
+            sock.sendall(b"G")
+            stalled.append(sock)
+        began = time.perf_counter()
+        health = httpx.get(f"{server.url}/health", timeout=head_s)  # before the head deadline frees any
+        answered = time.perf_counter() - began
+    finally:
+        for sock in stalled:
+            sock.close()
+    assert health.status_code == 200 and answered < head_s, f"/health beside {count} stalled sockets: " \
+                                                            f"{health.status_code} after {answered:.1f} s"
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+    summary_note(f"{backend}: a trickled head closed after {head_took:.1f} s, a trickled body 408 after "
+                 f"{body_took:.1f} s, /health beside {count} stalled sockets in {answered:.2f} s")
+
+
 def test_sigterm_during_a_long_stream_exits_cleanly(pool, backend, summary_note):
     """SIGTERM while a long stream generates, with a drain shorter than the stream: the server shuts down cleanly
     (llama.cpp freed its model under the batcher's row before issue 47: SIGSEGV), and the stream's client is cut

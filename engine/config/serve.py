@@ -117,13 +117,16 @@ got 'response'. Fix: pick another key, e.g. 'coordexp'.
     """Most prompt tokens one ``/v1/completions`` call with ``echo`` and ``logprobs`` scores (lm-eval's
     ``local-completions`` sends one document per call by default); more are refused before any is scored."""
     body_timeout_s: float = 30.0
-    """How long a request body may pause between two parts (408 after), in (0, 3600]."""
+    """How long a request body may take to arrive whole, from the end of its head (408 after: a total deadline, so
+    a trickled body is refused as a stalled one is), in (0, 3600]."""
     idle_connection_timeout_s: float = 10.0
-    """How long a new connection may stay silent before its first byte (closed after), in (0, 3600]; uvicorn's own
-    keep-alive timeout covers the silence between requests."""
+    """How long a request's head (request line and headers) may take to arrive whole, from the connection's opening
+    or from the first byte of a later request on it (the connection is closed after: a silent socket and a trickled
+    head alike), in (0, 3600]; uvicorn's own keep-alive timeout covers the silence between requests."""
     max_connections: int = 1024
-    """Most open client connections; one more is closed at once (a client holding silent sockets cannot exhaust
-    the server's file descriptors)."""
+    """Most open client connections; one more closes the oldest connection that runs no request (silent, part of a
+    head, idle between requests), or is closed at once when every one runs a request: stalled sockets cannot keep
+    other clients (``/health``) out, nor exhaust the server's file descriptors."""
     weight_sync_hosts: tuple[str, ...] = ()
     """Addresses besides loopback and ``host`` on which ``/init_communicator/`` may open the learner's group store
     (its rank 0 listens there, and what it receives is unpickled: expose it no wider than the HTTP port). swift's

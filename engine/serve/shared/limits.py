@@ -30,27 +30,31 @@ DRAIN_IDLE_S = 2.0
 """How long an oversized body's drain waits for its next part before the 413 is sent anyway."""
 
 
-async def read_bytes(request: Any, max_bytes: int, idle_s: float) -> bytes:
-    """The request's body, kept at most ``max_bytes`` far (:class:`RequestTooLarge` beyond: HTTP 413), each part
-    arriving within ``idle_s`` of the one before (:class:`RequestTimedOut` otherwise: HTTP 408; a client that declares
-    ``Content-Length: 10**12`` and stops sending holds nothing for long)."""
+async def read_bytes(request: Any, max_bytes: int, within_s: float) -> bytes:
+    """The request's body, kept at most ``max_bytes`` far (:class:`RequestTooLarge` beyond: HTTP 413), arriving whole
+    within ``within_s`` (:class:`RequestTimedOut` otherwise: HTTP 408; a total deadline, so a body that stalls and one
+    trickled a byte every few seconds are both refused in time; a client that declares ``Content-Length: 10**12`` and
+    stops sending holds nothing for long)."""
     import asyncio
 
     declared = request.headers.get("content-length", "")
     chunks: list[bytes] = []
     size = 0
     parts = request.stream().__aiter__()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
     while True:
         over = size > max_bytes or (declared.isdigit() and int(declared) > max_bytes)
+        left = max(0.0, deadline - loop.time())
         try:  # a body already refused is drained only while it keeps coming
-            chunk = await asyncio.wait_for(parts.__anext__(), min(idle_s, DRAIN_IDLE_S) if over else idle_s)
+            chunk = await asyncio.wait_for(parts.__anext__(), min(left, DRAIN_IDLE_S) if over else left)
         except StopAsyncIteration:
             break
         except TimeoutError:
             if over:  # Content-Length: 10**12 and ten bytes: the 413 now
                 break
-            raise RequestTimedOut("body", f"{size} bytes received", f"stalled: nothing arrived for "
-                                  f"serve.body_timeout_s ({idle_s:g} s)",
+            raise RequestTimedOut("body", f"{size} bytes received", f"did not arrive whole within "
+                                  f"serve.body_timeout_s ({within_s:g} s)",
                                   fix="send the whole body at once, or raise serve.body_timeout_s") from None
         size += len(chunk)
         if size > max_bytes or (declared.isdigit() and int(declared) > max_bytes):
