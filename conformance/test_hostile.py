@@ -121,7 +121,13 @@ HOSTILE = {  # id: (path, raw body, status, the field the error names, a phrase 
            ("bad-pattern", {"type": "string", "pattern": "(("}, "cannot be built into a grammar"),
            ("dangling-ref", {"$ref": "#/$defs/nowhere"}, "cannot be built into a grammar"),
            ("minimum-over-maximum", {"type": "integer", "minimum": 5, "maximum": 1}, "cannot be built into a grammar"),
-           ("pattern-a20000", {"type": "string", "pattern": "^a{20000}$"}, "more than 1000")]},
+           ("pattern-a20000", {"type": "string", "pattern": "^a{20000}$"}, "more than 1000"),
+           # Hostile round 3: converted by xgrammar but not compilable for the model's vocabulary (HF: 500, vLLM: an
+           # empty row); nested counts; an 8 MB enum (round 3: 8,000 x 1,000 characters) that never answered.
+           ("pattern-a999", {"type": "string", "pattern": "a{999}"}, "cannot be built into a grammar"),
+           ("pattern-anchored-a999", {"type": "string", "pattern": "^a{999}$"}, "cannot be built into a grammar"),
+           ("pattern-nested-999x999", {"type": "string", "pattern": "(a{999}){999}"}, "more than 1000"),
+           ("enum-4000x2000", {"enum": [f"{i:04d}" + "x" * 1996 for i in range(4000)]}, "characters long")]},
 }
 UNCONSTRAINED = (None, "cannot constrain output to a JSON Schema")
 """A backend without structured outputs (llama.cpp) refuses every schema by capability first."""

@@ -37,7 +37,7 @@ from engine.rules.base import RuleSpec
 from engine.rules.min_length import is_sentence_end_token
 from engine.rules.processing import Processing
 from engine.rules.repeat import RepeatRule
-from engine.rules.schema_check import check_schema
+from engine.rules.schema_check import check_schema, tokenizer_compile
 from engine.rules.stop import special_stop
 from engine.streaming import ResultStream
 from engine.templates import RenderedPrompt, render_prompt
@@ -277,10 +277,13 @@ class GenerationEngine:
             raise UnsupportedCapabilityError(f"backend {backend.name!r} cannot constrain output to a JSON Schema "
                                              "here. Fix: drop json_schema, or use a text model on hf or vllm")
         if schema is not None:
-            check_schema(schema)  # a grammar can be built from it (engine.rules.schema_check), else a RequestError
+            # A grammar can be built from it and compiled for the model's tokenizer (engine.rules.schema_check),
+            # else a RequestError. HF compiles with its own compiler here, so the batcher finds it ready; vLLM,
+            # which compiles in its engine core, is checked with one for the same tokenizer.
             compile_schema = getattr(backend, "compile_schema", None)
-            if compile_schema is not None:  # HF: compiled here, in the caller, so the batcher finds it ready
-                compile_schema(schema)
+            check_schema(schema, compile_schema or tokenizer_compile(self.tokenizer))
+            if compile_schema is not None:
+                compile_schema(schema)  # kept by the backend (KEPT of them); compiled again here if it was dropped
         opts = self.config.generation.merged(options)
         if opts.seed is None and backend.default_seed is not None:  # a backend-level seed for calls without one
             opts = dataclasses.replace(opts, seed=backend.default_seed)
