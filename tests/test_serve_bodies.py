@@ -175,17 +175,33 @@ class Stalling:
         yield b""
 
 
-def test_a_stalled_body_is_a_408_and_a_stalled_oversized_one_its_413():
-    """A body that stops part-way is refused after ``idle_s`` (408), naming the body; one that declared more than
-    the limit gets its 413 as soon as its drain stalls (``Content-Length: 10**12`` and ten bytes), not never."""
+class Trickling:
+    """A request whose body comes a byte every 10 ms, never ending (hostile round 3's trickle)."""
+
+    def __init__(self):
+        self.headers = {}
+
+    async def stream(self):
+        while True:
+            await asyncio.sleep(0.01)
+            yield b" "
+
+
+def test_a_stalled_or_trickled_body_is_a_408_and_a_stalled_oversized_one_its_413():
+    """A body that stops part-way, or trickles without end, is refused once ``within_s`` has passed (408: a total
+    deadline), naming the body; one that declared more than the limit gets its 413 as soon as its drain stalls
+    (``Content-Length: 10**12`` and ten bytes), not never."""
     from engine.errors import RequestTimedOut, RequestTooLarge
     from engine.serve.shared import limits
 
     with pytest.raises(RequestTimedOut, match=r"serve\.body_timeout_s"):
-        asyncio.run(limits.read_bytes(Stalling([b'{"a": ']), max_bytes=100, idle_s=0.05))
+        asyncio.run(limits.read_bytes(Stalling([b'{"a": ']), max_bytes=100, within_s=0.05))
+    with pytest.raises(RequestTimedOut, match=r"did not arrive whole within serve\.body_timeout_s"):
+        asyncio.run(limits.read_bytes(Trickling(), max_bytes=10**6, within_s=0.2))
     saved, limits.DRAIN_IDLE_S = limits.DRAIN_IDLE_S, 0.05
     try:
         with pytest.raises(RequestTooLarge, match=r"larger than serve\.max_body_bytes"):
-            asyncio.run(limits.read_bytes(Stalling([b"0123456789"], declared=str(10**12)), max_bytes=100, idle_s=30))
+            asyncio.run(limits.read_bytes(Stalling([b"0123456789"], declared=str(10**12)), max_bytes=100,
+                                          within_s=30))
     finally:
         limits.DRAIN_IDLE_S = saved
