@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -42,10 +43,10 @@ def process_table() -> dict[int, tuple[int, int]]:
             continue
         try:
             stat = Path(entry.path, "stat").read_text()
-        except OSError:  # gone meanwhile
+            fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces
+            table[int(entry.name)] = (int(fields[1]), int(fields[19]))
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or caught half-written as it exits
             continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces
-        table[int(entry.name)] = (int(fields[1]), int(fields[19]))
     return table
 
 
@@ -82,10 +83,15 @@ def watch(parent: int, pipe: int | None) -> None:
     noted: dict[int, int] = {}
     me = os.getpid()
     while True:
-        table = process_table()
-        if table.get(parent, (0, None))[1] != start:
-            break
-        noted.update({pid: table[pid][1] for pid in descendants(parent, table) if pid != me})
+        try:
+            table = process_table()
+            if table.get(parent, (0, None))[1] != start:
+                break
+            noted.update({pid: table[pid][1] for pid in descendants(parent, table) if pid != me})
+        except Exception:  # never die of a bad look at /proc: the run's processes would outlive it
+            traceback.print_exc()
+            time.sleep(PERIOD_S)
+            continue
         if pipe is None:
             time.sleep(PERIOD_S)
             continue

@@ -29,10 +29,11 @@ def command_line(pid: int) -> str:
 def test_a_run_killed_mid_way_leaves_no_process_running(tmp_path):
     """A child run of the suite (a chat check on HF, which starts the HF server) is killed with SIGKILL once its
     server process exists; within 30 s every process the run had started is gone."""
+    log = tmp_path / "run.log"  # the run's output, and its reaper's (what it killed, or why it could not)
     run = subprocess.Popen([sys.executable, "-m", "pytest", "conformance/test_chat.py", "-k", "curl", "-p",
                             "no:cacheprovider", "--engine-backends=hf", "--engine-require=hf",
-                            f"--engine-reports={tmp_path}"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                            f"--engine-reports={tmp_path}"], cwd=ROOT, stdout=log.open("w"),
+                           stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     seen: dict[int, int] = {}  # pid -> start time: every process of the run's tree while it ran
     server = None
     deadline = time.monotonic() + 240
@@ -48,6 +49,8 @@ def test_a_run_killed_mid_way_leaves_no_process_running(tmp_path):
             time.sleep(0.1)
         assert run.poll() is None, f"the run ended (exit {run.returncode}) before it could be killed mid-way"
         assert server is not None, "the run started no server within 240 s: nothing to prove"
+        reapers = [pid for pid in seen if "conformance.reaper" in command_line(pid)]
+        assert reapers, f"the run started no reaper; its processes: {[command_line(p)[:80] for p in seen]}"
         run.send_signal(signal.SIGKILL)
         run.wait(timeout=30)
         left = {}
@@ -57,7 +60,8 @@ def test_a_run_killed_mid_way_leaves_no_process_running(tmp_path):
             if not left:
                 break
             time.sleep(0.1)
-        assert not left, f"left running after the run was killed: {left}"
+        assert not left, f"left running after the run was killed: {left}; the run's log ends:\n" \
+                         f"{log.read_text(errors='replace')[-2000:]}"
     finally:
         if run.poll() is None:
             run.kill()
