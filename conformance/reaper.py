@@ -42,7 +42,7 @@ def process_table() -> dict[int, tuple[int, int]]:
         if not entry.name.isdigit():
             continue
         try:
-            stat = Path(entry.path, "stat").read_text()
+            stat = Path(entry.path, "stat").read_bytes().decode("latin-1")  # a name may hold any bytes
             fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces
             table[int(entry.name)] = (int(fields[1]), int(fields[19]))
         except (OSError, ValueError, IndexError):  # gone meanwhile, or caught half-written as it exits
