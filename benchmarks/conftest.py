@@ -228,7 +228,11 @@ class BenchSession:
         # max_new_tokens -- characters grow slowly there -- held a whole HF batch for 85 s in one round).
         serve = {"port": 0, "max_batch_size": max(self.size.served_concurrency),
                  "chat": {"temperature": 0, "top_p": 1.0}}
-        return {**self.config_for(backend), "serve": serve}
+        config = self.config_for(backend)
+        # The uniproc executor, as the suite's servers run it: a multiprocess worker (the served default) spins
+        # while idle and would take a core from every later benchmark. test_vs_vllm_serve runs the default.
+        config["vllm"] = {**config["vllm"], "multiprocessing": False}
+        return {**config, "serve": serve}
 
     def close(self) -> None:
         for key, obj in reversed(list(self._objects.items())):

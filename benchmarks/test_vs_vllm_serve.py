@@ -3,12 +3,13 @@ client, side by side in one run.
 
 Both servers run the benchmark session's vLLM config (``python -m engine.serve`` on it, and ``vllm serve`` with the
 flags ``conformance.stock.vllm_serve_arguments`` derives from it: model, dtype, seed, context, batch size, KV cache,
-eager mode), with vLLM's executor laid out as ``vllm serve`` lays it out: ours gets ``vllm.multiprocessing: true``.
-On a CPU host that is what decides the speed, not the server: ``vllm serve`` runs the model in a worker process
-whose OpenMP threads are pinned to all cores but one (kept for the scheduler), while the engine's default
-(``multiprocessing: false``, vLLM's uniproc executor) runs torch on every core, unpinned. On this 2-core machine
-the default served 1.5x stock's tokens/s on a quiet machine and 0.57-0.64x with one or two busy processes beside
-it; laid out alike, ours/stock was 0.94-1.07 quiet and 0.99 beside one busy process (docs/benchmarks.md). The two
+eager mode); ours runs its served default (``vllm.multiprocessing`` left out: true when served, the executor laid out
+as ``vllm serve`` lays it out, since issue 61). On a CPU host that layout is what decides the speed, not the server:
+``vllm serve`` runs the model in a worker process whose OpenMP threads are pinned to all cores but one (kept for
+the scheduler), while the in-process layout (``multiprocessing: false``, vLLM's uniproc executor, the served default
+before issue 61) runs torch on every core, unpinned. On this 2-core machine that layout served 1.5x stock's
+tokens/s on a quiet machine and 0.57-0.64x with one or two busy processes beside it; laid out alike, ours/stock was
+0.94-1.07 quiet and 0.99 beside one busy process (docs/benchmarks.md). The two
 servers are this module's own and are stopped after it: ``vllm serve``'s worker spins while idle and would take a
 core from every later benchmark.
 
@@ -60,7 +61,7 @@ def servers(bench: Any) -> Iterator[dict[str, Any]]:
     if "vllm" not in bench.backends:
         pytest.skip("the comparison with stock vllm serve needs vllm in --benchmark-backends")
     ours = bench.server_config("vllm")
-    ours["vllm"] = {**ours["vllm"], "multiprocessing": True}  # vllm serve's executor (see the module docstring)
+    ours["vllm"] = {k: v for k, v in ours["vllm"].items() if k != "multiprocessing"}  # our served default
     stock = bench.server_config("vllm")
     if not has_cuda():  # the KV cache our engine gives vLLM on CPU (vllm.cpu_kv_cache_space_gib), not vLLM's 92 %
         stock["vllm"] = {"cpu_kv_cache_space_gib": VllmConfig().cpu_kv_cache_space_gib, **stock["vllm"]}

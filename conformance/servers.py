@@ -58,8 +58,10 @@ class ServerPool:
         """(server key, config) of the server that serves the engine ``engine(backend, model, **sections)``."""
         config = self.configure(backend, model, **sections)
         # A served vLLM engine always runs AsyncLLM, its engine core in a child process, whatever
-        # vllm.multiprocessing says: engines that differ only there share one server.
-        config["vllm"] = {k: v for k, v in config["vllm"].items() if k != "multiprocessing"}
+        # vllm.multiprocessing says: engines that differ only there share one server. The suite's servers keep the
+        # uniproc executor (false), not the served default: a multiprocess worker spins while idle, and the suite
+        # keeps several servers alive on a few cores.
+        config["vllm"] = {**config["vllm"], "multiprocessing": False}
         config["serve"] = {**SERVED_TIMEOUTS, "chat": dict(SERVED_CHAT), **config.get("serve", {}), "port": 0}
         key = (backend, json.dumps(config, sort_keys=True))
         self._recipes.setdefault(key, (model, copy.deepcopy(sections)))

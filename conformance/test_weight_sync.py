@@ -187,3 +187,182 @@ def test_pushes_under_load_round_trip_exactly(pool, backend, perturbed):
         handle.stop()
     assert old_long != new_long, "the perturbed weights changed no answer: the check has no teeth"
     assert health.status_code == 200 and health.json()["status"] == "ok", health.text
+
+
+def test_vllm_routes_and_disk_reload_round_trip_exactly(pool, backend, perturbed):
+    """Issue 61: the weight updates RL clients of vLLM's API send. Through vLLM's four routes (the trainer is rank 0
+    of the group, tensors listed in one ``/update_weights``), answers equal the perturbed checkpoint's, and the
+    original weights pushed back give the first answers bit for bit (tokens and float32 logprobs); the same through a
+    checkpoint reload from disk (``/update_weights_from_disk``, SGLang's and AReaL's name). ``/server_info`` names the
+    transport TRL's client checks for, ``/weight_info`` the version the finish named; bad calls are refused by name
+    before anything moves; llama.cpp refuses both families by name and reports no weight-transfer engine."""
+    import httpx
+    from safetensors.torch import load_file
+
+    from conformance.availability import unavailable_reason
+    from engine.client import RolloutClient, launch_server
+    from engine.weight_transfer import WeightTransferClient
+
+    if unavailable_reason(backend):
+        pytest.skip(unavailable_reason(backend))
+    path, changed = perturbed
+    looper = str(fixture_path("tiny-looper"))
+    original = {name: t for name, t in load_file(str(fixture_path("tiny-looper") / "model.safetensors")).items()
+                if name in changed}
+    scored = {**GREEDY, "logprobs": True, "top_logprobs": 2}
+    handle = launch_server({**pool.config(backend, looper), "serve": {"port": 0, "weight_sync_join_timeout_s": 10}})
+    try:
+        info = httpx.get(f"{handle.url}/server_info?config_format=json", timeout=30).json()
+        transfer = info["vllm_config"]["weight_transfer_config"]
+        if backend == "llamacpp":
+            refused = [httpx.post(f"{handle.url}{route}", json=body, timeout=30) for route, body in (
+                ("/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1", "master_port": 29999,
+                                                                "rank_offset": 1, "world_size": 2}}),
+                ("/update_weights_from_disk", {"model_path": path}))]
+            assert transfer is None
+            assert all(r.status_code == 400 and "cannot load a learner's weights" in r.text for r in refused)
+            return
+        assert transfer == {"backend": "tcp"}, info
+        bad = {
+            "init_info.master_address": ("/init_weight_transfer_engine", {"init_info": {
+                "master_address": "203.0.113.9", "master_port": 29557, "rank_offset": 1, "world_size": 2}}),
+            "init_info.world_size": ("/init_weight_transfer_engine", {"init_info": {
+                "master_address": "127.0.0.1", "master_port": 29557, "rank_offset": 1, "world_size": 5}}),
+            "init_info.packed": ("/init_weight_transfer_engine", {"init_info": {
+                "master_address": "127.0.0.1", "master_port": 29557, "rank_offset": 1, "world_size": 2,
+                "transport": "tcp", "packed": True}}),
+            "model_path": ("/update_weights_from_disk", {"model_path": "/nonexistent/checkpoint"}),
+            "load_format": ("/update_weights_from_disk", {"model_path": path, "load_format": "gguf"}),
+        }
+        for param, (route, body) in bad.items():
+            reply = httpx.post(f"{handle.url}{route}", json=body, timeout=30)
+            assert reply.status_code == 400 and reply.json()["error"]["param"] == param, (param, reply.text)
+        early = httpx.post(f"{handle.url}/update_weights", timeout=30, json={"update_info": {
+            "names": [NAMED], "dtype_names": ["float32"], "shapes": [list(changed[NAMED].shape)]}})
+        assert early.status_code == 409 and "init_weight_transfer_engine" in early.text, early.text
+        with RolloutClient(handle.url, health_timeout=30) as client:
+            def answers():  # one prompt at a time: bit-exact needs the same batches (vLLM is not batch invariant)
+                return [(r.token_ids, r.logprobs) for p in PROMPTS for r in client.infer([p], scored)]
+
+            def update(sync, tensors, version):
+                with sync.weight_update():
+                    sync.update_named_params([(n, "float32", list(t.shape)) for n, t in tensors.items()],
+                                             iter(tensors.items()))
+                httpx.post(f"{handle.url}/finish_weight_update", json={"weight_version": version}, timeout=30)
+                sync.reset_prefix_cache()
+
+            before = answers()
+            with WeightTransferClient(handle.url, transport="tcp") as sync:
+                listed = httpx.post(f"{handle.url}/update_weights", timeout=30, json={"update_info": {
+                    "names": [NAMED], "dtype_names": ["float32", "float32"], "shapes": [[1]]}})
+                assert listed.status_code == 400 and listed.json()["error"]["param"] == "update_info.dtype_names"
+                update(sync, changed, "step-1")
+                pushed = answers()
+                version = httpx.get(f"{handle.url}/weight_info", timeout=30).json()
+                update(sync, original, "step-2")
+                back = answers()
+            from_disk = httpx.post(f"{handle.url}/update_weights_from_disk", json={"model_path": path,
+                                                                                   "weight_version": "disk-1"},
+                                   timeout=120)
+            assert from_disk.status_code == 200 and from_disk.json()["success"] is True, from_disk.text
+            disk_answers = answers()
+            restored = httpx.post(f"{handle.url}/update_weights_from_disk", json={"model_path": looper}, timeout=120)
+            assert restored.status_code == 200, restored.text
+            disk_back = answers()
+    finally:
+        handle.stop()
+    expected = pool.engine(backend, path).generate(PROMPTS, options={"max_new_tokens": GREEDY["max_tokens"]})
+    assert [ids for ids, _ in pushed] == [r.token_ids for r in expected], "answers after vLLM's routes' update"
+    assert pushed != before, "the update changed no answer: the check has no teeth"
+    assert version == {"weight_version": "step-1"}
+    assert back == before, "vLLM's routes: the original weights pushed back do not answer as before"
+    assert disk_answers == pushed, "a reload of the perturbed checkpoint answers unlike the same weights pushed"
+    assert disk_back == before, "the original checkpoint reloaded from disk does not answer as before"
+
+
+def test_a_learner_holds_rollouts_no_longer_than_the_session_bounds(pool, backend):
+    """Hostile round 3 (issue 61), on a keyless server: (1) a group nobody joins plus one announced push held every
+    generation for 75 s (the join timeout, not the session's 30 s): now the push's deadline is the session timeout and
+    the failure is the learner's next weight call's (500), not the rollouts'; (2) cache resets posted with no weights
+    loaded since drained every row in flight (a reset storm cut throughput by 40%): now they drop nothing and drain
+    nothing; (3) a joined learner pushing without end, never ending its session, held rollouts for as long as it
+    pushed: now ``serve.weight_sync_session_max_s`` ends the session and the rollouts run."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from conformance.availability import unavailable_reason
+    from engine.client import launch_server
+    from engine.weight_sync import WeightSyncClient
+
+    if unavailable_reason(backend):
+        pytest.skip(unavailable_reason(backend))
+    if backend == "llamacpp":
+        pytest.skip("llamacpp loads no learner's weights (refused by name: "
+                    "test_pushed_weights_answer_like_the_perturbed_checkpoint)")
+    looper = str(fixture_path("tiny-looper"))
+    bounds = {"weight_sync_join_timeout_s": 60, "weight_sync_session_timeout_s": 3, "weight_sync_session_max_s": 4}
+    handle = launch_server({**pool.config(backend, looper), "serve": {"port": 0, **bounds}})
+    short = {"infer_requests": [{"messages": PROMPTS[0]}], "request_config": {"max_tokens": 4, "temperature": 0}}
+    from safetensors.torch import load_file
+
+    norm = load_file(str(fixture_path("tiny-looper") / "model.safetensors"))["model.norm.weight"]
+    named = {"name": "model.norm.weight", "dtype": "torch.float32", "shape": list(norm.shape)}
+
+    def timed_infer(body):
+        start = time.monotonic()
+        reply = httpx.post(f"{handle.url}/infer/", json=body, timeout=120)
+        return reply.status_code, time.monotonic() - start
+
+    try:
+        # (1) nobody joins; one push announced
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        opened = httpx.post(f"{handle.url}/init_communicator/", timeout=30,
+                            json={"host": "127.0.0.1", "port": port, "world_size": 2, "transport": "tcp"})
+        assert opened.status_code == 200, opened.text
+        if backend == "hf":  # shapes are checked against the model on HF; vLLM reads checkpoint names as they come
+            assert httpx.post(f"{handle.url}/update_named_param/", json={**named, "shape": [3]},
+                              timeout=30).status_code == 400
+        announced = httpx.post(f"{handle.url}/update_named_param/", json=named, timeout=30)
+        status, held = timed_infer(short)
+        heard = httpx.post(f"{handle.url}/close_communicator/", timeout=120)
+        # (2) resets with nothing loaded since the last one: no drain (the first drops what the push above staled)
+        first_reset = httpx.post(f"{handle.url}/reset_prefix_cache/", timeout=120)
+        with ThreadPoolExecutor(1) as pool_:
+            long = pool_.submit(timed_infer, {"infer_requests": [{"messages": p} for p in PROMPTS * 4],
+                                              "request_config": {"max_tokens": 160, "temperature": 0}})
+            time.sleep(0.5)
+            resets = [httpx.post(f"{handle.url}/reset_prefix_cache/", timeout=120) for _ in range(5)]
+            drained = long.done()
+            long_status, _ = long.result()
+        # (3) a joined learner pushing every 0.5 s for 12 s, never ending its session
+        with WeightSyncClient(handle.url, transport="tcp") as sync:
+            stop = threading.Event()
+
+            def keep_pushing():
+                deadline = time.monotonic() + 12
+                while not stop.is_set() and time.monotonic() < deadline:
+                    sync.update_named_param("model.norm.weight", norm)  # a layer of one tensor (not fused)
+                    time.sleep(0.5)
+
+            pusher = threading.Thread(target=keep_pushing, daemon=True)
+            pusher.start()
+            time.sleep(1.0)
+            during_status, during = timed_infer(short)
+            stop.set()
+            pusher.join(60)
+    finally:
+        handle.stop()
+    assert announced.status_code == 200, announced.text
+    assert status == 200 and held < 20, f"a push nobody sends held a generation {held:.1f} s (session timeout 3 s)"
+    assert heard.status_code == 500 and "has not joined" in heard.text, heard.text
+    assert first_reset.status_code == 200 and first_reset.json()["message"] == "prefix cache reset", first_reset.text
+    assert all(r.status_code == 200 and "kept" in r.json()["message"] for r in resets), [r.text for r in resets]
+    assert not drained and long_status == 200, "a reset with nothing loaded waited for the rows in flight"
+    assert during_status == 200 and during < 10, \
+        f"a learner pushing without end held a generation {during:.1f} s (session max 4 s)"

@@ -67,9 +67,11 @@ def check_transport(transport: Any) -> str:
 
 
 def open_communicator(host: str, port: int, rank: int, world_size: int, transport: str, device: Any = None,
-                      timeout_s: float = 300.0) -> Any:
+                      timeout_s: float = 300.0, learner_rank: int | None = None) -> Any:
     """Join the learner's group as ``rank`` (rank 0 hosts its TCP store on ``host:port``) with ``transport``; rank
-    0 waits ``timeout_s`` at most for the others to join."""
+    0 waits ``timeout_s`` at most for the others to join. The learner is the group's last rank (swift's layout)
+    unless ``learner_rank`` says otherwise (vLLM's weight-transfer layout: the trainer is rank 0); the communicator
+    carries it as ``learner_rank``, the rank every receive takes tensors from."""
     from vllm.distributed.utils import StatelessProcessGroup
 
     group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size,
@@ -77,8 +79,11 @@ def open_communicator(host: str, port: int, rank: int, world_size: int, transpor
     if transport == "nccl":
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
 
-        return PyNcclCommunicator(group, device=device)
-    return TcpCommunicator(group)
+        communicator: Any = PyNcclCommunicator(group, device=device)
+    else:
+        communicator = TcpCommunicator(group)
+    communicator.learner_rank = world_size - 1 if learner_rank is None else learner_rank
+    return communicator
 
 
 class Joining:
@@ -105,18 +110,50 @@ class Joining:
         self._thread = threading.Thread(target=run, name="engine-weight-join", daemon=True)
         self._thread.start()
 
-    def joined(self) -> Any:
-        self._thread.join()
+    def joined(self, timeout_s: float | None = None) -> Any:
+        """The group, once joined; a join still under way after ``timeout_s`` is this call's failure (the join
+        itself goes on: a later call may still find it joined)."""
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the learner has not joined the group within {timeout_s:.0f} s of this push: "
+                               "a learner joins right after its init call")
         if self._error is not None:
             raise RuntimeError(f"the learner's group could not be joined: {self._error}") from self._error
         return self._result
 
 
 def announced_tensors(announced: Mapping[str, Any]) -> list[tuple[str, str, Sequence[int]]]:
-    """(field, name, shape) of every tensor a push announces (a named one, or a bucket's)."""
+    """(field, name, shape) of every tensor a push announces (a named one, a bucket's, or vLLM's listed ones)."""
     if "metadatas" in announced:
         return [(f"metadatas[{i}].name", m["name"], m["shape"]) for i, m in enumerate(announced["metadatas"])]
+    if "tensors" in announced:
+        return [(f"update_info.names[{i}]", t["name"], t["shape"]) for i, t in enumerate(announced["tensors"])]
     return [("name", announced["name"], announced["shape"])]
+
+
+def receive(joining: Joining | None, announced: Mapping[str, Any], within_s: float) -> list[tuple[str, Any]]:
+    """What a push announced, from the learner, as (name, tensor) pairs: the group must be joined and every byte
+    arrived within ``within_s`` of the push (``serve.weight_sync_session_timeout_s``), so a learner that announces
+    and never sends holds nothing longer than that (over ``tcp``; NCCL's broadcast has no deadline)."""
+    import time
+
+    if joining is None:
+        raise RuntimeError("no learner group is open: call /init_communicator/ (or /init_weight_transfer_engine) "
+                           "first")
+    deadline = time.monotonic() + within_s
+    communicator = joining.joined(within_s)
+    set_timeout = getattr(communicator.group.store, "set_timeout", None)
+    if set_timeout is not None:
+        from datetime import timedelta
+
+        set_timeout(timedelta(seconds=max(1.0, deadline - time.monotonic())))
+    if "metadatas" in announced:
+        return receive_flattened(communicator, announced["metadatas"])
+    if "tensors" in announced:
+        from engine.weight_transfer import receive_listed
+
+        return receive_listed(communicator, announced)
+    return receive_named(communicator, announced["name"], announced["dtype"], announced["shape"])
 
 
 WIDE_OPEN = frozenset({"0.0.0.0", "::", ""})
@@ -127,7 +164,7 @@ MAX_TENSOR_ELEMENTS = 2**36
 """Most elements one announced tensor may have (256 GiB in float32): a shape beyond it is no model's."""
 
 
-def store_host(asked: Any, serve_host: str, allowed: Sequence[str] = ()) -> str:
+def store_host(asked: Any, serve_host: str, allowed: Sequence[str] = (), field: str = "host") -> str:
     """Where ``/init_communicator/`` may open the group's store: loopback, the server's own ``serve.host`` (the
     wildcard swift's client sends means that one), or an address the operator listed in ``serve.weight_sync_hosts``.
 
@@ -139,13 +176,13 @@ def store_host(asked: Any, serve_host: str, allowed: Sequence[str] = ()) -> str:
     engine.errors.RequestError: host is not loopback, this server's address (127.0.0.1) or a listed one: ...
     """
     if not isinstance(asked, str):
-        raise RequestError("host", asked, "must be a host name or address", fix="e.g. 127.0.0.1")
+        raise RequestError(field, asked, "must be a host name or address", fix="e.g. 127.0.0.1")
     if asked in WIDE_OPEN:
         return serve_host
     if asked in LOOPBACK or asked.startswith("127.") or asked == serve_host or asked in allowed:
         return asked
-    raise RequestError("host", asked, f"is not loopback, this server's address ({serve_host}) or a listed one: the "
-                       "group's store would listen there and unpickle what reaches it",
+    raise RequestError(field, asked, f"is not loopback, this server's address ({serve_host}) or a listed one: the "
+                       "group's store would listen there (or be reached there) and what it carries is unpickled",
                        fix="send 0.0.0.0 (this server's address) or 127.0.0.1, or list the address in "
                            "serve.weight_sync_hosts")
 
@@ -195,7 +232,7 @@ def receive_named(communicator: Any, name: str, dtype: str, shape: Sequence[int]
     import torch
 
     tensor = torch.empty(tuple(shape), dtype=torch_dtype(dtype), device=communicator.device)
-    communicator.broadcast(tensor, src=communicator.group.world_size - 1)
+    communicator.broadcast(tensor, src=communicator.learner_rank)
     communicator.group.barrier()
     return [(name, tensor)]
 
@@ -205,7 +242,7 @@ def receive_flattened(communicator: Any, metadatas: Sequence[Mapping[str, Any]])
     import torch
 
     buffer = torch.empty(int(metadatas[-1]["end_idx"]), dtype=torch.uint8, device=communicator.device)
-    communicator.broadcast(buffer, src=communicator.group.world_size - 1)
+    communicator.broadcast(buffer, src=communicator.learner_rank)
     communicator.group.barrier()
     return unflatten(buffer, metadatas)
 

@@ -44,14 +44,16 @@ class Recording:
     def generate(self, prompts, plan):
         raise AssertionError("not used")
 
-    def open_weights(self, host, port, world_size, transport, timeout_s=300.0):
-        self.calls.append(f"open {host}:{port} {world_size} {transport}")  # the join: a thread of its own
+    def open_weights(self, host, port, world_size, transport, timeout_s=300.0, *, learner_rank=None, packed=None):
+        first = " trainer-first" if learner_rank == 0 else ""
+        self.calls.append(f"open {host}:{port} {world_size} {transport}{first}")  # the join: a thread of its own
 
     def check_announced(self, announced):
         pass
 
-    def load_weights(self, announced):
-        self._note("load " + (announced["name"] if "name" in announced else f"{len(announced['metadatas'])} tensors"))
+    def load_weights(self, announced, within_s=300.0):
+        listed = announced.get("metadatas") or announced.get("tensors")
+        self._note("load " + (announced["name"] if "name" in announced else f"{len(listed)} tensors"))
         if announced.get("name") == "broken":
             raise RuntimeError("the learner sent nothing")
         return 1
@@ -68,6 +70,10 @@ class Recording:
 
     def reset_cache(self, kind):
         self._note(f"reset {kind}")
+
+    def load_checkpoint(self, path):
+        self._note(f"checkpoint {path}")
+        return 2
 
 
 class Engine:
@@ -229,3 +235,80 @@ def test_a_push_without_an_open_communicator_is_refused_at_once_and_the_next_cal
     assert [r.status_code for r in replies] == [409, 200, 200, 200, 409]
     assert "call /init_communicator/ first" in replies[0].json()["error"]["message"]
     assert backend.calls == ["generate", "open 127.0.0.1:29500 2 tcp", "close"]
+
+
+TRANSFER_OPEN = ("POST", "/init_weight_transfer_engine", {"init_info": {
+    "master_address": "127.0.0.1", "master_port": 29501, "rank_offset": 1, "world_size": 2, "transport": "tcp"}})
+LISTED = {"update_info": {"names": ["a", "b"], "dtype_names": ["float32", "float16"], "shapes": [[2], [1]]}}
+
+
+def test_vllms_routes_open_the_trainers_group_hold_generations_for_the_update_and_name_the_version():
+    backend = Recording()
+    replies = session(backend, [
+        TRANSFER_OPEN, ("POST", "/start_weight_update", {}), ("POST", "/update_weights", LISTED),
+        ("POST", "/finish_weight_update", {"weight_version": "step-7"}), INFER, ("GET", "/weight_info", None),
+        ("POST", "/reset_prefix_cache", None), ("POST", "/shutdown_weight_transfer_engine", None)])
+    assert [r.status_code for r in replies] == [200] * 8, [r.text for r in replies]
+    assert replies[5].json() == {"weight_version": "step-7"}
+    assert backend.calls == ["open 127.0.0.1:29501 2 tcp trainer-first", "load 2 tensors", "finish", "generate",
+                             "reset prefix", "close"]
+
+
+@pytest.mark.parametrize(("route", "body", "field"), [
+    ("/init_weight_transfer_engine", {"init_info": {**TRANSFER_OPEN[2]["init_info"], "rank_offset": 2}},
+     "init_info.rank_offset"),
+    ("/init_weight_transfer_engine", {"init_info": {**TRANSFER_OPEN[2]["init_info"], "master_address": "8.8.8.8"}},
+     "init_info.master_address"),
+    ("/init_weight_transfer_engine", {"init_info": {**TRANSFER_OPEN[2]["init_info"], "packed": True}},
+     "init_info.packed"),
+    ("/init_weight_transfer_engine", {"init_info": {**TRANSFER_OPEN[2]["init_info"], "nccl_unique_id_b64": "AA=="}},
+     "init_info.nccl_unique_id_b64"),
+    ("/update_weights_from_disk", {"model_path": "/nonexistent"}, "model_path"),
+    ("/update_weights_from_disk", {"model_path": "/tmp", "abort_all_requests": True}, "abort_all_requests"),
+])
+def test_vllms_routes_refuse_a_malformed_call_by_field_before_any_backend_call(route, body, field):
+    backend = Recording()
+    reply = session(backend, [("POST", route, body)])[0]
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == field, reply.text
+    assert backend.calls == []
+
+
+def test_an_update_before_the_group_is_open_is_a_conflict_and_a_listed_update_checks_its_lists():
+    backend = Recording()
+    early, opened, uneven = session(backend, [
+        ("POST", "/update_weights", LISTED), TRANSFER_OPEN,
+        ("POST", "/update_weights", {"update_info": {**LISTED["update_info"], "shapes": [[2]]}})])
+    assert early.status_code == 409 and "init_weight_transfer_engine" in early.text
+    assert opened.status_code == 200
+    assert uneven.status_code == 400 and uneven.json()["error"]["param"] == "update_info.shapes"
+    assert backend.calls == ["open 127.0.0.1:29501 2 tcp trainer-first"]
+
+
+def test_a_reset_with_no_weights_loaded_since_drops_nothing_and_a_disk_reload_makes_every_cache_stale(tmp_path):
+    """Resets posted back to back drained every row in flight (hostile round 3): a cache is reset once per load."""
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    backend = Recording()
+    replies = session(backend, [
+        ("POST", "/reset_prefix_cache/", None), ("POST", "/update_weights_from_disk", {"model_path": str(tmp_path)}),
+        ("POST", "/reset_prefix_cache/", None), ("POST", "/reset_encoder_cache/", None),
+        ("POST", "/reset_encoder_cache/", None)])
+    assert [r.status_code for r in replies] == [200] * 5, [r.text for r in replies]
+    assert "kept" in replies[0].json()["message"] and "kept" in replies[2].json()["message"]
+    assert replies[1].json() == {"success": True, "message": f"loaded 2 tensors from {tmp_path}",
+                                 "num_paused_requests": 0}
+    assert backend.calls == [f"checkpoint {tmp_path}", "reset prefix", "reset encoder"]
+
+
+def test_a_session_that_outlives_its_bound_is_ended_by_the_next_generation():
+    """A learner that keeps a session open (pushes, no finish) holds generations at most
+    ``serve.weight_sync_session_max_s``; then the generation ends it and runs."""
+    import time
+
+    backend = Recording()
+    start = time.monotonic()
+    replies = session(backend, [
+        TRANSFER_OPEN, ("POST", "/start_weight_update", {}), ("POST", "/update_weights", LISTED), INFER],
+        serve={"weight_sync_session_timeout_s": 30, "weight_sync_session_max_s": 0.5})
+    assert [r.status_code for r in replies] == [200] * 4
+    assert backend.calls[-2:] == ["finish", "generate"], backend.calls
+    assert time.monotonic() - start < 20

@@ -195,17 +195,26 @@ class WeightLoading(Protocol):
     """A backend that takes a learner's weights while it serves (``engine.weight_sync``); the served engine calls
     these off its event loop, one at a time, never during a ``generate`` of a backend that batches through it."""
 
-    def open_weights(self, host: str, port: int, world_size: int, transport: str, timeout_s: float = 300.0) -> None:
+    def open_weights(self, host: str, port: int, world_size: int, transport: str, timeout_s: float = 300.0, *,
+                     learner_rank: int | None = None, packed: dict[str, Any] | None = None) -> None:
         """Start joining the learner's group without holding generation back; the join (``timeout_s`` at most)
-        completes, or fails, at the next ``load_weights``."""
+        completes, or fails, at the next ``load_weights``. The learner is the group's last rank (swift's layout),
+        or ``learner_rank`` 0 with the workers after it (vLLM's); ``packed`` (vLLM's packed NCCL broadcasts) holds
+        the buffer geometry the trainer sends with."""
         ...
 
     def check_announced(self, announced: dict[str, Any]) -> None:
         """Refuse, before anything is received, tensors the model cannot take (names, shapes, dtypes), by field."""
         ...
 
-    def load_weights(self, announced: dict[str, Any]) -> int:
-        """Receive what ``announced`` describes and load it into the model; the number of tensors loaded."""
+    def load_weights(self, announced: dict[str, Any], within_s: float = 300.0) -> int:
+        """Receive what ``announced`` describes (joined and arrived within ``within_s``) and load it into the model;
+        the number of tensors loaded."""
+        ...
+
+    def load_checkpoint(self, path: str) -> int:
+        """Load every tensor of a saved checkpoint folder (``engine.weight_checkpoint``) into the model, in effect
+        at once; the number of tensors loaded."""
         ...
 
     def finish_weights(self) -> None:

@@ -136,7 +136,12 @@ got 'response'. Fix: pick another key, e.g. 'coordexp'.
     and a learner that never joins fails the next weight call, not the server."""
     weight_sync_session_timeout_s: float = 30.0
     """How long generations wait for a learner's open push session to end (its cache reset, as swift's trainer sends
-    after every update) after its last push, in (0, 3600]; then they end it themselves."""
+    after every update; vLLM's ``/finish_weight_update``) after its last push, in (0, 3600]; then they end it
+    themselves. Also each push's deadline: its learner joined and its tensors arrived within it (over ``tcp``), so a
+    learner that announces and never sends holds the rollouts no longer."""
+    weight_sync_session_max_s: float = 120.0
+    """The longest one push session may hold new generations, pushes or not, in (0, 3600]: a learner that keeps
+    pushing without ever ending its session (no cache reset, no finish) has it ended here, and the rollouts run."""
     chat: PatternCConfig = field(default_factory=PatternCConfig)
     """Defaults of the Pattern C ``POST /chat`` endpoint."""
 
@@ -175,6 +180,9 @@ got 'response'. Fix: pick another key, e.g. 'coordexp'.
         check_type("serve.weight_sync_session_timeout_s", self.weight_sync_session_timeout_s, (int, float),
                    "a number")
         check_range("serve.weight_sync_session_timeout_s", self.weight_sync_session_timeout_s, low=0, high=3600,
+                    low_open=True)
+        check_type("serve.weight_sync_session_max_s", self.weight_sync_session_max_s, (int, float), "a number")
+        check_range("serve.weight_sync_session_max_s", self.weight_sync_session_max_s, low=0, high=3600,
                     low_open=True)
         for name in ("body_timeout_s", "idle_connection_timeout_s"):
             check_type(f"serve.{name}", getattr(self, name), (int, float), "a number")

@@ -163,18 +163,29 @@ class HfBackend(BackendBase, backend="hf"):
 
     # -- weight sync (engine.weight_sync): this process is the group's rank 0 ------------------------------------
 
-    def open_weights(self, host: str, port: int, world_size: int, transport: str, timeout_s: float = 300.0) -> None:
+    def open_weights(self, host: str, port: int, world_size: int, transport: str, timeout_s: float = 300.0, *,
+                     learner_rank: int | None = None, packed: dict[str, Any] | None = None) -> None:
         from engine.weight_sync import Joining, open_communicator
 
-        self.weights = Joining(lambda: open_communicator(host, port, 0, world_size, transport, device=self.device,
-                                                         timeout_s=timeout_s))
+        rank = 1 if learner_rank == 0 else 0
+
+        def join() -> Any:
+            communicator = open_communicator(host, port, rank, world_size, transport, device=self.device,
+                                             timeout_s=timeout_s, learner_rank=learner_rank)
+            communicator.packed = packed
+            return communicator
+
+        self.weights = Joining(join)
 
     def check_announced(self, announced: dict[str, Any]) -> None:
         """Every announced name is a parameter of the model, with its shape (any floating dtype converts)."""
         from engine.weight_sync import announced_tensors
 
+        self._check_tensors(announced_tensors(announced))
+
+    def _check_tensors(self, tensors: Sequence[tuple[str, str, Sequence[int]]]) -> None:
         state = self.model.state_dict()
-        for field, name, shape in announced_tensors(announced):
+        for field, name, shape in tensors:
             if name not in state:
                 raise RequestError(field, name, "is not a parameter of the served model",
                                    fix="send the names GET /get_model_state_keys/ lists")
@@ -182,19 +193,25 @@ class HfBackend(BackendBase, backend="hf"):
                 raise RequestError(field, name, f"has shape {list(shape)} but the model's is "
                                    f"{list(state[name].shape)}", fix="push the parameter with its own shape")
 
-    def load_weights(self, announced: dict[str, Any]) -> int:
+    def load_weights(self, announced: dict[str, Any], within_s: float = 300.0) -> int:
         """Receive the announced tensors and copy them into the model's state (tied weights follow)."""
+        from engine.weight_sync import receive
+
+        return self._copy_in(receive(getattr(self, "weights", None), announced, within_s))
+
+    def load_checkpoint(self, path: str) -> int:
+        """Every tensor of the checkpoint, checked (names, shapes) before any is copied in."""
+        from pathlib import Path
+
+        from engine.weight_checkpoint import checkpoint_tensors
+
+        tensors = checkpoint_tensors(Path(path))
+        self._check_tensors([("model_path", name, tuple(t.shape)) for name, t in tensors])
+        return self._copy_in(tensors)
+
+    def _copy_in(self, received: Sequence[tuple[str, Any]]) -> int:
         import torch
 
-        from engine.weight_sync import receive_flattened, receive_named
-
-        if getattr(self, "weights", None) is None:
-            raise RequestError("communicator", None, "is not open", fix="POST /init_communicator/ first")
-        communicator = self.weights.joined()
-        if "metadatas" in announced:
-            received = receive_flattened(communicator, announced["metadatas"])
-        else:
-            received = receive_named(communicator, announced["name"], announced["dtype"], announced["shape"])
         state = self.model.state_dict()
         unknown = [name for name, _ in received if name not in state]
         if unknown:

@@ -192,8 +192,10 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
 
     # -- weight sync (engine.weight_sync): every worker of the engine core receives and loads ----------------------
 
-    def open_weights(self, host: str, port: int, world_size: int, transport: str, timeout_s: float = 300.0) -> None:
-        self._call(self.llm.collective_rpc("engine_open_weights", args=(host, port, world_size, transport, timeout_s)))
+    def open_weights(self, host: str, port: int, world_size: int, transport: str, timeout_s: float = 300.0, *,
+                     learner_rank: int | None = None, packed: dict[str, Any] | None = None) -> None:
+        self._call(self.llm.collective_rpc("engine_open_weights", args=(host, port, world_size, transport, timeout_s,
+                                                                        learner_rank, packed)))
 
     def check_announced(self, announced: dict[str, Any]) -> None:
         """Names are checkpoint names here (vLLM fuses q, k and v when loading): the generic checks only
@@ -206,8 +208,11 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
             return f"vLLM's engine core is dead: {getattr(self.llm, 'dead_error', None) or 'it exited'}"
         return None
 
-    def load_weights(self, announced: dict[str, Any]) -> int:
-        return int(self._call(self.llm.collective_rpc("engine_load_weights", args=(announced,)))[0])
+    def load_weights(self, announced: dict[str, Any], within_s: float = 300.0) -> int:
+        return int(self._call(self.llm.collective_rpc("engine_load_weights", args=(announced, within_s)))[0])
+
+    def load_checkpoint(self, path: str) -> int:
+        return int(self._call(self.llm.collective_rpc("engine_load_checkpoint", args=(path,)))[0])
 
     def finish_weights(self) -> None:
         self._call(self.llm.collective_rpc("engine_finish_weights"))

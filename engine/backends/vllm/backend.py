@@ -31,7 +31,7 @@ HOOKS = SPEC.hooks
 def prepare_environment(settings: VllmConfig) -> dict[str, str]:
     """Set the environment for the engine's ``vllm.LLM``; return what was set (recorded in meta)."""
     changed = {}
-    wanted = "1" if settings.multiprocessing else "0"
+    wanted = "1" if settings.in_child_process() else "0"
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != wanted:
         changed["VLLM_ENABLE_V1_MULTIPROCESSING"] = wanted
     os.environ.update(changed)

@@ -23,31 +23,50 @@ class RuleEventsWorker:
         return EVENTS.collect(keys)
 
     def engine_open_weights(self, host: str, port: int, world_size: int, transport: str,
-                            timeout_s: float = 300.0) -> None:
-        """Start joining the learner's group at this worker's rank on a thread of its own, so the engine core goes on
-        generating while the learner joins (``engine.weight_sync.Joining``); the next load waits for it."""
+                            timeout_s: float = 300.0, learner_rank: int | None = None,
+                            packed: dict[str, Any] | None = None) -> None:
+        """Start joining the learner's group at this worker's rank (after the trainer's rank 0 when
+        ``learner_rank`` is 0, vLLM's layout) on a thread of its own, so the engine core goes on generating while the
+        learner joins (``engine.weight_sync.Joining``); the next load waits for it."""
         from engine.weight_sync import Joining, open_communicator
 
         rank, device = self.rank, getattr(self, "device", None)  # type: ignore[attr-defined]
-        self.engine_weights = Joining(lambda: open_communicator(host, port, rank, world_size, transport,
-                                                                device=device, timeout_s=timeout_s))
+        if learner_rank == 0:
+            rank += 1
 
-    def engine_load_weights(self, announced: dict[str, Any]) -> int:
-        """Receive what the learner announced (one named tensor, or a flattened bucket) and load it into the model
-        through vLLM's in-place reload (``model_executor.model_loader.reload``): the first push of a session puts the
-        layers back in checkpoint form, each push loads by checkpoint name (fused projections included), and a layer
-        is processed again (CPU weight packing, quantization) once all its weights arrived; ``engine_finish_weights``
-        ends the session. Returns the tensor count."""
-        from engine.weight_sync import receive_flattened, receive_named
+        def join() -> Any:
+            communicator = open_communicator(host, port, rank, world_size, transport, device=device,
+                                             timeout_s=timeout_s, learner_rank=learner_rank)
+            communicator.packed = packed
+            return communicator
 
-        joining = getattr(self, "engine_weights", None)
-        if joining is None:
-            raise RuntimeError("no learner group is open: call /init_communicator/ first")
-        communicator = joining.joined()
-        if "metadatas" in announced:
-            weights = receive_flattened(communicator, announced["metadatas"])
-        else:
-            weights = receive_named(communicator, announced["name"], announced["dtype"], announced["shape"])
+        self.engine_weights = Joining(join)
+
+    def engine_load_weights(self, announced: dict[str, Any], within_s: float = 300.0) -> int:
+        """Receive what the learner announced (one named tensor, a flattened bucket, or vLLM's listed tensors; joined
+        and arrived within ``within_s``) and load it into the model through vLLM's in-place reload
+        (``model_executor.model_loader.reload``): the first push of a session puts the layers back in checkpoint
+        form, each push loads by checkpoint name (fused projections included), and a layer is processed again (CPU
+        weight packing, quantization) once all its weights arrived; ``engine_finish_weights`` ends the session.
+        Returns the tensor count."""
+        from engine.weight_sync import receive
+
+        weights = receive(getattr(self, "engine_weights", None), announced, within_s)
+        self._engine_load(weights)
+        return len(weights)
+
+    def engine_load_checkpoint(self, path: str) -> int:
+        """Every tensor of a saved checkpoint folder, loaded as one whole session (in effect on return)."""
+        from pathlib import Path
+
+        from engine.weight_checkpoint import checkpoint_tensors
+
+        weights = checkpoint_tensors(Path(path))
+        self._engine_load(weights)
+        self.engine_finish_weights()
+        return len(weights)
+
+    def _engine_load(self, weights: list[tuple[str, Any]]) -> None:
         model = self.model_runner.model  # type: ignore[attr-defined]
         if not getattr(self, "engine_reloading", False):
             from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
@@ -55,7 +74,6 @@ class RuleEventsWorker:
             initialize_layerwise_reload(model)
             self.engine_reloading = True
         model.load_weights(weights=weights)
-        return len(weights)
 
     def engine_finish_weights(self) -> bool:
         """End the push session: layers that got no weights keep theirs, the rest are processed. False: none open."""

@@ -1,7 +1,8 @@
 """``GET /server_info``, as RL clients of vLLM's API read it before training: TRL's ``VLLMClient`` reads
 ``vllm_config.model_config.logprobs_mode`` (a GRPO run refuses a server whose logprobs are not processed) and
-``vllm_config.weight_transfer_config`` (None: this server has no vLLM weight-transfer engine, and TRL's
-``init_communicator`` says so before it opens anything). No web framework is imported here.
+``vllm_config.weight_transfer_config`` (the transport of ``/init_weight_transfer_engine`` on this host; None where
+the backend loads no weights, and TRL's ``init_communicator`` says so before it opens anything). No web framework
+is imported here.
 
 Choices written down:
 
@@ -53,8 +54,20 @@ a tree, or leave it out for text.
                          "logprobs_mode": model.logprobs_mode},
         "parallel_config": {"tensor_parallel_size": world, "pipeline_parallel_size": 1, "data_parallel_size": 1,
                             "world_size": world},
-        "weight_transfer_config": None,
+        "weight_transfer_config": transfer_config(engine.backend),
         "lora_config": None,
         "engine": {"backend": engine.backend.name},
     }
     return {"vllm_config": config if config_format == "json" else str(config), "vllm_env": {}, "system_env": {}}
+
+
+def transfer_config(backend: Any) -> dict[str, str] | None:
+    """vLLM's ``weight_transfer_config`` for a backend that loads a trainer's weights (its transport on this host:
+    ``nccl`` with CUDA, ``tcp`` without; ``/init_weight_transfer_engine`` takes either), None for one that cannot."""
+    from engine.backends import WeightLoading
+
+    if not isinstance(backend, WeightLoading):
+        return None
+    from engine.weight_sync import check_transport
+
+    return {"backend": check_transport(None)}

@@ -84,3 +84,31 @@ class UpdateFlattenedParamsRequest(Body):
     """``POST /update_flattened_params/``: tensors announced, one flat buffer follows over the communicator."""
 
     metadatas: Annotated[list[dict[str, Any]], Wire("the tensors in the buffer")]
+
+
+class InitWeightTransferRequest(Body):
+    """``POST /init_weight_transfer_engine`` (vLLM's weight transfer; TRL 1.16's ``VLLMClient``)."""
+
+    init_info: Annotated[dict[str, Any], Wire("the trainer's group (engine.weight_transfer.check_init_info)")]
+
+
+class UpdateWeightsRequest(Body):
+    """``POST /update_weights``: tensors listed, broadcast by the trainer in that order."""
+
+    update_info: Annotated[dict[str, Any], Wire("names, dtype_names and shapes of the tensors that follow")]
+
+
+class FinishWeightUpdateRequest(Body):
+    """``POST /finish_weight_update``: the update's weights take effect."""
+
+    weight_version: Annotated[str | None, Wire("the version GET /weight_info reports after")] = None
+
+
+class UpdateWeightsFromDiskRequest(Body):
+    """``POST /update_weights_from_disk`` (SGLang's and AReaL's name): reload a saved checkpoint folder."""
+
+    model_path: Annotated[str, Wire("the checkpoint folder, as this server sees it")]
+    load_format: Annotated[str | None, Wire("auto or safetensors")] = None
+    weight_version: Annotated[str | None, Wire("the version GET /weight_info reports after")] = None
+    flush_cache: Annotated[bool | None, Wire("reset the prefix cache after (default true)")] = None
+    abort_all_requests: Annotated[bool | None, Neutral((False,))] = None

@@ -69,6 +69,31 @@ class WeightCalls:
         """A cache reset is waiting for the rows in flight: new generations wait for it too."""
         self.opened = False
         """A communicator was opened (``/init_communicator/``) and not closed since: pushes may come."""
+        self.opened_at = 0.0
+        """When the open push session began (its first push, or ``/start_weight_update``)."""
+        self.stale: set[str] = set()
+        """The caches (``CACHES``) computed with weights older than the loaded ones: each is reset once after a
+        load; a reset of a cache not stale drops nothing, and drains nothing."""
+        self.version: str | None = None
+        """The weight version the last finished update named (vLLM's ``weight_version``)."""
+
+    def open_session(self) -> None:
+        """A push session is open from now: new generations wait at the gate until it ends."""
+        now = time.monotonic()
+        if not self.pushed:
+            self.opened_at = now
+        self.pushed, self.last_push, self.stale = True, now, set(CACHES)
+        self.ended.clear()
+
+    def session_over(self) -> str | None:
+        """Why the open session must end before the next generation, or None: the learner was silent for
+        ``serve.weight_sync_session_timeout_s``, or the session has lasted ``serve.weight_sync_session_max_s``."""
+        serve, now = self.served.serve, time.monotonic()
+        if now - self.last_push >= serve.weight_sync_session_timeout_s:
+            return f"open for {serve.weight_sync_session_timeout_s:.0f} s with no push"
+        if now - self.opened_at >= serve.weight_sync_session_max_s:
+            return f"open for {serve.weight_sync_session_max_s:.0f} s in all"
+        return None
 
     @property
     def backend(self) -> WeightLoading:
@@ -117,13 +142,15 @@ class WeightCalls:
                 await self.ended.wait()
                 continue
             if self.pushed:
-                left = self.last_push + self.served.serve.weight_sync_session_timeout_s - time.monotonic()
-                if left > 0:
+                reason = self.session_over()
+                if reason is None:
+                    serve = self.served.serve
+                    left = min(self.last_push + serve.weight_sync_session_timeout_s,
+                               self.opened_at + serve.weight_sync_session_max_s) - time.monotonic()
                     with contextlib.suppress(TimeoutError):  # then the session's age is checked again
-                        await asyncio.wait_for(self.ended.wait(), timeout=left)
+                        await asyncio.wait_for(self.ended.wait(), timeout=max(left, 0.01))
                     continue
-                log.warning("engine.serve: a weight session open for %.0f s with no push: ending it before "
-                            "generating", self.served.serve.weight_sync_session_timeout_s)
+                log.warning("engine.serve: a weight session %s: ending it before generating", reason)
                 await self._end_session()
                 continue
             if self.pending is not None:  # a weight call still running in the background (its failure is kept)
@@ -177,30 +204,66 @@ def _int(body: dict[str, Any], key: str, low: int, high: int | None = None) -> i
     return value
 
 
+def weight_calls(served: ServedEngine) -> WeightCalls:
+    """The served engine's one weight-sync state, shared by swift's routes and vLLM's (``transfer.py``); its gate
+    is added to the generation gates once."""
+    calls = getattr(served, "weight_calls", None)
+    if calls is None:
+        calls = served.weight_calls = WeightCalls(served)
+        served.gates.append(calls.before_generation)
+    return calls
+
+
+def weight_route(api: APIRouter, served: ServedEngine, paths: str | tuple[str, ...], body: type[Body] | None = None,
+                 method: str = "POST") -> Callable[[Any], Any]:
+    """Register ``handler`` (given the checked body as a dict when ``body`` names its model) at ``paths``: its
+    engine errors are refused by name, a failed background call is the 500 of the next weight call."""
+    def register(handler: Callable[..., Any]) -> Callable[..., Any]:
+        async def endpoint(request: Request) -> Any:
+            try:
+                if body is None:
+                    return await handler()
+                checked = await read_body(request, body, served)
+                return await handler(checked.model_dump(by_alias=True, exclude_unset=True))
+            except EngineError as err:
+                return error_response(err)
+            except Exception as err:  # a background call that failed after its 200: reported to the next call
+                log.exception("engine.serve: weight sync failed")
+                return error_response(WeightSyncFailed(err))
+
+        for path in (paths,) if isinstance(paths, str) else paths:
+            api.add_api_route(path, endpoint, methods=[method], name=f"{handler.__name__}:{path}")
+        return handler
+    return register
+
+
+async def reset_cache(calls: WeightCalls, kind: str) -> str:
+    """Drop the backend's ``kind`` cache once the rows in flight ended (new rows wait meanwhile), when weights were
+    loaded since its last reset; with none loaded there is nothing stale to drop, so nothing is drained (resets
+    posted back to back cost the rollouts nothing)."""
+    backend = calls.backend
+    await calls.finish()
+    if kind not in calls.stale:
+        return f"{kind} cache kept: no weights were loaded since its last reset"
+    calls.holding = True  # vLLM resets no block a running row holds: drain first, hold new rows meanwhile
+    calls.ended.clear()
+    try:
+        await calls.served.idle()
+        await calls.run(lambda: backend.reset_cache(kind))
+    finally:
+        calls.holding = False
+        calls.ended.set()
+    calls.stale.discard(kind)
+    return f"{kind} cache reset"
+
+
 def router(served: ServedEngine) -> APIRouter:
     api = APIRouter()
-    calls = WeightCalls(served)
-    served.gates.append(calls.before_generation)
+    calls = weight_calls(served)
 
-    def weight_call(path: str, body: type[Body] | None = None, method: str = "POST") -> Callable[[Any], Any]:
-        """Register ``handler`` (given the checked body as a dict when ``body`` names its model) at ``path``: its
-        engine errors are refused by name, a failed background call is the 500 of the next weight call."""
-        def register(handler: Callable[..., Any]) -> Callable[..., Any]:
-            async def endpoint(request: Request) -> Any:
-                try:
-                    if body is None:
-                        return await handler()
-                    checked = await read_body(request, body, served)
-                    return await handler(checked.model_dump(by_alias=True, exclude_unset=True))
-                except EngineError as err:
-                    return error_response(err)
-                except Exception as err:  # a background call that failed after its 200: reported to the next call
-                    log.exception("engine.serve: weight sync failed")
-                    return error_response(WeightSyncFailed(err))
-
-            api.add_api_route(path, endpoint, methods=[method], name=handler.__name__)
-            return handler
-        return register
+    def weight_call(path: str | tuple[str, ...], body: type[Body] | None = None,
+                    method: str = "POST") -> Callable[[Any], Any]:
+        return weight_route(api, served, path, body, method)
 
     async def push(announced: dict[str, Any], what: str) -> Any:
         backend = calls.backend
@@ -208,9 +271,9 @@ def router(served: ServedEngine) -> APIRouter:
             raise WeightSyncConflict("no communicator is open, so no tensor can arrive: call /init_communicator/ "
                                      "first (swift's VLLMClient.init_communicator)")
         backend.check_announced(announced)  # names and shapes the model cannot take: this call's 400
-        await calls.start(lambda: backend.load_weights(announced), drain=True)
-        calls.pushed, calls.last_push = True, time.monotonic()
-        calls.ended.clear()
+        within = served.serve.weight_sync_session_timeout_s
+        await calls.start(lambda: backend.load_weights(announced, within), drain=True)
+        calls.open_session()
         return {"message": f"receiving {what}"}
 
     @weight_call("/init_communicator/", InitCommunicatorRequest)
@@ -249,19 +312,9 @@ def router(served: ServedEngine) -> APIRouter:
         return {"message": "weights in effect"}
 
     def reset_route(kind: str) -> None:
-        @weight_call(f"/reset_{kind}_cache/")
+        @weight_call((f"/reset_{kind}_cache/", f"/reset_{kind}_cache"))  # swift's name, and vLLM's (TRL's client)
         async def reset() -> Any:
-            backend = calls.backend
-            await calls.finish()
-            calls.holding = True  # vLLM resets no block a running row holds: drain first, hold new rows meanwhile
-            calls.ended.clear()
-            try:
-                await served.idle()
-                await calls.run(lambda: backend.reset_cache(kind))
-            finally:
-                calls.holding = False
-                calls.ended.set()
-            return {"message": f"{kind} cache reset"}
+            return {"message": await reset_cache(calls, kind)}
 
     for kind in CACHES:
         reset_route(kind)

@@ -1,0 +1,142 @@
+"""Weight updates through vLLM's own routes, as TRL 1.16's ``VLLMClient``, SkyRL and verl's remote servers send them
+(:mod:`engine.weight_transfer`), and the checkpoint reload SGLang and AReaL name ``/update_weights_from_disk``
+(:mod:`engine.weight_checkpoint`). They share swift's routes' state (``weights.py``: one push session at a time,
+the generation gate, the drain before a load, the session bounds), so the two families cannot interleave.
+
+* ``/init_weight_transfer_engine`` ``{"init_info": {master_address, master_port, rank_offset: 1, world_size,
+  transport?}}``: the workers start joining the trainer's group (it is rank 0 and hosts the store, on an address this
+  server may reach: loopback, ``serve.host`` or ``serve.weight_sync_hosts``); answered at once, the join goes on
+  beside generation (a client that posts it in a thread, as TRL's does, and one that posts it first both work).
+* ``/start_weight_update``: a push session opens (new generations wait for its end; the bounds of
+  ``serve.weight_sync_session_timeout_s`` and ``serve.weight_sync_session_max_s`` hold).
+* ``/update_weights`` ``{"update_info": {names, dtype_names, shapes}}``: answered once the tensors were received and
+  loaded (vLLM's behaviour: the trainer broadcasts while the call is open), its failure this call's 500.
+* ``/finish_weight_update`` ``{"weight_version"?}``: the session's weights take effect; ``GET /weight_info`` reports
+  the version. ``/shutdown_weight_transfer_engine`` leaves the group.
+* ``/update_weights_from_disk`` ``{"model_path", "load_format"?, "weight_version"?, "flush_cache"?}``: rows in flight
+  end, new ones wait, every tensor of the folder is checked then loaded, the prefix cache is reset (unless
+  ``flush_cache`` is false); answered ``{"success": true, "message", "num_paused_requests": 0}`` as SGLang does.
+  ``abort_all_requests: true`` is refused by name: this server finishes the rows in flight instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from engine.errors import RequestError
+from engine.serve.rollout.bodies import (
+    FinishWeightUpdateRequest,
+    InitWeightTransferRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsRequest,
+)
+from engine.serve.rollout.weights import CACHES, reset_cache, weight_calls, weight_route
+from engine.serve.service import ServedEngine
+from engine.serve.shared.errors import WeightSyncConflict
+from engine.weight_sync import store_host
+
+BODIES = {"/init_weight_transfer_engine": InitWeightTransferRequest, "/update_weights": UpdateWeightsRequest,
+          "/finish_weight_update": FinishWeightUpdateRequest,
+          "/update_weights_from_disk": UpdateWeightsFromDiskRequest}
+
+
+def router(served: ServedEngine) -> APIRouter:
+    api = APIRouter()
+    calls = weight_calls(served)
+
+    def weight_call(path: str, body: Any = None, method: str = "POST") -> Any:
+        return weight_route(api, served, path, body, method)
+
+    def require_group(route: str) -> None:
+        if not calls.opened:
+            raise WeightSyncConflict(f"{route} needs the trainer's group: call /init_weight_transfer_engine first "
+                                     "(TRL's VLLMClient.init_communicator)")
+
+    @weight_call("/init_weight_transfer_engine", InitWeightTransferRequest)
+    async def init_weight_transfer_engine(body: dict[str, Any]) -> Any:
+        from engine.weight_transfer import check_init_info
+
+        backend = calls.backend
+        info = body["init_info"]
+        address = store_host(info.get("master_address"), served.serve.host, served.serve.weight_sync_hosts,
+                             field="init_info.master_address")
+        checked = check_init_info(info, served.world_size())
+        port, world = info["master_port"], info["world_size"]
+        packed = {"buffer_bytes": checked["buffer_bytes"], "buffers": checked["buffers"]} if checked["packed"] \
+            else None
+        timeout = served.serve.weight_sync_join_timeout_s
+        await calls.start(lambda: backend.open_weights(address, port, world, checked["transport"], timeout,
+                                                       learner_rank=0, packed=packed), exclusive=False)
+        calls.opened = True
+        return {"message": "Weight transfer initialized"}
+
+    @weight_call("/start_weight_update")
+    async def start_weight_update() -> Any:
+        calls.backend  # noqa: B018 (refuses a backend without weight loading)
+        require_group("/start_weight_update")
+        await calls.finish()
+        calls.open_session()
+        return {"message": "Weight update started"}
+
+    @weight_call("/update_weights", UpdateWeightsRequest)
+    async def update_weights(body: dict[str, Any]) -> Any:
+        from engine.weight_transfer import check_update_info
+
+        backend = calls.backend
+        require_group("/update_weights")
+        announced = check_update_info(body["update_info"])
+        backend.check_announced(announced)
+        within = served.serve.weight_sync_session_timeout_s
+        await calls.start(lambda: backend.load_weights(announced, within), drain=True)
+        calls.open_session()
+        await calls.settle()  # answered once loaded, as vLLM does: a failure is this call's
+        return {"message": "Weights updated"}
+
+    @weight_call("/finish_weight_update", FinishWeightUpdateRequest)
+    async def finish_weight_update(body: dict[str, Any]) -> Any:
+        calls.backend  # noqa: B018
+        await calls.finish()
+        if body.get("weight_version") is not None:
+            calls.version = body["weight_version"]
+        return {"message": "Weight update finished"}
+
+    @weight_call("/shutdown_weight_transfer_engine")
+    async def shutdown_weight_transfer_engine() -> Any:
+        backend = calls.backend
+        await calls.finish()
+        await calls.run(backend.close_weights)
+        calls.opened = False
+        return {"message": "Weight transfer shut down"}
+
+    @weight_call("/weight_info", method="GET")
+    async def weight_info() -> Any:
+        return {"weight_version": calls.version}
+
+    @weight_call("/update_weights_from_disk", UpdateWeightsFromDiskRequest)
+    async def update_weights_from_disk(body: dict[str, Any]) -> Any:
+        from engine.weight_checkpoint import check_model_path
+
+        backend = calls.backend
+        if body.get("abort_all_requests"):
+            raise RequestError("abort_all_requests", True, "is not supported: this server lets the rows in flight "
+                               "end, holds new ones, then loads", fix="leave it out (or false)")
+        path = str(check_model_path(body.get("model_path"), body.get("load_format")))
+        await calls.finish()
+        calls.holding = True  # new rows wait for the load; the rows in flight end first
+        calls.ended.clear()
+        try:
+            await served.idle()
+            loaded = await calls.run(lambda: backend.load_checkpoint(path))
+        finally:
+            calls.holding = False
+            calls.ended.set()
+        calls.stale = set(CACHES)
+        if body.get("flush_cache") is not False:
+            await reset_cache(calls, "prefix")
+        if body.get("weight_version") is not None:
+            calls.version = body["weight_version"]
+        return {"success": True, "message": f"loaded {loaded} tensors from {path}", "num_paused_requests": 0}
+
+    return api
