@@ -150,8 +150,6 @@ def receive(joining: Joining | None, announced: Mapping[str, Any], within_s: flo
     if "metadatas" in announced:
         return receive_flattened(communicator, announced["metadatas"])
     if "tensors" in announced:
-        from engine.weight_transfer import receive_listed
-
         return receive_listed(communicator, announced)
     return receive_named(communicator, announced["name"], announced["dtype"], announced["shape"])
 
@@ -245,6 +243,32 @@ def receive_flattened(communicator: Any, metadatas: Sequence[Mapping[str, Any]])
     communicator.broadcast(buffer, src=communicator.learner_rank)
     communicator.group.barrier()
     return unflatten(buffer, metadatas)
+
+
+def receive_listed(communicator: Any, announced: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """The listed tensors, broadcast one after another from the trainer (or packed, through vLLM's own consumer,
+    when the group was opened ``packed`` on ``nccl``)."""
+    import torch
+
+    tensors = announced["tensors"]
+    src = communicator.learner_rank
+    if getattr(communicator, "packed", None):
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_consumer
+
+        received: list[tuple[str, Any]] = []
+        extra = {k: v for k, v in (("buffer_size_bytes", communicator.packed.get("buffer_bytes")),
+                                   ("num_buffers", communicator.packed.get("buffers"))) if v is not None}
+        packed_nccl_broadcast_consumer(
+            iterator=iter([(t["name"], (t["shape"], torch_dtype(t["dtype"]))) for t in tensors]),
+            group=communicator, src=src, post_unpack_func=received.extend, device=communicator.device, **extra)
+        return received
+    out = []
+    for t in tensors:
+        tensor = torch.empty(tuple(t["shape"]), dtype=torch_dtype(t["dtype"]), device=communicator.device)
+        communicator.broadcast(tensor, src=src)
+        out.append((t["name"], tensor))
+    communicator.group.barrier()
+    return out
 
 
 def unflatten(buffer: Any, metadatas: Sequence[Mapping[str, Any]]) -> list[tuple[str, Any]]:

@@ -5,8 +5,8 @@ tensors listed by ``names``, ``dtype_names`` and ``shapes``, broadcast one after
 ``/finish_weight_update``. The group is :mod:`engine.weight_sync`'s: the ``tcp`` transport on CPU hosts, ``nccl``
 (vLLM's ``PyNcclCommunicator``; packed broadcasts through vLLM's own consumer) where CUDA is.
 
-This module holds what differs from swift's protocol: the checks of ``init_info`` and ``update_info``, the receive
-of listed tensors, and the learner's half (:class:`WeightTransferClient`).
+This module holds what differs from swift's protocol: the checks of ``init_info`` and ``update_info`` and the
+trainer's half (:class:`WeightTransferClient`); the receive of listed tensors is ``engine.weight_sync.receive_listed``.
 """
 
 from __future__ import annotations
@@ -105,32 +105,6 @@ def check_update_info(info: Mapping[str, Any]) -> dict[str, Any]:
         tensors.append({"name": name, "dtype": str(info["dtype_names"][i]),
                         "shape": check_shape(info["shapes"][i], f"update_info.shapes[{i}]")})
     return {"tensors": tensors}
-
-
-def receive_listed(communicator: Any, announced: Mapping[str, Any]) -> list[tuple[str, Any]]:
-    """The listed tensors, broadcast one after another from the trainer (or packed, through vLLM's own consumer,
-    when the group was opened ``packed`` on ``nccl``)."""
-    import torch
-
-    tensors = announced["tensors"]
-    src = communicator.learner_rank
-    if getattr(communicator, "packed", None):
-        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_consumer
-
-        received: list[tuple[str, Any]] = []
-        extra = {k: v for k, v in (("buffer_size_bytes", communicator.packed.get("buffer_bytes")),
-                                   ("num_buffers", communicator.packed.get("buffers"))) if v is not None}
-        packed_nccl_broadcast_consumer(
-            iterator=iter([(t["name"], (t["shape"], torch_dtype(t["dtype"]))) for t in tensors]),
-            group=communicator, src=src, post_unpack_func=received.extend, device=communicator.device, **extra)
-        return received
-    out = []
-    for t in tensors:
-        tensor = torch.empty(tuple(t["shape"]), dtype=torch_dtype(t["dtype"]), device=communicator.device)
-        communicator.broadcast(tensor, src=src)
-        out.append((t["name"], tensor))
-    communicator.group.barrier()
-    return out
 
 
 class WeightTransferClient:
