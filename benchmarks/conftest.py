@@ -19,6 +19,7 @@ import pytest
 
 from benchmarks.harness import Rounds, Variant
 from benchmarks.workload import SIZES, Size
+from conformance import reaper
 from engine.backends.registry import SPECS
 from engine.backends.vllm.memory import engine_share
 from engine.report.schema import RATIO_COLUMNS
@@ -53,6 +54,7 @@ def _cuda() -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     if not config.getoption("--benchmark"):
         return
+    reaper.start()  # every server and engine core this run starts dies with it, however it ends
     size = config.getoption("--benchmark-size") or ("full" if _cuda() else "smoke")
     if size not in SIZES:
         raise pytest.UsageError(f"--benchmark-size / ENGINE_BENCHMARK_SIZE: {size!r} is not one of {sorted(SIZES)}")

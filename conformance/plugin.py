@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 
+from conformance import reaper
 from conformance.availability import check_required, unavailable_reason
 from conformance.isa import follow_aten_capability
 from conformance.pool import EnginePool, PoolOptions
@@ -155,6 +156,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", f"{name}: {text}")
     if any(PACKAGE in str(arg) for arg in config.args):  # a run of the suite, from any folder
         name_mkl_branch()
+        reaper.start()  # every process this run starts dies with it, however it ends
     config.stash[FORCED_PROBES] = follow_aten_capability()  # before anything imports vLLM (conformance/isa.py)
     backends = selected_backends(config)
     unknown = [b for b in backends if b not in BACKENDS]

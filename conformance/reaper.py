@@ -1,0 +1,146 @@
+"""The run's reaper: every process a test run starts dies with the run, however the run ends (SIGKILL and the
+kernel's OOM killer included, which leave no Python code a chance to clean up).
+
+A small watcher process of its own session (a signal to the run's process group does not reach it) follows the run's
+process tree: every half second it notes each descendant of the run (pid and start time: our servers, stock ``vllm
+serve``, their engine cores, in-process vLLM's engine cores, lm-eval and swift children). When the run's process is
+gone, or its pipe to the watcher closes, it kills every noted process still alive with the same start time (a reused
+pid is never touched), and every process those left behind, then exits. On a run that ends well there is nothing left
+to kill; a leak is killed all the same.
+
+The suite's plugin starts it for a run of the suite (``conformance/plugin.py``), the benchmarks' conftest for a
+benchmark run; ``python conformance/reaper.py --parent PID`` is the watcher itself (standard library only, run
+isolated: it starts in tens of milliseconds whatever the run's environment). :func:`start` returns only once the
+watcher has taken its first look (the run's identity noted): a watcher that started slowly under load, after the run
+it was to watch had been killed, once watched nothing and let an HF server outlive its run.
+
+>>> tree = {1: (0, 5), 10: (1, 7), 11: (10, 8), 12: (11, 9), 20: (1, 3)}
+>>> sorted(descendants(10, tree))
+[11, 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+PERIOD_S = 0.5
+"""How often the watcher notes the run's tree: a process started and orphaned within one period can escape."""
+_started: subprocess.Popen[bytes] | None = None
+
+
+def process_table() -> dict[int, tuple[int, int]]:
+    """Every process now: pid -> (parent pid, start time in clock ticks since boot), from ``/proc``."""
+    table = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_bytes().decode("latin-1")  # a name may hold any bytes
+            fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces
+            table[int(entry.name)] = (int(fields[1]), int(fields[19]))
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or caught half-written as it exits
+            continue
+    return table
+
+
+def descendants(root: int, table: Mapping[int, tuple[int, int]]) -> set[int]:
+    """The pids below ``root`` in ``table`` (pid -> (parent, start))."""
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in table.items():
+        children.setdefault(parent, []).append(pid)
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def reap(noted: Mapping[int, int]) -> list[int]:
+    """Kill every noted process (pid -> start time) still alive as itself, and every process below them now; returns
+    the pids killed."""
+    table = process_table()
+    alive = {pid for pid, start in noted.items() if table.get(pid, (0, -1))[1] == start}
+    for pid in list(alive):
+        alive |= descendants(pid, table)
+    for pid in alive:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return sorted(alive)
+
+
+def watch(parent: int, pipe: int | None, ready: Any = None) -> None:
+    """Note ``parent``'s tree until it is gone (or ``pipe`` reads end-of-file), then :func:`reap` it; ``ready`` (a
+    file) is told once the first look is taken."""
+    start = process_table().get(parent, (0, None))[1]
+    noted: dict[int, int] = {}
+    me = os.getpid()
+    told = ready is None
+    while True:
+        try:
+            table = process_table()
+            if table.get(parent, (0, None))[1] != start:
+                break
+            noted.update({pid: table[pid][1] for pid in descendants(parent, table) if pid != me})
+            if not told:
+                ready.write(f"watching {parent}\n")
+                ready.close()
+                told = True
+        except Exception:  # never die of a bad look at /proc: the run's processes would outlive it
+            traceback.print_exc()
+            time.sleep(PERIOD_S)
+            continue
+        if pipe is None:
+            time.sleep(PERIOD_S)
+            continue
+        ready, _, _ = select.select([pipe], [], [], PERIOD_S)
+        if ready and not os.read(pipe, 4096):  # end-of-file: the run's end of the pipe is closed
+            break
+    killed = reap(noted)
+    if killed:
+        print(f"conformance.reaper: the run (pid {parent}) ended; killed {len(killed)} process(es) it had left: "
+              f"{killed}", file=sys.stderr)
+
+
+def start(wait_s: float = 60.0) -> subprocess.Popen[bytes]:
+    """Start the watcher for this process (once per process) and wait until it has taken its first look; returns it.
+    Its stdin is a pipe whose writing end only this process holds (closed when this process ends, however it ends);
+    its stdout says when it watches."""
+    global _started
+    if _started is None or _started.poll() is not None:
+        _started = subprocess.Popen([sys.executable, "-I", "-S", __file__, "--parent", str(os.getpid())],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
+                                    close_fds=True)
+        assert _started.stdout is not None
+        ready, _, _ = select.select([_started.stdout], [], [], wait_s)
+        said = _started.stdout.readline() if ready else b""
+        if not said.startswith(b"watching"):
+            print(f"conformance.reaper: the watcher did not start within {wait_s:.0f} s (exit {_started.poll()}): "
+                  "processes this run starts may outlive it if it is killed", file=sys.stderr)
+        _started.stdout.close()
+    return _started
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python conformance/reaper.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parent", type=int, required=True, help="the run's pid, whose tree dies with it")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the run, not its reaper
+    watch(args.parent, sys.stdin.fileno() if not sys.stdin.isatty() else None, ready=sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
