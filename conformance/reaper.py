@@ -68,17 +68,26 @@ def descendants(root: int, table: Mapping[int, tuple[int, int]]) -> set[int]:
     return found
 
 
-def reap(noted: Mapping[int, int]) -> list[int]:
+def command_line(pid: int) -> str:
+    """``pid``'s command line (its first 120 characters), or an empty string once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120].strip()
+    except OSError:
+        return ""
+
+
+def reap(noted: Mapping[int, int]) -> dict[int, str]:
     """Kill every noted process (pid -> start time) still alive as itself, and every process below them now; returns
-    the pids killed."""
+    the processes killed (pid -> command line, read before the kill: what leaked is named)."""
     table = process_table()
     alive = {pid for pid, start in noted.items() if table.get(pid, (0, -1))[1] == start}
     for pid in list(alive):
         alive |= descendants(pid, table)
+    killed = {pid: command_line(pid) for pid in sorted(alive)}
     for pid in alive:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-    return sorted(alive)
+    return killed
 
 
 def watch(parent: int, pipe: int | None, ready: Any = None) -> None:
@@ -111,7 +120,7 @@ def watch(parent: int, pipe: int | None, ready: Any = None) -> None:
     killed = reap(noted)
     if killed:
         print(f"conformance.reaper: the run (pid {parent}) ended; killed {len(killed)} process(es) it had left: "
-              f"{killed}", file=sys.stderr)
+              + "; ".join(f"{pid} {cmd!r}" for pid, cmd in killed.items()), file=sys.stderr)
 
 
 def start(wait_s: float = 60.0) -> subprocess.Popen[bytes]:

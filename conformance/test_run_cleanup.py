@@ -13,17 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from conformance.reaper import descendants, process_table
+from conformance.reaper import command_line, descendants, process_table
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def command_line(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def test_a_run_killed_mid_way_leaves_no_process_running(tmp_path):
