@@ -34,6 +34,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+GRACE_S = 5.0
+"""How long the run's processes get to end by themselves once the run is gone (multiprocessing's resource tracker
+cleans up and exits when its parent is gone: killed at once, it would leave its semaphores behind)."""
 PERIOD_S = 0.5
 """How often the watcher notes the run's tree: a process started and orphaned within one period can escape."""
 _started: subprocess.Popen[bytes] | None = None
@@ -117,6 +120,12 @@ def watch(parent: int, pipe: int | None, ready: Any = None) -> None:
         ready, _, _ = select.select([pipe], [], [], PERIOD_S)
         if ready and not os.read(pipe, 4096):  # end-of-file: the run's end of the pipe is closed
             break
+    deadline = time.monotonic() + GRACE_S  # what ends by itself (a resource tracker cleaning up) is left to end
+    while time.monotonic() < deadline:
+        table = process_table()
+        if not any(table.get(pid, (0, -1))[1] == start_time for pid, start_time in noted.items()):
+            break
+        time.sleep(0.2)
     killed = reap(noted)
     if killed:
         print(f"conformance.reaper: the run (pid {parent}) ended; killed {len(killed)} process(es) it had left: "
