@@ -322,18 +322,10 @@ def check_metadatas(metadatas: Any) -> list[dict[str, Any]]:
     return [dict(m) for m in metadatas]
 
 
-class WeightSyncClient:
-    """The learner's half, over the routes swift's ``VLLMClient`` calls and with the same method names, so a
-    training loop written for it runs unchanged; also on a CPU host (``transport="tcp"``), where swift's client
-    cannot (it needs NCCL and CUDA).
-
-    Example (a server running; ``model`` the learner's torch module)::
-
-        with WeightSyncClient(server.url, api_key=key) as sync:
-            for name, param in model.named_parameters():
-                sync.update_named_param(name, param.data)
-            sync.reset_prefix_cache()
-    """
+class LearnerClient:
+    """What the learner's halves share (:class:`WeightSyncClient`, swift's routes; ``engine.weight_transfer.
+    WeightTransferClient``, vLLM's): the server's address, the transport, the group's address, the HTTP client, and a
+    ``with`` block that opens the group and closes it."""
 
     def __init__(self, base_url: str, *, api_key: str | None = None, transport: str | None = None,
                  host: str = "127.0.0.1", port: int | None = None, timeout: float = 300.0) -> None:
@@ -346,13 +338,33 @@ class WeightSyncClient:
         self._http = httpx.Client(timeout=timeout, headers=headers)
         self.communicator: Any = None
 
-    def __enter__(self) -> WeightSyncClient:
+    def __enter__(self) -> Any:
         self.init_communicator()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close_communicator()
         self._http.close()
+
+    def init_communicator(self) -> None:
+        raise NotImplementedError
+
+    def close_communicator(self) -> None:
+        raise NotImplementedError
+
+
+class WeightSyncClient(LearnerClient):
+    """The learner's half, over the routes swift's ``VLLMClient`` calls and with the same method names, so a
+    training loop written for it runs unchanged; also on a CPU host (``transport="tcp"``), where swift's client
+    cannot (it needs NCCL and CUDA).
+
+    Example (a server running; ``model`` the learner's torch module)::
+
+        with WeightSyncClient(server.url, api_key=key) as sync:
+            for name, param in model.named_parameters():
+                sync.update_named_param(name, param.data)
+            sync.reset_prefix_cache()
+    """
 
     def _call(self, method: str, route: str, **kwargs: Any) -> Any:
         response = self._http.request(method, f"{self.base_url}{route}", **kwargs)

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from engine.errors import RequestError
-from engine.weight_sync import check_shape, check_transport, open_communicator, torch_dtype
+from engine.weight_sync import LearnerClient, check_shape, check_transport, open_communicator, torch_dtype
 
 MAX_LISTED = 100_000
 """Most tensors one ``/update_weights`` may list (a 70B model has about 800)."""
@@ -107,7 +107,7 @@ def check_update_info(info: Mapping[str, Any]) -> dict[str, Any]:
     return {"tensors": tensors}
 
 
-class WeightTransferClient:
+class WeightTransferClient(LearnerClient):
     """The trainer's half of vLLM's weight-transfer routes, with the method names of TRL 1.16's ``VLLMClient``
     (``init_communicator``, ``weight_update``, ``update_named_param(s)``, ``update_model_params``,
     ``reset_prefix_cache``, ``close_communicator``), so a loop written for it runs unchanged; on a CPU host too
@@ -120,25 +120,7 @@ class WeightTransferClient:
             client.reset_prefix_cache()
     """
 
-    def __init__(self, base_url: str, *, api_key: str | None = None, transport: str | None = None,
-                 host: str = "127.0.0.1", port: int | None = None, timeout: float = 300.0) -> None:
-        import httpx
-
-        self.base_url = base_url.rstrip("/")
-        self.transport = check_transport(transport)
-        self.host, self.port = host, port
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else {}
-        self._http = httpx.Client(timeout=timeout, headers=headers)
-        self.communicator: Any = None
-        self._updating = False
-
-    def __enter__(self) -> WeightTransferClient:
-        self.init_communicator()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close_communicator()
-        self._http.close()
+    _updating = False
 
     def _post(self, route: str, body: dict[str, Any] | None = None) -> Any:
         response = self._http.post(f"{self.base_url}{route}", json=body if body is not None else {})

@@ -104,10 +104,7 @@ def router(served: ServedEngine) -> APIRouter:
 
     @weight_call("/shutdown_weight_transfer_engine")
     async def shutdown_weight_transfer_engine() -> Any:
-        backend = calls.backend
-        await calls.finish()
-        await calls.run(backend.close_weights)
-        calls.opened = False
+        await calls.close()
         return {"message": "Weight transfer shut down"}
 
     @weight_call("/weight_info", method="GET")

@@ -171,6 +171,14 @@ class WeightCalls:
             finally:
                 self.ended.set()
 
+    async def close(self) -> None:
+        """Leave the learner's group (swift's ``/close_communicator/``, vLLM's ``/shutdown_weight_transfer_engine``):
+        the open session ends first."""
+        backend = self.backend
+        await self.finish()
+        await self.run(backend.close_weights)
+        self.opened = False
+
     async def finish(self) -> None:
         """Wait for the background call and end the push session (a weight call: resets, key listing, closing);
         a failure is this call's."""
@@ -327,10 +335,7 @@ def router(served: ServedEngine) -> APIRouter:
 
     @weight_call("/close_communicator/")
     async def close_communicator() -> Any:
-        backend = calls.backend
-        await calls.finish()
-        await calls.run(backend.close_weights)
-        calls.opened = False
+        await calls.close()
         return {"message": "closed"}
 
     return api
