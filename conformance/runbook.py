@@ -34,9 +34,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 REPORTS = ROOT / "reports"
 RUNNER_CHECKS = ("test_vllm_adapters.py", "test_vllm_plugin.py", "test_repeat.py", "test_rule_ends.py",
-                 "test_parity.py", "test_served.py", "test_engine_core_process.py", "test_structured_rules.py")
+                 "test_parity.py", "test_served.py", "test_engine_core_process.py", "test_structured_rules.py",
+                 "test_portable_sampler.py")
 """The checks that differ between the two model runners (processor interface, events, async scheduling; the guard's
-vLLM plugin, whose ``EngineGuard`` takes Model Runner V2's path only on CUDA)."""
+vLLM plugin, whose ``EngineGuard`` takes Model Runner V2's path only on CUDA; the portable sampler, whose draw runs
+in the V2 processor there and which is compared with Model Runner V2's own Gumbel sampler)."""
 DTYPE_MARKER = "dtype_dependent"
 """The marker of the checks whose comparisons depend on the dtype (exact in float32, vLLM's rule below it)."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -287,6 +288,9 @@ class GenerationEngine:
         opts = self.config.generation.merged(options)
         if opts.seed is None and backend.default_seed is not None:  # a backend-level seed for calls without one
             opts = dataclasses.replace(opts, seed=backend.default_seed)
+        if opts.seed is None and opts.sampler != "native" and not opts.is_greedy:
+            # The portable sampler always has a seed: one drawn here, reported in each result's meta, replays the call.
+            opts = dataclasses.replace(opts, seed=secrets.randbits(63))
         policy = self.config.stop.merged(stop)
         if policy.token_ids:
             vocab = len(self.tokenizer)
@@ -315,6 +319,10 @@ class GenerationEngine:
                               f"serves ({served_mode!r}; fixed when it loads, as vLLM fixes it)",
                               fix=f"start the engine with model.logprobs_mode: {opts.logprobs_mode} (engine-serve "
                                   f"--logprobs-mode {opts.logprobs_mode}), or expect {served_mode}")
+        if opts.sampler != "native" and not opts.is_greedy and backend.capabilities.rules_problem is not None:
+            raise UnsupportedCapabilityError(f"backend {backend.name!r} cannot draw with the portable sampler here "
+                                             f"(its row processor cannot run: {backend.capabilities.rules_problem}). "
+                                             "Fix: set generation.sampler to 'native'")
         guard = self.config.repeat_terminate
         rules: list[RuleSpec] = []
         if guard.enabled:
@@ -338,7 +346,8 @@ class GenerationEngine:
         plan = self._plan(options, stop, None, self.backend, active, json_schema)
         checked = [ChatRequest.of(r, index=i) for i, r in enumerate(requests)]
         self._check_size(checked)
-        rendered = [render_prompt(self.tokenizer, r.messages, thinking=r.thinking) for r in checked]
+        rendered = [dataclasses.replace(render_prompt(self.tokenizer, r.messages, thinking=r.thinking), seed=r.seed)
+                    for r in checked]
         limit = self.backend.capabilities.max_model_len
         for i, r in enumerate(rendered):
             if limit is not None and len(r.token_ids) >= limit:

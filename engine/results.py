@@ -90,6 +90,8 @@ class ResultBuilder:
         }
         if plan.special_stops:  # stop strings that were a special token's text: the row ended at that token
             meta["stop_strings_as_token_ids"] = dict(plan.special_stops)
+        if plan.draws_portably:  # replayable: the call's seed
+            meta["sampler"], meta["seed"] = plan.options.sampler, plan.options.seed
         if out.logprobs is not None:  # which distribution they are (model.logprobs_mode): a learner checks it
             meta["logprobs_mode"] = plan.logprobs_mode
         for plugin in plugins:

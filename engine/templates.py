@@ -26,6 +26,8 @@ class RenderedPrompt:
     text: str
     token_ids: tuple[int, ...]
     fallback: str | None
+    seed: int | None = None
+    """The request's own sampling seed (``ChatRequest.seed``), or None: the call's, by the row's index."""
 
 
 def _mentions_thinking(err: BaseException) -> bool:

@@ -66,14 +66,21 @@ Fix: give at least one {'role': 'user', 'content': ...} message.
     thinking: bool = False
     """Render with the template's ``enable_thinking`` on (vLLM's ``chat_template_kwargs: {"enable_thinking":
     true}``); off by default, as the seeds require. A template that does not read it renders the same text."""
+    seed: int | None = None
+    """This conversation's own sampling seed in [0, 2**63), in place of the one its index in the call derives from
+    the call's seed (``engine.rules.seeding``): its row draws alike wherever it stands in a batch (with the portable
+    sampler, on every backend). Only in sampled calls; None: the call's."""
 
     @classmethod
     def of(cls, raw: ChatRequest | Sequence[Mapping[str, Any]], *, index: int) -> ChatRequest:
         """Validate one request (a ChatRequest or a list of ``{"role", "content"}`` messages)."""
-        thinking = False
+        thinking, seed = False, None
         if isinstance(raw, ChatRequest):
-            raw, thinking = raw.messages, raw.thinking
+            raw, thinking, seed = raw.messages, raw.thinking, raw.seed
         where = f"requests[{index}]"
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63):
+            raise RequestError(f"{where}.seed", seed, "must be an integer in [0, 2**63)",
+                               fix="give the row's seed as a non-negative integer, or leave it out")
         if isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence) or len(raw) == 0:
             raise RequestError(f"{where}.messages", raw, "must be a non-empty list of messages",
                                fix="give at least one {'role': 'user', 'content': ...} message")
@@ -93,7 +100,7 @@ Fix: give at least one {'role': 'user', 'content': ...} message.
                 raise RequestError(f"{at}.content", msg["content"], "must be a string on the text path",
                                    fix="pass the message text as a string")
             check_unicode(msg["content"], f"{at}.content")
-        return cls(tuple(dict(m) for m in raw), thinking=thinking)
+        return cls(tuple(dict(m) for m in raw), thinking=thinking, seed=seed)
 
 
 @dataclass(frozen=True)

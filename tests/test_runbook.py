@@ -27,7 +27,7 @@ def test_the_dtype_dependent_checks_carry_the_marker_the_bf16_passes_select():
     suite = Path(__file__).resolve().parents[1] / "conformance"
     marked = {f.name for f in suite.glob("test_*.py") if f"pytest.mark.{DTYPE_MARKER}" in f.read_text()}
     assert marked == {"test_parity.py", "test_batch_invariance.py", "test_rule_ends.py", "test_repeat.py",
-                      "test_stop.py", "test_sampling.py", "test_structured_rules.py"}
+                      "test_stop.py", "test_sampling.py", "test_structured_rules.py", "test_portable_sampler.py"}
     assert f'"{DTYPE_MARKER}: ' in (suite.parent / "pyproject.toml").read_text()
 
 

@@ -86,6 +86,11 @@ class SamplingPlan:
     distribution, or the processed one the draw used (``engine.rules.processing``)."""
 
     @property
+    def draws_portably(self) -> bool:
+        """Whether rows draw with the portable sampler (``generation.sampler``, sampled calls only)."""
+        return self.options.sampler != "native" and not self.options.is_greedy
+
+    @property
     def terminal_token_ids(self) -> tuple[int, ...]:
         """The ids that end a row: EOS (unless ``options.ignore_eos``) and ``stop.token_ids``."""
         eos = () if self.options.ignore_eos else self.eos_token_ids
@@ -99,6 +104,9 @@ def prompts_of(rendered: Sequence[Any], plan: SamplingPlan, images: Sequence[Any
 
     opts = plan.options
     seeds = row_seeds(None if opts.is_greedy else opts.seed, len(rendered))
+    if not opts.is_greedy:  # a request's own seed (ChatRequest.seed) in place of its index's
+        own = [getattr(r, "seed", None) for r in rendered]
+        seeds = [s if mine is None else mine for mine, s in zip(own, seeds, strict=True)]
     pictures = images if images is not None else [None] * len(rendered)
     return [Prompt(token_ids=tuple(r.token_ids), text=r.text, image=image, seed=seed)
             for r, image, seed in zip(rendered, pictures, seeds, strict=True)]

@@ -22,6 +22,9 @@ MAX_TEMPERATURE = 2.0
 """The largest sampling temperature, on every backend: vLLM's ``SamplingParams`` refuses anything above 2 (as the
 OpenAI API does), so the engine refuses it before generation everywhere instead of letting one backend fail
 mid-request and the others sample."""
+SAMPLERS = ("native", "portable", "portable_fp64")
+"""``generation.sampler``: the backend's own random stream (``native``, the default), or the counter-based draw of
+``engine.rules.portable_sampler`` in float32 (``portable``) or float64 (``portable_fp64``)."""
 MIN_REPETITION_PENALTY = 0.01
 """The smallest repetition penalty: below it the penalised logits overflow float32 (inf, then NaN when sampling)."""
 
@@ -72,7 +75,13 @@ class GenerationOptions:
     """Drop tokens less likely than ``min_p`` times the likeliest one (after the temperature, before top-k and top-p,
     as vLLM orders them), in [0, 1]; 0 disables it, 1 keeps only the likeliest. Only with temperature > 0."""
     seed: int | None = None
-    """Sampling seed in [0, 2**63); reproducible per backend, not across backends. None: unseeded."""
+    """Sampling seed in [0, 2**63). With the ``native`` sampler reproducible per backend, not across backends; with
+    ``portable`` the same rows on every backend. None: unseeded (``portable`` draws one and reports it in meta)."""
+    sampler: str = "native"
+    """How a sampled token is drawn from the processed distribution: ``native``, each backend's own random stream;
+    ``portable`` (float32) or ``portable_fp64``, the counter-based draw of :mod:`engine.rules.portable_sampler`
+    (vLLM Model Runner V2's arithmetic), which depends only on (row seed, position, token id), so a seeded row is the
+    same on HF, vLLM and llama.cpp, whatever its batch. Only with temperature > 0."""
     repetition_penalty: float = 1.0
     """Penalty on prompt and output tokens (CTRL-style, as HF and vLLM define it), in [0.01, inf); 1 disables it."""
     min_new_tokens: int = 0
@@ -102,6 +111,9 @@ class GenerationOptions:
         if self.seed is not None:
             check_type(f"{p}.seed", self.seed, int, "an integer")
             check_range(f"{p}.seed", self.seed, low=0, high=2**63, high_open=True)
+        if self.sampler not in SAMPLERS:
+            raise ConfigError(f"{p}.sampler", self.sampler, f"is not a sampler (one of {', '.join(SAMPLERS)})",
+                              fix="use 'portable' to draw the same rows on every backend, or 'native'")
         check_type(f"{p}.repetition_penalty", self.repetition_penalty, (int, float), "a number")
         check_range(f"{p}.repetition_penalty", self.repetition_penalty, low=MIN_REPETITION_PENALTY,
                     fix="use 1.0 to disable the penalty (values below 0.01 overflow the penalised logits)")
@@ -115,6 +127,9 @@ class GenerationOptions:
         if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"{p}.logprobs_mode", self.logprobs_mode, f"must be one of {', '.join(LOGPROBS_MODES)}",
                               fix="name the mode the engine serves (model.logprobs_mode), or leave it null")
+        if self.is_greedy and self.sampler != "native":
+            raise ConfigError(f"{p}.sampler", self.sampler, "has no effect with temperature 0 (greedy)",
+                              fix="set generation.temperature > 0 to sample, or leave sampler at 'native'")
         if self.is_greedy and self.top_p != 1.0:
             raise ConfigError(f"{p}.top_p", self.top_p, "has no effect with temperature 0 (greedy)",
                               fix="set generation.temperature > 0 to sample, or leave top_p at 1.0")

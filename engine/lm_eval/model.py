@@ -41,7 +41,7 @@ LM_EVAL_DEFAULT_DEVICE = "cuda:0"
 """What lm-eval's CLI passes as ``device`` when none is given."""
 
 SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
-                 "min_new_tokens")
+                 "min_new_tokens", "sampler")
 """The generation arguments a task may give besides ``until`` and ``max_gen_toks``; any other is refused."""
 
 
@@ -253,7 +253,7 @@ class EngineLM(TemplateLM):
         sample = bool(kwargs.pop("do_sample", False)) and float(kwargs.get("temperature", 1.0)) > 0
         temperature = float(kwargs.pop("temperature", 1.0))
         options["temperature"] = temperature if sample else 0.0
-        for key in ("top_p", "top_k", "min_p"):  # sampling only, as HF's generate ignores them when greedy
+        for key in ("top_p", "top_k", "min_p", "sampler"):  # sampling only, as HF's generate ignores them when greedy
             if key in kwargs and sample:
                 options[key] = kwargs.pop(key)
             kwargs.pop(key, None)

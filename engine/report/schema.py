@@ -13,7 +13,8 @@ Bump :data:`SCHEMA_VERSION` on any change of a column's name, type or meaning, a
 >>> sorted(RATIO_COLUMNS)
 ['batch_over_single', 'constrained_over_free', 'engine_over_raw', 'fast_over_reference', 'guard_on_over_off', \
 'llamacpp_over_hf', 'llamacpp_over_vllm', 'ours_over_native', 'ours_over_stock', 'pattern_c_over_chat', \
-'plugin_idle_over_without', 'served_over_inprocess', 'streamed_over_plain', 'trainer_agreement']
+'plugin_idle_over_without', 'portable_over_native', 'served_over_inprocess', 'streamed_over_plain', \
+'trainer_agreement']
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ RUN_COLUMNS = (
 CASE_COLUMNS = (
     Column("benchmark", "string", "case id: group[backend-bN-prompt-oN-guard]; the comparison key with variant"),
     Column("group", "string", "throughput, repeat_vs_native, rule_cost, served, served_vs_vllm_serve, chat_stream, "
-                              "pattern_c, constrained, backends or rollout_vs_trainer"),
+                              "pattern_c, constrained, backends, rollout_vs_trainer or sampler_cost"),
     Column("backend", "string", "hf, vllm or llamacpp (backends: llamacpp, the subject of every ratio of the case)"),
     Column("model", "string", "model name (fixture name or folder name)"),
     Column("dtype", "string", "model dtype"),
@@ -61,10 +62,11 @@ CASE_COLUMNS = (
     Column("fixed_length", "bool", "EOS was suppressed so every row generates exactly new_tokens"),
     Column("guard_set", "string", "none, repeat or min_length (what the subject variant adds); rule_cost: the rule "
                                   "measured (repeat_ids, repeat_keys, min_length, json_boundary); constrained: "
-                                  "json_schema"),
+                                  "json_schema; sampler_cost: none"),
     Column("variant", "string", "what ran: raw, engine, engine+repeat, engine+min_length, raw+native_repetition; "
                                 "rule_cost: decode+rowwise (reference path) or table+vectorized (fast path); "
-                                "backends: hf, vllm, llamacpp (engines) or llamacpp-raw (Llama.generate)"),
+                                "backends: hf, vllm, llamacpp (engines) or llamacpp-raw (Llama.generate); "
+                                "sampler_cost: native or portable (generation.sampler)"),
     Column("role", "string", "reference or subject of the case's ratio, or context (measured alongside, in no ratio)"),
     Column("confirm_rounds", "int64", "measured rounds added because a gated ratio missed its minimum after the "
                                       "size's rounds (its ratios are then medians over all the case's rounds); 0: "
@@ -116,6 +118,9 @@ RATIO_COLUMNS = {
                          "exactly what the rollout drew",
     "fast_over_reference": "rule_cost: speed of a rule's fast path (byte table, vectorized ids) / its reference "
                            "path (decode per token, per-row Python), same token stream",
+    "portable_over_native": "sampler_cost: speed of the engine sampling with generation.sampler portable (the "
+                            "counter-based Gumbel draw, engine.rules.portable_sampler) / with the backend's own "
+                            "sampler, same seeded requests, fixed length",
 }
 # Per-case figures other than ratios, repeated on every row of the case like the ratios (NaN where not measured).
 FIGURE_COLUMNS = {
@@ -139,6 +144,8 @@ FIGURE_COLUMNS = {
            "pairing",
     "temp_only_weight_mean": "rollout_vs_trainer: mean token weight when the trainer re-scores with the temperature "
                              "only, full vocabulary (ms-swift's trainer), whatever the rollout's mode",
+    "added_us_per_token": "sampler_cost: what the portable sampler adds per generated token per row, in us "
+                          "((subject median - reference median) / (batch x new_tokens))",
     "temp_only_outside_frac": "rollout_vs_trainer: fraction of tokens whose weight against the temperature-only "
                               "trainer is outside [0.9, 1.1]",
 }
@@ -163,6 +170,7 @@ ADDED_IN: dict[int, tuple[str, ...]] = {
          "temp_only_outside_frac"),
     11: ("batch_over_single", "ours_over_stock"),
     12: ("plugin_idle_over_without",),
+    13: ("portable_over_native", "added_us_per_token"),
 }
 """The columns each version added (every change so far added columns; none was renamed or retyped), so a report of
 any earlier version reads as this one: what it lacks is absent (NaN, '' or 0 rounds confirmed), never invented."""
@@ -184,7 +192,7 @@ def upgrade(frame: Any, *, source: str = "report") -> Any:
     >>> old = pd.DataFrame({"schema_version": [8], "wall_s": [1.0]})
     >>> new = upgrade(old)
     >>> int(new["schema_version"][0]), int(new["confirm_rounds"][0]), new.attrs["read_from_versions"]
-    (12, 0, [8])
+    (13, 0, [8])
     >>> bool(pd.isna(new["trainer_agreement"][0])), "dlogprob_mean" in new  # added in 10; 8 already had it
     (True, False)
     """

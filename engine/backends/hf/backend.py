@@ -351,7 +351,8 @@ class HfBackend(BackendBase, backend="hf"):
         sampler: list[Any] = []
         if not opts.is_greedy:  # warpers after every other processor, then one draw per row with its own seed
             sampler.append(RowSampler([p.seed for p in prompts], temperature=opts.temperature, top_k=opts.top_k,
-                                      top_p=opts.top_p, min_p=opts.min_p, tap=tap))
+                                      top_p=opts.top_p, min_p=opts.min_p, tap=tap, sampler=opts.sampler,
+                                      positions=(inputs["attention_mask"].sum(dim=1) - 1).tolist()))
         elif tap is not None:  # greedy: the draw is the argmax of what every processor left (vLLM's greedy path)
             sampler.append(tap)
         with torch.inference_mode():

@@ -43,12 +43,18 @@ class RowSampler:
     """
 
     def __init__(self, seeds: Sequence[int | None], *, temperature: float, top_k: int, top_p: float,
-                 min_p: float = 0.0, tap: ScoreTap | None = None) -> None:
+                 min_p: float = 0.0, tap: ScoreTap | None = None, sampler: str = "native",
+                 positions: Sequence[int] = ()) -> None:
         import torch
 
         self.warpers = sampling_warpers(temperature, top_k, top_p, min_p)
         self.generators = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
         self.tap = tap
+        self.sampler = sampler
+        self.seeds = list(seeds)
+        self.positions = list(positions)
+        """The portable sampler's position of each row's first draw: its last prompt token's (``prompt_len - 1``)."""
+        self.step = 0
 
     def __call__(self, input_ids: Any, scores: Any) -> Any:
         import torch
@@ -57,11 +63,28 @@ class RowSampler:
             scores = warp(input_ids, scores)
         if self.tap is not None:
             self.tap(input_ids, scores)
+        if self.sampler != "native":
+            return self._portable(scores)
         probs = torch.softmax(scores.float(), dim=-1).cpu()  # (batch, vocab); the generators live on the CPU
         drawn = torch.full_like(scores, float("-inf"))
         for row, generator in enumerate(self.generators):
             token = torch.multinomial(probs[row], 1, generator=generator)
             drawn[row, token.to(scores.device)] = 0.0
+        return drawn
+
+    def _portable(self, scores: Any) -> Any:
+        """The shared counter-based draw (``engine.rules.portable_sampler``) of each row at its position."""
+        import torch
+
+        from engine.rules.portable_sampler import draw_rows
+
+        rows = scores.float().cpu()
+        positions = [p + self.step for p in self.positions]
+        self.step += 1
+        picks = draw_rows(rows, [int(s) for s in self.seeds], positions, fp64=self.sampler == "portable_fp64")
+        drawn = torch.full_like(scores, float("-inf"))
+        for row, pick in enumerate(picks):
+            drawn[row, pick.token] = 0.0
         return drawn
 
 

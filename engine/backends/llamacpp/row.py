@@ -59,7 +59,7 @@ class LlamaCppRow:
 
         opts = plan.options
         self.index, self.prompt, self.on_token = index, prompt, on_token
-        self.greedy = opts.is_greedy
+        self.greedy = opts.is_greedy or opts.sampler != "native"  # the portable draw is made by the row's step
         self.terminal = set(plan.terminal_token_ids)
         self.want_logprobs = opts.logprobs
         make = lambda specs: rule_sets(specs, 1, terminal_ids=plan.terminal_token_ids, decode=decode,  # noqa: E731
@@ -71,7 +71,9 @@ class LlamaCppRow:
                                     eos_id=plan.eos_token_ids[0], repetition_penalty=opts.repetition_penalty,
                                     temperature=None if opts.is_greedy else opts.temperature, min_p=opts.min_p,
                                     top_k=opts.top_k, top_p=opts.top_p, logprobs=opts.logprobs is not None,
-                                    logprobs_mode=plan.logprobs_mode)
+                                    logprobs_mode=plan.logprobs_mode,
+                                    portable=None if opts.is_greedy or opts.sampler == "native" else
+                                    (opts.sampler, prompt.seed))
         self.stops = StopStringWatch(plan.stop.strings, text_stream(decode),
                                      min_new_tokens=opts.min_new_tokens) if plan.stop.strings else None
         self.budget = min(opts.max_new_tokens, n_ctx - len(prompt.token_ids))

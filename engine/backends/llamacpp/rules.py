@@ -6,7 +6,8 @@ row's sampler draws from them. :class:`LlamaCppRowStep` is that callable for one
 ``min_new_tokens`` (terminal ids banned until then),
 ``repetition_penalty`` (HF's rule), the row's rules (the shared :class:`~engine.rules.base.RuleSet`, decided and
 applied by :mod:`engine.backends.row_apply` on a zero-copy torch view of the row, exactly as on HF and vLLM), then
-the temperature, min-p, top-k and top-p. The penalty, min-p and truncation are the shared rules of
+the temperature, min-p, top-k and top-p (then, with ``generation.sampler: portable``, the shared counter-based draw of
+:mod:`engine.rules.portable_sampler`). The penalty, min-p and truncation are the shared rules of
 :mod:`engine.rules.processing` (vLLM's order and rule), on the same view; llama.cpp's own
 sampler then draws from exactly that (its top-k, top-p and min-p stay off). When logprobs are asked for it keeps
 the row as the mode says: the raw scores before any edit (HF's ``output_logits``, vLLM's raw logprobs) or the
@@ -35,7 +36,7 @@ class LlamaCppRowStep:
     def __init__(self, *, prompt_len: int, terminal_ids: Sequence[int], min_new_tokens: int, rules: RuleSet | None,
                  eos_id: int, repetition_penalty: float = 1.0, temperature: float | None = None,
                  min_p: float = 0.0, top_k: int = 0, top_p: float = 1.0, logprobs: bool = False,
-                 logprobs_mode: str = "raw_logprobs") -> None:
+                 logprobs_mode: str = "raw_logprobs", portable: tuple[str, int] | None = None) -> None:
         self.prompt_len = prompt_len
         self.terminal_ids = list(terminal_ids)
         self.min_new_tokens = min_new_tokens
@@ -48,6 +49,9 @@ class LlamaCppRowStep:
         self.top_p = top_p
         self.logprobs = logprobs
         self.mode = logprobs_mode
+        self.portable = portable
+        """(sampler, row seed) when the row draws with the portable sampler: the step draws and leaves only the drawn
+        token finite, so llama.cpp's greedy chain takes it."""
         self.generated = 0
         self.last_logprobs: Any = None
         """The latest step's row as ``logprobs_mode`` says (when ``logprobs``): raw or processed, log-softmaxed or
@@ -83,6 +87,15 @@ class LlamaCppRowStep:
         truncate(row[None, :], self.top_k, self.top_p)  # vLLM's top-k then top-p
         if self.logprobs and self.mode.startswith("processed"):
             self.last_logprobs = self._kept(scores)
+        if self.portable is not None:
+            from engine.rules.portable_sampler import draw
+
+            sampler, seed = self.portable
+            token = draw(scores, seed=seed, pos=self.prompt_len - 1 + self.generated,
+                         fp64=sampler == "portable_fp64").token
+            kept = scores[token]
+            scores[:] = -np.inf
+            scores[token] = kept
         return scores
 
     def _kept(self, scores: Any) -> Any:

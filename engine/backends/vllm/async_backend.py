@@ -115,7 +115,7 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
         keys = [uuid.uuid4().hex for _ in prompts]
         finals = await asyncio.gather(*(self._one(engine_input(p, plan), request_params(base, p, plan, key), key)
                                          for p, key in zip(prompts, keys, strict=True)))
-        events = await self.rule_events(keys) if plan.rules else {}
+        events = await self.rule_events(keys) if plan.rules or plan.draws_portably else {}
         return [backend_output(out, plan, events.get(key, {})) for key, out in zip(keys, finals, strict=True)]
 
     async def _one(self, prompt: Any, params: Any, key: str) -> Any:
@@ -173,7 +173,7 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
                 if final is None or not final.finished:
                     raise BackendUnavailableError(SPEC.name, f"AsyncLLM ended request {key} without a final output",
                                                   "check the server log for an engine-core error")
-                events = await self.rule_events([key]) if plan.rules else {}
+                events = await self.rule_events([key]) if plan.rules or plan.draws_portably else {}
                 send("done", backend_output(final, plan, events.get(key, {})))
             except Exception as err:  # handed to the caller, who raises it
                 send("error", err)

@@ -202,15 +202,17 @@ def request_params(base: Any, prompt: Prompt, plan: SamplingPlan, key: str) -> A
     """``base`` for one request: with the row's own seed (``Prompt.seed``) and the plan's row rules under ``key``
     (a copy), or ``base`` itself when it needs neither."""
     from engine.backends.vllm import rules as vllm_rules
+    from engine.backends.vllm.portable import draw_args
 
+    draw = None if prompt.seed is None else draw_args(plan, prompt.seed, len(prompt.token_ids))
     if not plan.rules and prompt.seed is None:
         return base
     params = base.clone()
     params.seed = prompt.seed
-    if plan.rules:
+    if plan.rules or draw is not None:
         params.extra_args = vllm_rules.request_args(plan.rules, key=key, eos_id=plan.eos_token_ids[0],
                                                     terminal_ids=plan.terminal_token_ids,
-                                                    min_new=plan.options.min_new_tokens)
+                                                    min_new=plan.options.min_new_tokens, draw=draw)
     return params
 
 
@@ -226,10 +228,15 @@ def engine_input(prompt: Prompt, plan: SamplingPlan) -> Any:
 
 def backend_output(out: Any, plan: SamplingPlan, events: dict[str, Any]) -> BackendOutput:
     """One finished ``RequestOutput`` as the engine's :class:`BackendOutput`."""
+    from engine.backends.vllm.portable import portable_logprobs
+
     completion = out.outputs[0]
     logprobs = None
     if plan.options.logprobs is not None and completion.logprobs is not None:
         logprobs = tuple({int(t): float(lp.logprob) for t, lp in step.items()} for step in completion.logprobs)
+    drawn = portable_logprobs(events)  # the portable draw's processed logprobs replace those of its forced row
+    if drawn is not None and logprobs is not None:
+        logprobs = drawn[: len(completion.token_ids)]
     return BackendOutput(token_ids=tuple(completion.token_ids), logprobs=logprobs,
                          prompt_token_ids=tuple(out.prompt_token_ids or ()), events=events)
 
@@ -278,7 +285,7 @@ class VllmBackend(BackendBase, backend="vllm"):
         keys = [uuid.uuid4().hex for _ in prompts]
         params = [request_params(base, p, plan, key) for p, key in zip(prompts, keys, strict=True)]
         outs = self.llm.generate([engine_input(p, plan) for p in prompts], params, use_tqdm=False)
-        events = self.rule_events(keys) if plan.rules else {}
+        events = self.rule_events(keys) if plan.rules or plan.draws_portably else {}
         return [backend_output(out, plan, events.get(key, {})) for key, out in zip(keys, outs, strict=True)]
 
     def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],

@@ -36,14 +36,18 @@ EVENTS_METHOD = "engine_rule_events"
 
 
 def request_args(specs: Sequence[RuleSpec], *, key: str, eos_id: int, terminal_ids: Sequence[int],
-                 min_new: int = 0) -> dict:
-    """The ``extra_args`` for one request (``min_new``: no rule ends the row before that many tokens).
+                 min_new: int = 0, draw: Mapping[str, Any] | None = None) -> dict:
+    """The ``extra_args`` for one request (``min_new``: no rule ends the row before that many tokens; ``draw``: the
+    portable sampler's arguments, :func:`engine.backends.vllm.portable.draw_args`).
 
     >>> request_args([], key="k", eos_id=2, terminal_ids=[2])
     {'engine_rules': {'specs': [], 'key': 'k', 'eos': 2, 'terminal': [2], 'min_new': 0}}
     """
-    return {EXTRA_KEY: {"specs": [s.as_dict() for s in specs], "key": key, "eos": eos_id,
-                        "terminal": list(terminal_ids), "min_new": min_new}}
+    args = {"specs": [s.as_dict() for s in specs], "key": key, "eos": eos_id, "terminal": list(terminal_ids),
+            "min_new": min_new}
+    if draw is not None:
+        args["draw"] = dict(draw)
+    return {EXTRA_KEY: args}
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,8 @@ class RowArgs:
     eos: int
     terminal: frozenset[int]
     min_new: int = 0
+    draw: Mapping[str, Any] | None = None
+    """The portable sampler's arguments (``engine.backends.vllm.portable``), or None: vLLM's own draw."""
 
 
 def parse_request_args(extra_args: Mapping[str, Any] | None, *, check: bool = True) -> RowArgs | None:
@@ -108,8 +114,13 @@ def parse_request_args(extra_args: Mapping[str, Any] | None, *, check: bool = Tr
         if check:
             _check_spec(spec, f"{where}.specs[{i}]")
         specs.append(spec)
+    draw = args.get("draw")
+    if draw is not None:
+        from engine.backends.vllm.portable import check_draw_args
+
+        check_draw_args(draw, f"{where}.draw")
     return RowArgs(specs=tuple(specs), key=args["key"], eos=int(args["eos"]), terminal=frozenset(terminal),
-                   min_new=int(min_new))
+                   min_new=int(min_new), draw=draw)
 
 
 def _check_spec(spec: RuleSpec, where: str) -> None:
@@ -151,6 +162,8 @@ class Row:
     bank_seen: int = 0
     """Output tokens offered to the bank since the row joined it."""
     left_events: dict[str, Any] = field(default_factory=dict)
+    draw: Any = None
+    """The row's :class:`~engine.backends.vllm.portable.PortableDraw` (``generation.sampler: portable``), or None."""
     reported: bool = False
     """Its end was reported (the vLLM plugin's audit: once per row, though EOS may be forced on several steps)."""
 
@@ -175,7 +188,17 @@ class Row:
         merged = dict(self.rules.events())
         if self.repeat:
             merged.update(self.bank.events(self.bank_at) if self.bank_at is not None else self.left_events)
+        if self.draw is not None:
+            merged.update(self.draw.events())
         return merged
+
+    def take_draw(self, args: RowArgs, prompt: Sequence[int]) -> None:
+        """Start the row's portable draw (``args.draw``) on ``prompt``; a resumed request keeps the one it had."""
+        if args.draw is not None and self.draw is None:
+            from engine.backends.vllm.portable import PortableDraw
+
+            self.draw = PortableDraw.of(args.draw, prompt=prompt, terminal=sorted(args.terminal),
+                                        min_new=args.min_new)
 
 
 class EventStore:

@@ -63,13 +63,14 @@ class RowRulesV1(LogitsProcessor):
             return
         for index in batch_update.removed:
             self._drop(index)
-        for index, params, _prompt, output in batch_update.added:
+        for index, params, prompt, output in batch_update.added:
             self._drop(index)  # an added request may replace the one at its index
             args = self.row_args(params, check=False) if params is not None else None
             if args is None:
                 continue
             # A preempted request comes back with its output so far; its rules resume where they stopped.
             row = build_row(args, self.decode, track=self.tracks_events)
+            row.take_draw(args, prompt or ())
             row.join(self.bank, index, args.terminal)
             self.rows[index] = (row, output)
         for a, b, direction in batch_update.moved:
@@ -117,4 +118,8 @@ class RowRulesV1(LogitsProcessor):
         ending = [self.rows[index][0] for index, _, d in decisions if d.force_eos]
         if ending:
             self.ended(ending)
-        return apply_decisions(logits, decisions)
+        logits = apply_decisions(logits, decisions)
+        for index, (row, output) in self.rows.items():  # the portable draw, after the rules (engine...portable)
+            if row.draw is not None:
+                row.draw.step(logits[index], output)
+        return logits

@@ -78,6 +78,7 @@ class RowRulesV2(LogitsProcessor):
         if args is None:
             return False
         row = build_row(args, self.decode, track=self.tracks_events)
+        row.take_draw(args, ())  # its prompt is read from the request state at the first step
         row.join(self.bank, req_idx, args.terminal)
         self.slots[req_idx] = row
         self.has_row[req_idx] = True
@@ -138,4 +139,12 @@ class RowRulesV2(LogitsProcessor):
         if any(d.force_eos for _, _, d in decisions):
             by_position = dict(zip(positions.tolist(), slots.tolist(), strict=True))
             self.ended([self.slots[by_position[p]] for p, _, d in decisions if d.force_eos])
-        return apply_decisions(logits, decisions)
+        logits = apply_decisions(logits, decisions)
+        for i, slot in enumerate(slots.tolist()):  # the portable draw, after the rules (engine...portable)
+            draw = self.slots[slot].draw
+            if draw is not None:
+                begin = int(totals[i] - outputs[i])
+                if not draw.prompt:
+                    draw.prompt = tuple(tokens[slot, :begin].tolist())
+                draw.step(logits[int(positions[i])], tokens[slot, begin: int(totals[i])].tolist())
+        return logits
