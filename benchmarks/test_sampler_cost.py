@@ -1,0 +1,74 @@
+"""What the portable sampler costs: the engine sampling with ``generation.sampler: portable`` against the same engine
+with the backend's own sampler, per backend, at batch 1, 8 and 64.
+
+Both variants generate the same seeded requests at temperature 1.0 to a fixed length (EOS held back), interleaved in
+one run; the case records ``portable_over_native`` (speed ratio, gated) and ``added_us_per_token``: what the portable
+draw adds per generated token per row, (portable median - native median) / (batch x new_tokens), in microseconds.
+The draw hashes only the tokens that can still win (``engine.rules.portable_sampler``), in numpy on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from benchmarks.conftest import SESSION_KEY
+from benchmarks.harness import Variant
+from benchmarks.workload import batch_messages, fixed_length
+
+pytestmark = pytest.mark.gated_full  # the full tier's gate reads portable_over_native (FULL_TIER_MINIMUMS); not CI
+
+SAMPLED = {"temperature": 1.0, "seed": 5}
+
+
+@dataclass(frozen=True)
+class Case:
+    backend: str
+    batch: int
+    new_tokens: int
+
+    @property
+    def id(self) -> str:
+        return f"{self.backend}-b{self.batch}-short-o{self.new_tokens}-none"
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "sampler_case" not in metafunc.fixturenames:
+        return
+    bench = metafunc.config.stash.get(SESSION_KEY, None)
+    if bench is None:  # not opted in: one placeholder case, skipped by the conftest
+        cases = [Case("hf", 1, 16)]
+    else:
+        cases = [Case(b, n, o) for b in bench.backends for n in bench.size.batches for o in bench.size.new_tokens]
+    metafunc.parametrize("sampler_case", cases, ids=[c.id for c in cases])
+
+
+def sampling(name: str, role: str, engine: object, messages: list, options: dict) -> Variant:
+    def run() -> int:
+        return sum(len(r.token_ids) for r in engine.generate(messages, options=options))  # type: ignore[attr-defined]
+
+    return Variant(name, role, run)
+
+
+def test_sampler_cost(bench, benchmark, sampler_case: Case) -> None:
+    case = sampler_case
+    engine = bench.engine(case.backend)
+    messages = batch_messages(case.batch, "short")
+    options = {**fixed_length(case.new_tokens), **SAMPLED}
+    native = sampling("native", "reference", engine, messages, {**options, "sampler": "native"})
+    portable = sampling("portable", "subject", engine, messages, {**options, "sampler": "portable"})
+    rounds = bench.measure(benchmark, f"sampler_cost[{case.id}]", [native, portable],
+                           gates={"portable_over_native": ("portable", "native")})
+    expected = case.batch * case.new_tokens
+    for variant in (native, portable):  # fixed length: a variant that stopped early would flatter the ratio
+        assert rounds.tokens(variant.name) == {expected}, (variant.name, rounds.tokens(variant.name), expected)
+    added = (rounds.median_wall("portable") - rounds.median_wall("native")) / expected * 1e6
+    rendered, _ = engine.prepare(messages, options=options)
+    bench.record({"benchmark": f"sampler_cost[{case.id}]", "group": "sampler_cost", "backend": case.backend,
+                  "batch": case.batch, "prompt_len": "short",
+                  "prompt_tokens": sum(len(r.token_ids) for r in rendered), "new_tokens": case.new_tokens,
+                  "fixed_length": True, "guard_set": "none"},
+                 rounds, {"portable_over_native": rounds.speed_ratio("portable", "native"),
+                          "added_us_per_token": added}, benchmark)
+    bench.progress(f"sampler_cost[{case.id}]: the portable draw adds {added:.1f} us per token per row")
