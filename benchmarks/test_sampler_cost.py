@@ -9,12 +9,11 @@ The draw hashes only the tokens that can still win (``engine.rules.portable_samp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
 from benchmarks.conftest import SESSION_KEY
 from benchmarks.harness import Variant
+from benchmarks.test_throughput import Case  # the same case shape and id: sampler_cost[hf-b8-short-o16-none]
 from benchmarks.workload import batch_messages, fixed_length
 
 pytestmark = pytest.mark.gated_full  # the full tier's gate reads portable_over_native (FULL_TIER_MINIMUMS); not CI
@@ -22,25 +21,16 @@ pytestmark = pytest.mark.gated_full  # the full tier's gate reads portable_over_
 SAMPLED = {"temperature": 1.0, "seed": 5}
 
 
-@dataclass(frozen=True)
-class Case:
-    backend: str
-    batch: int
-    new_tokens: int
-
-    @property
-    def id(self) -> str:
-        return f"{self.backend}-b{self.batch}-short-o{self.new_tokens}-none"
-
-
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "sampler_case" not in metafunc.fixturenames:
         return
     bench = metafunc.config.stash.get(SESSION_KEY, None)
     if bench is None:  # not opted in: one placeholder case, skipped by the conftest
-        cases = [Case("hf", 1, 16)]
+        cases = [Case("hf", 1, "short", 16, "none")]
     else:
-        cases = [Case(b, n, o) for b in bench.backends for n in bench.size.batches for o in bench.size.new_tokens]
+        backends = dict.fromkeys((*bench.backends, "llamacpp"))  # llama.cpp's own sampler too (its chain's draw)
+        cases = [Case(b, n, "short", o, "none") for b in backends for n in bench.size.batches
+                 for o in bench.size.new_tokens]
     metafunc.parametrize("sampler_case", cases, ids=[c.id for c in cases])
 
 
@@ -53,6 +43,9 @@ def sampling(name: str, role: str, engine: object, messages: list, options: dict
 
 def test_sampler_cost(bench, benchmark, sampler_case: Case) -> None:
     case = sampler_case
+    if case.backend == "llamacpp":
+        pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install "
+                            "'xbackend-engine[llamacpp]'; nox installs it)")
     engine = bench.engine(case.backend)
     messages = batch_messages(case.batch, "short")
     options = {**fixed_length(case.new_tokens), **SAMPLED}

@@ -57,13 +57,15 @@ def test_the_noise_bounds_hold_and_are_what_the_pruning_uses(fp64):
     assert low <= noise.min() and noise.max() <= high
 
 
-@pytest.mark.parametrize("fp64", [False, True])
-def test_pruning_draws_exactly_what_the_whole_vocabulary_would(fp64):
-    rng = np.random.default_rng(0)
-    for trial in range(200):
-        logits = (rng.standard_normal(3000) * rng.choice([0.5, 5.0, 20.0])).astype(np.float32)
-        logits[rng.random(3000) < 0.3] = -np.inf
-        whole = logits.astype(np.float64 if fp64 else np.float32) + ps.gumbel_noise(trial, 7, np.arange(3000),
+@pytest.mark.parametrize(("fp64", "size", "trials"), [(False, 3000, 300), (True, 3000, 300), (False, 49152, 20)])
+def test_pruning_draws_exactly_what_the_whole_vocabulary_would(fp64, size, trials):
+    """Flat, peaked and masked rows: the draw that computes few tokens' noise equals the argmax over all of them."""
+    rng = np.random.default_rng(size)
+    for trial in range(trials):
+        logits = (rng.standard_normal(size) * rng.choice([0.05, 0.5, 5.0, 20.0])).astype(np.float32)
+        logits[rng.random(size) < rng.choice([0.0, 0.3, 0.99])] = -np.inf
+        logits[rng.integers(size)] = 0.0  # at least one token is kept
+        whole = logits.astype(np.float64 if fp64 else np.float32) + ps.gumbel_noise(trial, 7, np.arange(size),
                                                                                      fp64=fp64)
         assert ps.draw(logits, seed=trial, pos=7, fp64=fp64).token == int(np.argmax(whole))
 
@@ -97,9 +99,17 @@ def test_seed_position_and_variant_each_change_the_draw():
     assert ps.draw(logits, seed=1, pos=1, fp64=True).token != base
 
 
-def test_the_margin_is_the_gap_to_the_runner_up():
-    logits = np.array([0.0, 0.0, -np.inf], dtype=np.float32)
-    pick = ps.draw(logits, seed=3, pos=0)
-    noise = ps.gumbel_noise(3, 0, np.arange(2))
-    assert pick.margin == pytest.approx(abs(float(noise[0] - noise[1])), rel=1e-6)
+@pytest.mark.parametrize("fp64", [False, True])
+def test_the_margin_is_the_gap_to_the_runner_up_within_the_window(fp64):
+    rng = np.random.default_rng(5)
+    narrow = 0
+    for trial in range(300):
+        logits = (rng.standard_normal(2000) * rng.choice([0.3, 3.0])).astype(np.float32)
+        scores = np.sort(logits.astype(np.float64 if fp64 else np.float32)
+                         + ps.gumbel_noise(trial, 1, np.arange(2000), fp64=fp64))[::-1]
+        gap = float(scores[0] - scores[1])
+        pick = ps.draw(logits, seed=trial, pos=1, fp64=fp64)
+        assert pick.margin == pytest.approx(min(gap, ps.MARGIN_WINDOW), rel=1e-5, abs=1e-6)
+        narrow += gap < ps.MARGIN_WINDOW
+    assert narrow > 50  # the exact branch was exercised, not only the window
     assert ps.draw(np.array([1.0, -np.inf], dtype=np.float32), seed=3, pos=0).margin == float("inf")

@@ -19,8 +19,9 @@ The arithmetic is vLLM's Model Runner V2 (``vllm/v1/worker/gpu/sample/gumbel.py`
   ``-log(-log(u))``.
 
 The seed is the row's own seed (:func:`engine.rules.seeding.row_seed` of the call's seed and the row's index), so a
-GRPO group of identical prompts draws distinct rows. Only tokens that can still win are hashed: the noise is bounded
-(:data:`NOISE_RANGE`), so a token whose logit is further below the best than that range is skipped, exactly.
+GRPO group of identical prompts draws distinct rows. Only the few tokens that can still win get their noise computed
+(:func:`draw`: every token's hash is compared with a bound from its logit), exactly: the result is the argmax over the
+whole vocabulary (``tests/test_portable_sampler.py`` checks it on flat, peaked and masked rows).
 
 >>> import numpy as np
 >>> logits = np.log(np.array([0.5, 0.3, 0.2], dtype=np.float32))
@@ -70,6 +71,33 @@ def _token_keys(tokens: Any) -> Any:
     return key * np.uint32(_C2)
 
 
+_ALL_KEYS: dict[int, Any] = {}
+"""The key half of every id of a vocabulary, by its size (one array per vocabulary: computed once)."""
+
+
+def _keys_of_all(size: int) -> Any:
+    import numpy as np
+
+    if size not in _ALL_KEYS:
+        _ALL_KEYS[size] = _token_keys(np.arange(size))
+    return _ALL_KEYS[size]
+
+
+def _finish(seed: int, pos: int, keys: Any, domain: int) -> Any:
+    """The rest of murmur3 once the token words' key halves are known."""
+    import numpy as np
+
+    h = np.uint32(_prefix(seed, pos, domain)) ^ keys
+    h = (h << np.uint32(13)) | (h >> np.uint32(19))
+    h = h * np.uint32(5) + np.uint32(_MIX_ADD)
+    h ^= np.uint32(16)  # the key's length in bytes, murmur3's finalisation
+    h ^= h >> np.uint32(16)
+    h *= np.uint32(_F1)
+    h ^= h >> np.uint32(13)
+    h *= np.uint32(_F2)
+    return h ^ (h >> np.uint32(16))
+
+
 def hash32(seed: int, pos: int, tokens: Any, domain: int = 0) -> Any:
     """murmur3 of ``(seed, pos, token)`` for each of ``tokens``, as uint32 (vLLM's ``murmur3_hash32``).
 
@@ -79,17 +107,7 @@ def hash32(seed: int, pos: int, tokens: Any, domain: int = 0) -> Any:
     >>> int(hash32(2**40 + 5, 9, [4])[0]) != int(hash32(5, 9, [4])[0])  # the seed's high half counts
     True
     """
-    import numpy as np
-
-    h = np.uint32(_prefix(seed, pos, domain)) ^ _token_keys(tokens)
-    h = (h << np.uint32(13)) | (h >> np.uint32(19))
-    h = h * np.uint32(5) + np.uint32(_MIX_ADD)
-    h ^= np.uint32(16)  # the key's length in bytes, murmur3's finalisation
-    h ^= h >> np.uint32(16)
-    h *= np.uint32(_F1)
-    h ^= h >> np.uint32(13)
-    h *= np.uint32(_F2)
-    return h ^ (h >> np.uint32(16))
+    return _finish(seed, pos, _token_keys(tokens), domain)
 
 
 def uniform32(seed: int, pos: int, tokens: Any) -> Any:
@@ -158,12 +176,15 @@ def _noise_range(fp64: bool) -> tuple[float, float]:
 NOISE_RANGE = {False: (-2.8116, 22.8739), True: (-3.6225, 36.7369)}
 """(smallest, largest) noise per variant (float32: False), rounded outward; ``tests/test_portable_sampler.py``
 recomputes them. A token whose logit is more than ``largest - smallest`` below the best cannot win."""
+MARGIN_WINDOW = 1.0
+"""How far below the winner :func:`draw` looks for the runner-up: a margin at least this wide is reported as this."""
 _SLACK = 1e-3
 
 
 @dataclass(frozen=True)
 class Draw:
-    """One row's draw: the token, the winning noisy score, and the margin to the runner-up (inf: one candidate)."""
+    """One row's draw: the token, the winning noisy score, and the margin to the runner-up (exact below
+    :data:`MARGIN_WINDOW`, that window when at least as wide; inf: no other token could be drawn)."""
 
     token: int
     score: float
@@ -172,6 +193,12 @@ class Draw:
 
 def draw(logits: Any, *, seed: int, pos: int, fp64: bool = False) -> Draw:
     """The portable draw of one row of processed logits (numpy or CPU torch, 1-D; -inf outside the kept support).
+
+    Exact without computing every token's noise: the likeliest token's noisy score ``s`` is computed first; a token
+    can come within :data:`MARGIN_WINDOW` of the winner only if its logit plus its noise reaches ``s - window``, and
+    the noise is at most ``-log(u)`` (float32: ``-log(-log(1 - u)) <= -log(u)``; float64: ``-log(-log u) <=
+    -log(1 - u)``), so one comparison of each token's uniform with ``exp(logit - s + window)`` leaves the few whose
+    noise must be computed.
 
     >>> import numpy as np
     >>> draw(np.array([0.0, -np.inf, 5.0], dtype=np.float32), seed=1, pos=0).token  # a masked token never wins
@@ -182,19 +209,35 @@ def draw(logits: Any, *, seed: int, pos: int, fp64: bool = False) -> Draw:
     row = logits.numpy() if hasattr(logits, "numpy") else np.asarray(logits)
     dtype = np.float64 if fp64 else np.float32
     row = row.astype(dtype, copy=False)
-    low, high = NOISE_RANGE[fp64]
-    can_win = row >= row.max() - (high - low) - _SLACK
-    if 2 * int(can_win.sum()) > row.size:  # a flat distribution: hashing every token is cheaper than gathering
-        candidates = np.arange(row.size)
-        scores = row + gumbel_noise(seed, pos, candidates, fp64=fp64).astype(dtype)  # -inf stays -inf
+    likeliest = int(np.argmax(row))
+    anchor = float(row[likeliest] + gumbel_noise(seed, pos, [likeliest], fp64=fp64)[0])
+    floor = anchor - MARGIN_WINDOW
+    high = NOISE_RANGE[fp64][1]
+    reach = row >= floor - high - _SLACK  # the rest cannot reach the floor with the largest noise
+    if 2 * int(reach.sum()) > row.size:  # most can: every token's hash is cheaper than a gather
+        tokens, keys = np.arange(row.size), _keys_of_all(row.size)
     else:
-        candidates = np.flatnonzero(can_win)
-        scores = row[candidates] + gumbel_noise(seed, pos, candidates, fp64=fp64).astype(dtype)
+        tokens = np.flatnonzero(reach)
+        keys = _token_keys(tokens)
+    with np.errstate(over="ignore"):
+        limit = np.exp((row[tokens] - np.float32(floor - _SLACK)).astype(np.float32))
+    if fp64:  # 1 - u, the side of the uniform that gives large noise there, from u's high 32 bits: (1 - u) * 2**32
+        # is at least 2**32 - hi - 1, and float32 moves hi by at most 256, so 512 less never leaves a token out
+        r = _finish(seed, pos, keys, FP64_DOMAIN).astype(np.float32)
+        passed = (np.float32(2.0**32) - r) - np.float32(512) <= limit * np.float32(2.0**32)
+    else:  # u = (r + 0.5) * 2**-32 (float32 rounds it by less than the slack)
+        r = _finish(seed, pos, keys, 0).astype(np.float32)
+        passed = r <= limit * np.float32(2.0**32)
+    candidates = tokens[passed]
+    candidates = np.union1d(candidates, [likeliest])
+    scores = row[candidates] + gumbel_noise(seed, pos, candidates, fp64=fp64).astype(dtype)
     first = int(np.argmax(scores))  # the first of equal scores, as vLLM's reduction keeps
     top = float(scores[first])
     scores[first] = -np.inf
     runner_up = float(scores.max()) if scores.size > 1 else -np.inf
-    margin = top - runner_up if np.isfinite(runner_up) else float("inf")
+    finite_others = int(np.isfinite(row).sum()) > 1
+    margin = min(top - runner_up, MARGIN_WINDOW) if np.isfinite(runner_up) else (
+        MARGIN_WINDOW if finite_others else float("inf"))
     return Draw(int(candidates[first]), top, margin)
 
 
