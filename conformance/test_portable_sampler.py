@@ -127,6 +127,9 @@ def test_a_portable_row_does_not_change_with_its_batch_mates_the_batch_size_or_t
     alone = engine.generate(PROMPTS[:1], options=options(config, 5))[0]
     mates = engine.generate(PROMPTS, options=options(config, 5))[0]
     crowd = engine.generate([PROMPTS[0], *[PROMPTS[3]] * 7], options=options(config, 5))[0]
+    if engine.config.model.dtype != "float32":
+        pytest.skip("batch-size invariance is float32's promise: in bfloat16 a batch's shape changes the kernels' "
+                    "rounding (test_batch_invariance.py holds that case to the low-precision rule)")
     assert alone.token_ids == mates.token_ids == crowd.token_ids, (
         f"{backend}: row 0 changed with its batch: {alone.token_ids} / {mates.token_ids} / {crowd.token_ids}")
     own = [ChatRequest(tuple(p), seed=300 + i) for i, p in enumerate(PROMPTS)]
@@ -181,6 +184,8 @@ def test_processed_logprobs_describe_the_distribution_the_draw_used(pool, backen
 
     from conformance.test_logprobs_mode import PROCESSING, SAMPLED, WEIGHT_TOL, kept, processed
 
+    if pool.options.dtype != "float32":
+        pytest.skip("weights within 1e-3 of 1 are float32's bound (test_logprobs_mode.py's WEIGHT_TOL)")
     trainer = pool.reference("hf", pool.options.model)
     for b in backend_names:
         rows = processed(pool, b).generate(PROMPTS, options={**SAMPLED, "sampler": "portable"})
