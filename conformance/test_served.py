@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conformance.compare import assert_served_equal
-from conformance.served import scrape
+from conformance.subjects.served import scrape
 from conformance.test_repeat import BUDGET, LOOP_GUARD, MIXED
 from engine.config import RepeatTerminateConfig
 from engine_fixtures import fixture_path
@@ -45,7 +45,7 @@ def served_config(pool, looper_path):
 @pytest.fixture(scope="session")
 def server(pool, backend, served_config):
     """One server per backend on the looper fixture, its guard activated from the environment at startup."""
-    from conformance.availability import unavailable_reason
+    from conformance.kit.availability import unavailable_reason
     from engine.client import launch_server
 
     if unavailable_reason(backend):
@@ -112,7 +112,7 @@ def test_swift_client_drives_infer_and_parses_every_item(server, reference):
 
 def test_envelope_flags_equal_the_in_process_meta(server, reference):
     from engine.serve.rollout.infer import result_from_item
-    from engine.serve.shared.formats import shown_logprob
+    from engine.serve.shared.writers import shown_logprob
 
     body = {"infer_requests": [{"messages": m} for m in MIXED], "request_config": {**GREEDY, "logprobs": True,
                                                                                    "top_logprobs": 2}}
@@ -420,7 +420,7 @@ def free_port() -> int:
 def test_guard_that_cannot_run_exits_before_binding(pool, served_config, tmp_path):
     """vLLM without its runner's logits-processor interface: exit 3 with the reason; the port never listens (it is
     bound before the model loads, so that a port in use fails first, but nothing is accepted there)."""
-    from conformance.availability import unavailable_reason
+    from conformance.kit.availability import unavailable_reason
 
     if unavailable_reason("vllm"):
         pytest.skip(unavailable_reason("vllm"))

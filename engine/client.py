@@ -30,6 +30,9 @@ from engine.serve.rollout.infer import result_from_item
 from engine.serve.shared.auth import ENV_API_KEY
 from engine.types import GenerationResult
 
+HEALTH_POLL_S = 0.5
+"""Seconds between two polls of ``/health`` while a server starts."""
+
 
 class RolloutServerError(EngineError):
     """The rollout server answered with an error, could not be reached, or does not match the learner."""
@@ -99,8 +102,14 @@ class _Base:
         self.health = health
         return health
 
-    def _not_ready(self) -> RolloutServerError:
-        return RolloutServerError(f"{self.base_url}/health did not answer within {self.health_timeout}s")
+    def _polled(self, answer: Any, deadline: float) -> dict[str, Any] | None:
+        """One poll of ``/health`` (``answer``: its response, None when unreachable): the accepted health once it
+        answers 200 (the guard's activation checked), None to poll again, past ``deadline`` the error."""
+        if answer is not None and answer.status_code == 200:
+            return self._accept(answer.json())
+        if time.monotonic() > deadline:
+            raise RolloutServerError(f"{self.base_url}/health did not answer within {self.health_timeout}s")
+        return None
 
     def _parse(self, response: Any) -> list[GenerationResult]:
         if response.status_code != 200:
@@ -153,14 +162,12 @@ class RolloutClient(_Base):
         deadline = time.monotonic() + self.health_timeout
         while True:
             try:
-                r = self._http.get(f"{self.base_url}/health", timeout=5.0)
-                if r.status_code == 200:
-                    return self._accept(r.json())
+                answer = self._http.get(f"{self.base_url}/health", timeout=5.0)
             except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise self._not_ready()
-            time.sleep(0.5)
+                answer = None
+            if (health := self._polled(answer, deadline)) is not None:
+                return health
+            time.sleep(HEALTH_POLL_S)
 
     def _post(self, body: dict[str, Any]) -> list[GenerationResult]:
         import httpx
@@ -203,19 +210,18 @@ class AsyncRolloutClient(_Base):
         await self._http.aclose()
 
     async def wait_ready(self) -> dict[str, Any]:
+        """Poll ``/health`` until it answers (or ``health_timeout``), then check the guard's activation."""
         import httpx
 
         deadline = time.monotonic() + self.health_timeout
         while True:
             try:
-                r = await self._http.get(f"{self.base_url}/health", timeout=5.0)
-                if r.status_code == 200:
-                    return self._accept(r.json())
+                answer = await self._http.get(f"{self.base_url}/health", timeout=5.0)
             except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise self._not_ready()
-            await asyncio.sleep(0.5)
+                answer = None
+            if (health := self._polled(answer, deadline)) is not None:
+                return health
+            await asyncio.sleep(HEALTH_POLL_S)
 
     async def infer(self, requests: Sequence[Any], request_config: Mapping[str, Any] | None = None, *,
                     engine: Mapping[str, Any] | None = None) -> list[GenerationResult]:

@@ -32,6 +32,36 @@ Unicode text), got 'a\\ud800b'. Fix: send the text as valid UTF-8.
                            fix="send the text as valid UTF-8") from None
 
 
+def check_messages(raw: Any, at: str, *, fix: str) -> None:
+    """Refuse anything but a non-empty list of messages at ``at`` (every surface's first check of a conversation).
+
+    >>> check_messages([], "requests[0].messages", fix="give a message")
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: requests[0].messages must be a non-empty list of messages, got []. Fix: give a message.
+    """
+    if isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence) or len(raw) == 0:
+        raise RequestError(at, raw, "must be a non-empty list of messages", fix=fix)
+
+
+def check_message(msg: Any, at: str, *, fix: str) -> None:
+    """Refuse a message that is not a mapping of the keys the engine reads with a standard role (its content is the
+    caller's to check: text, or a VLM request's parts).
+
+    >>> check_message({"role": "robot", "content": "Hi"}, "messages[0]", fix="")
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: messages[0].role must be one of system, user, assistant, tool, got 'robot'. \
+Fix: use a standard chat role.
+    """
+    if not isinstance(msg, Mapping):
+        raise RequestError(at, msg, "must be a mapping with 'role' and 'content'", fix=fix)
+    check_message_keys(msg, at)
+    if msg.get("role") not in ROLES:
+        raise RequestError(f"{at}.role", msg.get("role"), f"must be one of {', '.join(ROLES)}",
+                           fix="use a standard chat role")
+
+
 def check_message_keys(msg: Mapping[str, Any], at: str) -> None:
     """Refuse the first key of ``msg`` the engine does not read, naming it.
 
@@ -81,19 +111,10 @@ Fix: give at least one {'role': 'user', 'content': ...} message.
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63):
             raise RequestError(f"{where}.seed", seed, "must be an integer in [0, 2**63)",
                                fix="give the row's seed as a non-negative integer, or leave it out")
-        if isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence) or len(raw) == 0:
-            raise RequestError(f"{where}.messages", raw, "must be a non-empty list of messages",
-                               fix="give at least one {'role': 'user', 'content': ...} message")
+        check_messages(raw, f"{where}.messages", fix="give at least one {'role': 'user', 'content': ...} message")
         for j, msg in enumerate(raw):
             at = f"{where}.messages[{j}]"
-            if not isinstance(msg, Mapping):
-                raise RequestError(at, msg, "must be a mapping with 'role' and 'content'",
-                                   fix="write it as {'role': 'user', 'content': 'text'}")
-            check_message_keys(msg, at)
-            role = msg.get("role")
-            if role not in ROLES:
-                raise RequestError(f"{at}.role", role, f"must be one of {', '.join(ROLES)}",
-                                   fix="use a standard chat role")
+            check_message(msg, at, fix="write it as {'role': 'user', 'content': 'text'}")
             if "content" not in msg:
                 raise RequestError(f"{at}.content", None, "is required", fix="add the message text as 'content'")
             if not isinstance(msg["content"], str):

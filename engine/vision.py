@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import RequestError
-from engine.types import ROLES, check_message_keys
+from engine.types import check_message, check_messages
 
 PART_TYPES = ("text", "image")
 
@@ -70,20 +70,12 @@ Fix: add one {'type': 'image', 'image': ...} part (use generate() for text-only 
         if isinstance(raw, VisionRequest):
             return raw
         where = f"requests[{index}]"
-        if isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence) or len(raw) == 0:
-            raise RequestError(f"{where}.messages", raw, "must be a non-empty list of messages",
-                               fix="give at least one user message with an image part")
+        check_messages(raw, f"{where}.messages", fix="give at least one user message with an image part")
         messages: list[dict[str, Any]] = []
         images: list[tuple[str, Any]] = []
         for j, msg in enumerate(raw):
             at = f"{where}.messages[{j}]"
-            if not isinstance(msg, Mapping):
-                raise RequestError(at, msg, "must be a mapping with 'role' and 'content'",
-                                   fix="write it as {'role': 'user', 'content': [...parts]}")
-            check_message_keys(msg, at)
-            if msg.get("role") not in ROLES:
-                raise RequestError(f"{at}.role", msg.get("role"), f"must be one of {', '.join(ROLES)}",
-                                   fix="use a standard chat role")
+            check_message(msg, at, fix="write it as {'role': 'user', 'content': [...parts]}")
             content = msg.get("content")
             if isinstance(content, str):
                 messages.append(dict(msg))

@@ -312,3 +312,20 @@ def test_a_session_that_outlives_its_bound_is_ended_by_the_next_generation():
     assert [r.status_code for r in replies] == [200] * 4
     assert backend.calls[-2:] == ["finish", "generate"], backend.calls
     assert time.monotonic() - start < 20
+
+
+def test_every_weight_route_is_counted_in_metrics_by_status_and_not_timed_as_a_generation():
+    """swift's and vLLM's weight routes answer through the one control path: each answer is a ``weights`` sample of
+    ``engine_requests_total`` by status (a refusal included), and none enters the generation latency histogram."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    backend = Recording()
+    replies = session(backend, [OPEN, ("POST", "/init_communicator/", {**OPEN[2], "port": 0}),
+                                ("GET", "/weight_info", None), ("GET", "/metrics", None)])
+    assert [r.status_code for r in replies] == [200, 400, 200, 200]
+    samples = [s for f in text_string_to_metric_families(replies[-1].text) for s in f.samples]
+    counted = {s.labels["status"]: s.value for s in samples
+               if s.name == "engine_requests_total" and s.labels.get("endpoint") == "weights"}
+    assert counted == {"200": 2, "400": 1}, counted
+    timed = [s.value for s in samples if s.name == "engine_request_latency_seconds_count"]
+    assert timed == [0], timed

@@ -23,7 +23,8 @@ from engine.errors import RequestError
 from engine.serve.openai.bodies import ChatCompletionRequest
 from engine.serve.openai.sampling import Sampling, parse_sampling
 from engine.serve.shared.bodies import messages_of
-from engine.serve.shared.formats import chat_messages, logprobs_content, usage
+from engine.serve.shared.readers import chat_messages
+from engine.serve.shared.writers import logprobs_content, usage
 from engine.types import GenerationResult
 
 

@@ -20,7 +20,7 @@ from engine.serve.openai.server_info import server_info
 from engine.serve.service import ServedEngine
 from engine.serve.shared.calls import Call, Surface
 from engine.serve.shared.fields import FieldTable
-from engine.serve.shared.formats import usage
+from engine.serve.shared.writers import usage
 
 BODIES = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
 

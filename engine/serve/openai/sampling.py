@@ -45,7 +45,7 @@ from typing import Any
 from engine.errors import RequestError
 from engine.serve.openai.bodies import OpenAISampling
 from engine.serve.shared.fields import engine_options, neutral_values
-from engine.serve.shared.formats import engine_extension, stop_strings
+from engine.serve.shared.readers import engine_extension, stop_strings
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from engine.backends.base import TokenScores
 from engine.errors import RequestError, RequestTooLarge
 from engine.serve.openai.bodies import CompletionRequest
 from engine.serve.openai.sampling import Sampling, parse_sampling
-from engine.serve.shared.formats import shown_logprob, token_name
+from engine.serve.shared.writers import shown_logprob, token_name
 from engine.types import GenerationResult
 
 DEFAULT_MAX_TOKENS = 16

@@ -31,7 +31,7 @@ from engine.serve.openai.bodies import DetokenizeRequest, TokenizeRequest
 from engine.serve.service import ServedEngine
 from engine.serve.shared.bodies import messages_of
 from engine.serve.shared.calls import Call, Surface
-from engine.serve.shared.formats import chat_messages
+from engine.serve.shared.readers import chat_messages
 
 BODIES = {"/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 

@@ -1,6 +1,6 @@
 """The Pattern C ``POST /chat`` wire format: ``{model?, messages, min_len?, max_len?, stream?}`` -> ``{text, meta}``
-(its body: ``pattern_c/bodies.py``; what every surface shares: :mod:`engine.serve.shared.formats`). "Pattern C" is
-the seeds' name for min-length chat.
+(its body: ``pattern_c/bodies.py``; what every surface reads and writes alike: :mod:`engine.serve.shared.readers`,
+:mod:`engine.serve.shared.writers`). "Pattern C" is the seeds' name for min-length chat.
 
 Min-length control runs inside generation: the request becomes the engine's ``min_length`` plugin (EOS banned
 below ``min_len`` characters, ``punctuation_bias`` on sentence-ending tokens past it, ``max_len`` as a hard cap)
@@ -21,7 +21,8 @@ from typing import Any
 from engine.errors import RequestError
 from engine.serve.pattern_c.bodies import PatternCRequest
 from engine.serve.shared.bodies import messages_of
-from engine.serve.shared.formats import chat_messages, usage
+from engine.serve.shared.readers import chat_messages
+from engine.serve.shared.writers import usage
 from engine.types import GenerationResult
 
 STRATEGY = "logits_processor"

@@ -1,5 +1,5 @@
 """The ``/infer/`` wire format (ms-swift's rollout protocol), both ways, in one place (what every surface shares:
-:mod:`engine.serve.shared.formats`).
+:mod:`engine.serve.shared.readers` and :mod:`engine.serve.shared.writers`).
 
 Server side: :func:`parse_infer` reads a validated body (``rollout/bodies.py``) into engine arguments, refusing
 unsupported fields with a :class:`RequestError` that names them; :func:`rollout_item` turns a ``GenerationResult`` into
@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import RequestError
-from engine.serve.shared.formats import engine_extension, logprobs_content, stop_strings, usage
+from engine.serve.shared.readers import engine_extension, stop_strings
+from engine.serve.shared.writers import logprobs_content, usage
 from engine.types import GenerationResult
 
 if TYPE_CHECKING:  # the learner's side (engine.client) reads answers only: no pydantic on its import

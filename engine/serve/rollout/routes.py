@@ -13,6 +13,7 @@ from engine.serve.rollout import infer as wire
 from engine.serve.rollout.bodies import InferRequest
 from engine.serve.service import ServedEngine
 from engine.serve.shared.calls import Call, Surface
+from engine.serve.shared.errors import EngineDead, status_of
 from engine.serve.shared.fields import FieldTable
 from engine.serve.shared.metrics import CONTENT_TYPE
 
@@ -30,7 +31,9 @@ def router(served: ServedEngine) -> APIRouter:
     @api.get("/health/")
     async def health(request: Request) -> Any:
         report = served.health(detailed=served.sent_the_key(request.scope["headers"]))
-        return report if report["status"] == "ok" else JSONResponse(report, status_code=503)  # a dead engine
+        if report["status"] == "ok":
+            return report
+        return JSONResponse(report, status_code=status_of(EngineDead(report["error"])))  # the one status table
 
     @api.get("/get_world_size/")
     @api.get("/get_world_size")  # vLLM's name (TRL's client); ``include_dp`` is moot: no data parallelism here

@@ -32,9 +32,10 @@ from engine.serve.rollout.bodies import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsRequest,
 )
-from engine.serve.rollout.weights import CACHES, reset_cache, weight_calls, weight_route
+from engine.serve.rollout.weights import CACHES, WEIGHTS, reset_cache, weight_calls
 from engine.serve.service import ServedEngine
-from engine.serve.shared.errors import WeightSyncConflict
+from engine.serve.shared.calls import control_route
+from engine.serve.shared.errors import WeightSyncConflict, WeightSyncFailed
 from engine.weight_sync import store_host
 
 BODIES = {"/init_weight_transfer_engine": InitWeightTransferRequest, "/update_weights": UpdateWeightsRequest,
@@ -47,7 +48,7 @@ def router(served: ServedEngine) -> APIRouter:
     calls = weight_calls(served)
 
     def weight_call(path: str, body: Any = None, method: str = "POST") -> Any:
-        return weight_route(api, served, path, body, method)
+        return control_route(api, served, WEIGHTS, path, body, method, failed=WeightSyncFailed)
 
     def require_group(route: str) -> None:
         if not calls.opened:
@@ -55,11 +56,11 @@ def router(served: ServedEngine) -> APIRouter:
                                      "(TRL's VLLMClient.init_communicator)")
 
     @weight_call("/init_weight_transfer_engine", InitWeightTransferRequest)
-    async def init_weight_transfer_engine(body: dict[str, Any]) -> Any:
+    async def init_weight_transfer_engine(body: InitWeightTransferRequest) -> Any:
         from engine.weight_transfer import check_init_info
 
         backend = calls.backend
-        info = body["init_info"]
+        info = body.init_info
         address = store_host(info.get("master_address"), served.serve.host, served.serve.weight_sync_hosts,
                              field="init_info.master_address")
         checked = check_init_info(info, served.world_size())
@@ -81,12 +82,12 @@ def router(served: ServedEngine) -> APIRouter:
         return {"message": "Weight update started"}
 
     @weight_call("/update_weights", UpdateWeightsRequest)
-    async def update_weights(body: dict[str, Any]) -> Any:
+    async def update_weights(body: UpdateWeightsRequest) -> Any:
         from engine.weight_transfer import check_update_info
 
         backend = calls.backend
         require_group("/update_weights")
-        announced = check_update_info(body["update_info"])
+        announced = check_update_info(body.update_info)
         backend.check_announced(announced)
         within = served.serve.weight_sync_session_timeout_s
         await calls.start(lambda: backend.load_weights(announced, within), drain=True)
@@ -95,11 +96,11 @@ def router(served: ServedEngine) -> APIRouter:
         return {"message": "Weights updated"}
 
     @weight_call("/finish_weight_update", FinishWeightUpdateRequest)
-    async def finish_weight_update(body: dict[str, Any]) -> Any:
+    async def finish_weight_update(body: FinishWeightUpdateRequest) -> Any:
         calls.backend  # noqa: B018
         await calls.finish()
-        if body.get("weight_version") is not None:
-            calls.version = body["weight_version"]
+        if body.weight_version is not None:
+            calls.version = body.weight_version
         return {"message": "Weight update finished"}
 
     @weight_call("/shutdown_weight_transfer_engine")
@@ -112,14 +113,14 @@ def router(served: ServedEngine) -> APIRouter:
         return {"weight_version": calls.version}
 
     @weight_call("/update_weights_from_disk", UpdateWeightsFromDiskRequest)
-    async def update_weights_from_disk(body: dict[str, Any]) -> Any:
+    async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest) -> Any:
         from engine.weight_checkpoint import check_model_path
 
         backend = calls.backend
-        if body.get("abort_all_requests"):
+        if body.abort_all_requests:
             raise RequestError("abort_all_requests", True, "is not supported: this server lets the rows in flight "
                                "end, holds new ones, then loads", fix="leave it out (or false)")
-        path = str(check_model_path(body.get("model_path"), body.get("load_format")))
+        path = str(check_model_path(body.model_path, body.load_format))
         await calls.finish()
         calls.holding = True  # new rows wait for the load; the rows in flight end first
         calls.ended.clear()
@@ -130,10 +131,10 @@ def router(served: ServedEngine) -> APIRouter:
             calls.holding = False
             calls.ended.set()
         calls.stale = set(CACHES)
-        if body.get("flush_cache") is not False:
+        if body.flush_cache is not False:
             await reset_cache(calls, "prefix")
-        if body.get("weight_version") is not None:
-            calls.version = body["weight_version"]
+        if body.weight_version is not None:
+            calls.version = body.weight_version
         return {"success": True, "message": f"loaded {loaded} tensors from {path}", "num_paused_requests": 0}
 
     return api

@@ -32,20 +32,22 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 
 from engine.backends import AsyncGenerating, WeightLoading
-from engine.errors import EngineError, RequestError, UnsupportedCapabilityError
+from engine.errors import RequestError, UnsupportedCapabilityError
 from engine.serve.rollout.bodies import InitCommunicatorRequest, UpdateFlattenedParamsRequest, UpdateNamedParamRequest
 from engine.serve.service import ServedEngine
 from engine.serve.shared.bodies import Body
-from engine.serve.shared.calls import read_body
-from engine.serve.shared.errors import WeightSyncConflict, WeightSyncFailed, error_response
+from engine.serve.shared.calls import control_route
+from engine.serve.shared.errors import WeightSyncConflict, WeightSyncFailed
 from engine.weight_sync import check_metadatas, check_shape, check_transport, store_host, torch_dtype
 
 log = logging.getLogger(__name__)
 BODIES = {"/init_communicator/": InitCommunicatorRequest, "/update_named_param/": UpdateNamedParamRequest,
           "/update_flattened_params/": UpdateFlattenedParamsRequest}
+WEIGHTS = "weights"
+"""The ``/metrics`` endpoint label of every weight route (swift's and vLLM's): counted by status like the rest."""
 CACHES = ("prefix", "encoder", "mm")
 """The caches swift's trainer resets (``/reset_<kind>_cache/``): after each weight update, and at its start."""
 
@@ -204,9 +206,9 @@ def _log_failure(future: asyncio.Future[Any]) -> None:
         log.error("engine.serve: a weight-sync call failed: %s", future.exception())
 
 
-def _int(body: dict[str, Any], key: str, low: int, high: int | None = None) -> int:
-    value = body.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+def _in_range(key: str, value: int, low: int, high: int | None = None) -> int:
+    """``value`` (an integer: the body model checked its type) within [low, high], or a 400 naming ``key``."""
+    if value < low or (high is not None and value > high):
         span = f"[{low}, {high}]" if high is not None else f"[{low}, inf)"
         raise RequestError(key, value, f"must be an integer in {span}", fix=f"send an integer in {span}")
     return value
@@ -220,29 +222,6 @@ def weight_calls(served: ServedEngine) -> WeightCalls:
         calls = served.weight_calls = WeightCalls(served)
         served.gates.append(calls.before_generation)
     return calls
-
-
-def weight_route(api: APIRouter, served: ServedEngine, paths: str | tuple[str, ...], body: type[Body] | None = None,
-                 method: str = "POST") -> Callable[[Any], Any]:
-    """Register ``handler`` (given the checked body as a dict when ``body`` names its model) at ``paths``: its
-    engine errors are refused by name, a failed background call is the 500 of the next weight call."""
-    def register(handler: Callable[..., Any]) -> Callable[..., Any]:
-        async def endpoint(request: Request) -> Any:
-            try:
-                if body is None:
-                    return await handler()
-                checked = await read_body(request, body, served)
-                return await handler(checked.model_dump(by_alias=True, exclude_unset=True))
-            except EngineError as err:
-                return error_response(err)
-            except Exception as err:  # a background call that failed after its 200: reported to the next call
-                log.exception("engine.serve: weight sync failed")
-                return error_response(WeightSyncFailed(err))
-
-        for path in (paths,) if isinstance(paths, str) else paths:
-            api.add_api_route(path, endpoint, methods=[method], name=f"{handler.__name__}:{path}")
-        return handler
-    return register
 
 
 async def reset_cache(calls: WeightCalls, kind: str) -> str:
@@ -271,7 +250,7 @@ def router(served: ServedEngine) -> APIRouter:
 
     def weight_call(path: str | tuple[str, ...], body: type[Body] | None = None,
                     method: str = "POST") -> Callable[[Any], Any]:
-        return weight_route(api, served, path, body, method)
+        return control_route(api, served, WEIGHTS, path, body, method, failed=WeightSyncFailed)
 
     async def push(announced: dict[str, Any], what: str) -> Any:
         backend = calls.backend
@@ -285,32 +264,32 @@ def router(served: ServedEngine) -> APIRouter:
         return {"message": f"receiving {what}"}
 
     @weight_call("/init_communicator/", InitCommunicatorRequest)
-    async def init_communicator(body: dict[str, Any]) -> Any:
+    async def init_communicator(body: InitCommunicatorRequest) -> Any:
         backend = calls.backend
-        host = store_host(body.get("host"), served.serve.host, served.serve.weight_sync_hosts)
-        port = _int(body, "port", 1, 65535)
+        host = store_host(body.host, served.serve.host, served.serve.weight_sync_hosts)
+        port = _in_range("port", body.port, 1, 65535)
         expected = served.world_size() + 1
-        world_size = _int(body, "world_size", 2)
+        world_size = _in_range("world_size", body.world_size, 2)
         if world_size != expected:
             raise RequestError("world_size", world_size, f"must be {expected}: this server's {expected - 1} "
                                "workers and the learner", fix="take it from GET /get_world_size/, plus one")
-        transport = check_transport(body.get("transport"))
+        transport = check_transport(body.transport)
         timeout = served.serve.weight_sync_join_timeout_s
         await calls.start(lambda: backend.open_weights(host, port, world_size, transport, timeout), exclusive=False)
         calls.opened = True
         return {"message": f"joining the learner's group on {host}:{port} ({transport})"}
 
     @weight_call("/update_named_param/", UpdateNamedParamRequest)
-    async def update_named_param(body: dict[str, Any]) -> Any:
-        if not isinstance(body.get("name"), str) or not body["name"]:
-            raise RequestError("name", body.get("name"), "must be a parameter name", fix="e.g. lm_head.weight")
-        torch_dtype(body.get("dtype"))
-        shape = check_shape(body.get("shape"))
-        return await push({"name": body["name"], "dtype": body["dtype"], "shape": shape}, body["name"])
+    async def update_named_param(body: UpdateNamedParamRequest) -> Any:
+        if not body.name:
+            raise RequestError("name", body.name, "must be a parameter name", fix="e.g. lm_head.weight")
+        torch_dtype(body.dtype)
+        shape = check_shape(body.shape)
+        return await push({"name": body.name, "dtype": body.dtype, "shape": shape}, body.name)
 
     @weight_call("/update_flattened_params/", UpdateFlattenedParamsRequest)
-    async def update_flattened_params(body: dict[str, Any]) -> Any:
-        metadatas = check_metadatas(body.get("metadatas"))
+    async def update_flattened_params(body: UpdateFlattenedParamsRequest) -> Any:
+        metadatas = check_metadatas(body.metadatas)
         return await push({"metadatas": metadatas}, f"{len(metadatas)} tensors")
 
     @weight_call("/process_weights_after_loading/")

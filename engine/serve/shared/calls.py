@@ -74,6 +74,36 @@ async def read_body(request: Request, model: type[B], served: ServedEngine) -> B
     return await asyncio.to_thread(lambda: check(model, parse_json(raw)))
 
 
+
+def control_route(api: Any, served: ServedEngine, endpoint: str, paths: str | tuple[str, ...],
+                  body: type[Body] | None = None, method: str = "POST", *,
+                  failed: Callable[[BaseException], EngineError] | None = None) -> Callable[[Any], Any]:
+    """Register ``handler`` at ``paths`` as a route that controls the server rather than generating (the weight
+    routes): its body read within ``serve.max_body_bytes`` and checked against ``body`` (the handler gets the
+    validated model), its engine errors refused by name through the one status table, every answer counted in
+    ``/metrics`` under ``endpoint`` by status. An unexpected error is ``failed(err)`` (the weight routes: a background
+    call that failed after its 200, reported to the next call), else a 500.
+    """
+    def register(handler: Callable[..., Any]) -> Callable[..., Any]:
+        async def endpoint_(request: Request) -> Any:
+            start = time.perf_counter()
+            try:
+                answer = await (handler() if body is None else handler(await read_body(request, body, served)))
+            except EngineError as err:
+                answer = error_response(err)
+            except Exception as err:
+                log.exception("engine.serve: %s failed", request.url.path)
+                answer = error_response(failed(err) if failed is not None else err)
+            status = getattr(answer, "status_code", 200)
+            served.metrics.observe(endpoint=endpoint, status=status, seconds=time.perf_counter() - start,
+                                   generation=False)
+            return answer
+
+        for path in (paths,) if isinstance(paths, str) else paths:
+            api.add_api_route(path, endpoint_, methods=[method], name=f"{handler.__name__}:{path}")
+        return handler
+    return register
+
 class Surface(Generic[P]):
     """One POST route's way in: its ``/metrics`` endpoint label, its body model, its parser and its field table.
 

@@ -5,8 +5,8 @@ call path (:mod:`engine.serve.shared.calls`), the weight-sync routes, the API-ke
 handlers. :data:`STATUS` is the whole table, first match wins:
 
 >>> [(kind.__name__, status) for kind, status, _ in STATUS]  # doctest: +NORMALIZE_WHITESPACE
-[('Unauthenticated', 401), ('UnknownModel', 404), ('ClientGone', 499), ('WeightSyncConflict', 409),
- ('WeightSyncFailed', 500), ('RequestTimedOut', 408),
+[('Unauthenticated', 401), ('UnknownModel', 404), ('ClientGone', 499), ('EngineDead', 503),
+ ('WeightSyncConflict', 409), ('WeightSyncFailed', 500), ('RequestTimedOut', 408),
  ('RequestTooLarge', 413), ('EngineError', 400), ('Exception', 500)]
 >>> status_of(RequestTooLarge("stop.strings", 3, "holds too many")), status_of(RequestTooLarge("body", 9, "is big"))
 (400, 413)
@@ -46,6 +46,14 @@ class Unauthenticated(EngineError):
                 "ENGINE_API_KEY)")
 
 
+class EngineDead(EngineError):
+    """The engine behind the server died (its engine core is gone): ``/health`` answers 503 with its report, so that
+    a load balancer or a trainer's wait stops sending work."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"the engine is dead: {reason}")
+
+
 class WeightSyncConflict(EngineError):
     """A weight call the server's weight-sync state cannot take now (a push before any ``/init_communicator/``):
     409, naming the cause, before anything is started."""
@@ -62,6 +70,7 @@ STATUS: tuple[tuple[type[BaseException], int, str], ...] = (
     (Unauthenticated, 401, "authentication_error"),
     (UnknownModel, 404, "NotFoundError"),
     (ClientGone, 499, "invalid_request_error"),
+    (EngineDead, 503, "server_error"),
     (WeightSyncConflict, 409, "conflict_error"),
     (WeightSyncFailed, 500, "server_error"),
     (RequestTimedOut, 408, "invalid_request_error"),

@@ -74,14 +74,16 @@ class ServeMetrics:
             self.registry.register(VllmMetrics(model_name))
 
     def observe(self, *, endpoint: str, status: int, seconds: float, sequences: int = 0, prompt_tokens: int = 0,
-                generated_tokens: int = 0, triggered: int = 0, cancelled: bool = False) -> None:
+                generated_tokens: int = 0, triggered: int = 0, cancelled: bool = False,
+                generation: bool = True) -> None:
+        """Count one answered request; ``generation`` False (a weight route): counted by status, not timed."""
         self.requests.labels(self.model_name, endpoint, str(status)).inc()
         self.sequences.inc(sequences)
         self.prompt_tokens.inc(prompt_tokens)
         self.generated.inc(generated_tokens)
         self.triggered.inc(triggered)
         self.cancelled.inc(int(cancelled))
-        if status == 200:
+        if status == 200 and generation:
             self.latency.observe(seconds)
 
     def render(self, *, active: int, in_flight: int) -> str:
