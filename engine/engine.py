@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,19 +26,16 @@ from engine.backends import (
 )
 from engine.backends.base import Prompt, prompts_of
 from engine.backends.guard import check_guard_can_run
-from engine.completion import PromptLike, canonical_schema, check_scored, plain_prompts
+from engine.completion import PromptLike, check_scored, plain_prompts
 from engine.config import EngineConfig, GenerationOptions, PixelBudget, StopPolicy
 from engine.config.generation import MAX_LOGPROBS
 from engine.errors import ConfigError, PluginCompatibilityError, RequestError, UnsupportedCapabilityError
 from engine.loading import load_processor, load_tokenizer
+from engine.planning import plan_options, plan_rules, plan_schema, plan_stop
 from engine.plugins import POST_DECODE, Plugin, PluginContext, create_plugins
 from engine.results import ResultBuilder
-from engine.rules.base import RuleSpec
 from engine.rules.min_length import is_sentence_end_token
 from engine.rules.processing import Processing
-from engine.rules.repeat import RepeatRule
-from engine.rules.schema_check import check_schema, tokenizer_compile
-from engine.rules.stop import special_stop
 from engine.streaming import ResultStream
 from engine.templates import RenderedPrompt, render_prompt
 from engine.types import ChatRequest, GenerationResult
@@ -273,69 +269,16 @@ class GenerationEngine:
 
     def _plan(self, options: OptionsLike, stop: StopLike, pixels: PixelBudget | Mapping[str, Any] | None,
               backend: Backend, plugins: Sequence[Plugin] = (), json_schema: SchemaLike = None) -> SamplingPlan:
-        schema = canonical_schema(json_schema)
-        if schema is not None and not backend.capabilities.structured_outputs:
-            raise UnsupportedCapabilityError(f"backend {backend.name!r} cannot constrain output to a JSON Schema "
-                                             "here. Fix: drop json_schema, or use a text model on hf or vllm")
-        if schema is not None:
-            # A grammar can be built from it and compiled for the model's tokenizer (engine.rules.schema_check),
-            # else a RequestError. HF compiles with its own compiler here, so the batcher finds it ready; vLLM,
-            # which compiles in its engine core, is checked with one for the same tokenizer.
-            compile_schema = getattr(backend, "compile_schema", None)
-            check_schema(schema, compile_schema or tokenizer_compile(self.tokenizer))
-            if compile_schema is not None:
-                compile_schema(schema)  # kept by the backend (KEPT of them); compiled again here if it was dropped
-        opts = self.config.generation.merged(options)
-        if opts.seed is None and backend.default_seed is not None:  # a backend-level seed for calls without one
-            opts = dataclasses.replace(opts, seed=backend.default_seed)
-        if opts.seed is None and opts.sampler != "native" and not opts.is_greedy:
-            # The portable sampler always has a seed: one drawn here, reported in each result's meta, replays the call.
-            opts = dataclasses.replace(opts, seed=secrets.randbits(63))
-        policy = self.config.stop.merged(stop)
-        if policy.token_ids:
-            vocab = len(self.tokenizer)
-            for i, token_id in enumerate(policy.token_ids):
-                if token_id >= vocab:
-                    raise ConfigError(f"stop.token_ids[{i}]", token_id, f"is not a token id of this model (its "
-                                      f"tokenizer has {vocab})", fix=f"give ids in [0, {vocab})")
-        specials = self._special_texts()
-        exact = tuple((text, specials[text]) for text in dict.fromkeys(policy.strings) if text in specials)
-        if exact:  # stop: ["<|im_end|>"]: end the row at that token, on every backend alike (recorded in the result)
-            policy = dataclasses.replace(policy, strings=tuple(t for t in policy.strings if t not in specials),
-                                         token_ids=tuple(dict.fromkeys((*policy.token_ids, *(i for _, i in exact)))))
-        found = special_stop(policy.strings, specials)
-        if found is not None:
-            i, text, token_id = found
-            raise ConfigError(f"stop.strings[{i}]", policy.strings[i], f"holds the special token {text!r}, whose text "
-                              "no output contains (special tokens are decoded away on every backend)",
-                              fix=f"end rows at it with stop.token_ids: [{token_id}]")
-        budget = self.config.vision.merged(pixels)
-        if opts.logprobs is not None and not backend.capabilities.logprobs:
-            raise UnsupportedCapabilityError(f"backend {backend.name!r} cannot return logprobs; "
-                                             "set generation.logprobs to null")
+        """The call's plan, every decision made before generation (``engine.planning``: one function each)."""
+        schema = plan_schema(json_schema, backend, lambda: self.tokenizer)
         served_mode = self.config.model.logprobs_mode
-        if opts.logprobs_mode is not None and opts.logprobs_mode != served_mode:
-            raise ConfigError("generation.logprobs_mode", opts.logprobs_mode, f"differs from the mode this engine "
-                              f"serves ({served_mode!r}; fixed when it loads, as vLLM fixes it)",
-                              fix=f"start the engine with model.logprobs_mode: {opts.logprobs_mode} (engine-serve "
-                                  f"--logprobs-mode {opts.logprobs_mode}), or expect {served_mode}")
-        if opts.sampler != "native" and not opts.is_greedy and backend.capabilities.rules_problem is not None:
-            raise UnsupportedCapabilityError(f"backend {backend.name!r} cannot draw with the portable sampler here "
-                                             f"(its row processor cannot run: {backend.capabilities.rules_problem}). "
-                                             "Fix: set generation.sampler to 'native'")
-        guard = self.config.repeat_terminate
-        rules: list[RuleSpec] = []
-        if guard.enabled:
-            rules.append(RepeatRule.spec(guard.thresholds(opts.min_new_tokens)))
-        if plugins:
-            ctx = self._plugin_context(plugins)
-            rules += [spec for p in plugins if (spec := p.rule_spec(backend.name, ctx)) is not None]
-        if opts.ignore_eos and rules:
-            raise ConfigError("generation.ignore_eos", True, f"cannot run beside the row rule {rules[0].target!r}, "
-                              "which ends a row by forcing EOS (ignore_eos would let the row go on)",
-                              fix="leave ignore_eos out, or serve without the repeat guard and plugins")
+        opts = plan_options(self.config.generation, options, backend, served_mode)
+        policy, exact = plan_stop(self.config.stop, stop, lambda: len(self.tokenizer), self._special_texts())
+        budget = self.config.vision.merged(pixels)
+        rules = plan_rules(self.config.repeat_terminate, plugins, opts, backend.name,
+                           lambda: self._plugin_context(plugins))
         return SamplingPlan(options=opts, stop=policy, eos_token_ids=self.load_info.eos_token_ids, pixels=budget,
-                            rules=tuple(rules), json_schema=schema, logprobs_mode=served_mode, special_stops=exact)
+                            rules=rules, json_schema=schema, logprobs_mode=served_mode, special_stops=exact)
 
     def prepare(self, requests: Sequence[RequestLike], *, options: OptionsLike = None, stop: StopLike = None,
                 plugins: PluginsLike = None,

@@ -110,9 +110,12 @@ def test_rotary_permutation_is_a_pure_reordering_of_each_head():
     assert permuted[8:16].tolist() == permute_rotary(weight[8:16], n_heads=1).tolist()
 
 
-def step_for(**kwargs):
-    base = {"prompt_len": 2, "terminal_ids": [0], "min_new_tokens": 0, "rules": None, "eos_id": 0}
-    return LlamaCppRowStep(**{**base, **kwargs})
+def step_for(*, terminal_ids=(0,), rules=None, **options):
+    """A row step of a two-token prompt; ``options``: the call's generation options (handed whole)."""
+    from engine.config.generation import GenerationOptions
+
+    return LlamaCppRowStep(prompt_len=2, terminal_ids=list(terminal_ids), rules=rules, eos_id=0,
+                           options=GenerationOptions(max_new_tokens=8, **options))
 
 
 def test_repetition_penalty_equals_transformers():
@@ -174,7 +177,7 @@ def test_temperature_divides_after_the_rules_and_logprobs_are_the_raw_distributi
     import torch
 
     scores = np.array([2.0, 1.0, 0.5, -1.0], dtype=np.float32)
-    step = step_for(temperature=0.5, logprobs=True)
+    step = step_for(temperature=0.5, logprobs=2)
     out = step(np.array([1, 2]), scores.copy())
     assert np.allclose(out, scores / 0.5)
     entry = step.top_logprobs(token=3, k=2)

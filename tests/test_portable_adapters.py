@@ -18,6 +18,7 @@ from engine.rules.portable_sampler import draw
 from engine.rules.processing import Processing, process
 
 VOCAB = 300
+PORTABLE = GenerationOptions(max_new_tokens=4, temperature=1.0, sampler="portable")
 ARGS = {"sampler": "portable", "seed": 99, "pos0": 4, "temperature": 0.8, "top_k": 50, "top_p": 0.9, "min_p": 0.01,
         "repetition_penalty": 1.3, "logprobs": 3, "mode": "processed_logprobs"}
 
@@ -50,9 +51,9 @@ def test_vllm_row_draw_forces_the_shared_token_at_each_position_and_keeps_its_di
 
 def test_hf_last_processor_draws_the_shared_token_per_row_whatever_the_batch():
     rows = torch.stack([logits(10), logits(11), logits(12)])
-    sampler = RowSampler([5, 6, 7], temperature=1.0, top_k=0, top_p=1.0, sampler="portable", positions=[3, 8, 2])
+    sampler = RowSampler([5, 6, 7], PORTABLE, positions=[3, 8, 2])
     chosen = sampler(torch.zeros(3, 9, dtype=torch.long), rows.clone()).argmax(dim=-1).tolist()
-    alone = RowSampler([6], temperature=1.0, top_k=0, top_p=1.0, sampler="portable", positions=[8])
+    alone = RowSampler([6], PORTABLE, positions=[8])
     assert chosen[1] == int(alone(torch.zeros(1, 9, dtype=torch.long), rows[1:2].clone()).argmax())
     assert chosen == [draw(rows[i], seed=s, pos=p).token for i, (s, p) in enumerate([(5, 3), (6, 8), (7, 2)])]
     second = sampler(torch.zeros(3, 10, dtype=torch.long), rows.clone()).argmax(dim=-1).tolist()  # next position
@@ -60,8 +61,8 @@ def test_hf_last_processor_draws_the_shared_token_per_row_whatever_the_batch():
 
 
 def test_llamacpp_row_step_draws_the_shared_token():
-    step = LlamaCppRowStep(prompt_len=5, terminal_ids=[0], min_new_tokens=0, rules=None, eos_id=0,
-                           temperature=1.0, portable=("portable", 42))
+    step = LlamaCppRowStep(prompt_len=5, terminal_ids=[0], rules=None, eos_id=0, seed=42,
+                           options=GenerationOptions(max_new_tokens=4, temperature=1.0, sampler="portable"))
     row = logits(3).numpy().copy()
     want = draw(torch.from_numpy(row.copy()), seed=42, pos=4).token
     out = step(np.array([1, 2, 3, 4, 5]), row)

@@ -39,7 +39,7 @@ def test_hf_row_sampler_draws_each_row_from_its_own_generator():
 
     def drawn(seeds, scores, **warp):
         out = []
-        sampler = RowSampler(seeds, **{"temperature": 1.0, "top_k": 0, "top_p": 1.0, **warp})
+        sampler = RowSampler(seeds, GenerationOptions(max_new_tokens=4, **{"temperature": 1.0, **warp}))
         for _ in range(12):  # twelve steps: the generators advance per row
             s = sampler(ids, scores.clone())
             assert (torch.isfinite(s).sum(dim=-1) == 1).all()  # exactly one token left to pick greedily

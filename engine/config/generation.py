@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,10 @@ SAMPLERS = ("native", "portable", "portable_fp64")
 ``engine.rules.portable_sampler`` in float32 (``portable``) or float64 (``portable_fp64``)."""
 MIN_REPETITION_PENALTY = 0.01
 """The smallest repetition penalty: below it the penalised logits overflow float32 (inf, then NaN when sampling)."""
+SAMPLING_ONLY = ("sampler", "top_p", "min_p", "top_k")
+"""The options that act only on a sampled draw: with temperature 0 (greedy) a value other than the default is refused
+by name (one backend applying it and another dropping it would part silently). lm-eval's ``do_sample: false`` drops
+them, as HF's ``generate`` ignores them when greedy."""
 
 
 def check_temperature(path: str, value: Any) -> None:
@@ -127,18 +132,13 @@ class GenerationOptions:
         if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"{p}.logprobs_mode", self.logprobs_mode, f"must be one of {', '.join(LOGPROBS_MODES)}",
                               fix="name the mode the engine serves (model.logprobs_mode), or leave it null")
-        if self.is_greedy and self.sampler != "native":
-            raise ConfigError(f"{p}.sampler", self.sampler, "has no effect with temperature 0 (greedy)",
-                              fix="set generation.temperature > 0 to sample, or leave sampler at 'native'")
-        if self.is_greedy and self.top_p != 1.0:
-            raise ConfigError(f"{p}.top_p", self.top_p, "has no effect with temperature 0 (greedy)",
-                              fix="set generation.temperature > 0 to sample, or leave top_p at 1.0")
-        if self.is_greedy and self.min_p != 0:
-            raise ConfigError(f"{p}.min_p", self.min_p, "has no effect with temperature 0 (greedy)",
-                              fix="set generation.temperature > 0 to sample, or leave min_p at 0")
-        if self.is_greedy and self.top_k != 0:
-            raise ConfigError(f"{p}.top_k", self.top_k, "has no effect with temperature 0 (greedy)",
-                              fix="set generation.temperature > 0 to sample, or leave top_k at 0")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name in SAMPLING_ONLY:
+            value = getattr(self, name)
+            if self.is_greedy and value != defaults[name]:
+                raise ConfigError(f"{p}.{name}", value, "has no effect with temperature 0 (greedy)",
+                                  fix=f"set generation.temperature > 0 to sample, or leave {name} at "
+                                      f"{defaults[name]!r}")
 
     @property
     def is_greedy(self) -> bool:

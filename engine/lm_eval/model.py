@@ -17,6 +17,7 @@ under the schema's grammar (xgrammar on HF, structured outputs on vLLM). Counts 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -31,6 +32,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from tqdm import tqdm
 
 from engine.config import EngineConfig
+from engine.config.generation import SAMPLING_ONLY, GenerationOptions
 from engine.errors import ConfigError
 from engine.lm_eval.cache import AnswerCache, cache_key
 from engine.lm_eval.schema import ON_INVALID, AnswerStats, InvalidAnswer, InvalidAnswerError, ResponseSchema
@@ -40,9 +42,13 @@ log = logging.getLogger("engine.lm_eval")
 LM_EVAL_DEFAULT_DEVICE = "cuda:0"
 """What lm-eval's CLI passes as ``device`` when none is given."""
 
-SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
-                 "min_new_tokens", "sampler")
-"""The generation arguments a task may give besides ``until`` and ``max_gen_toks``; any other is refused."""
+NOT_GEN_KWARGS = {"max_new_tokens": "lm-eval's max_gen_toks", "logprobs": "generate_until answers text",
+                  "logprobs_mode": "generate_until answers text"}
+"""Engine options a task's ``generation_kwargs`` do not name, each with why."""
+SAMPLING_KEYS = ("do_sample", *(f.name for f in dataclasses.fields(GenerationOptions) if f.name not in NOT_GEN_KWARGS))
+"""The generation arguments a task may give besides ``until`` and ``max_gen_toks`` (``do_sample`` and every engine
+option but :data:`NOT_GEN_KWARGS`, read from ``GenerationOptions``: a new option reaches lm-eval without a list to
+keep); any other is refused."""
 
 
 @register_model("engine")
@@ -253,11 +259,11 @@ class EngineLM(TemplateLM):
         sample = bool(kwargs.pop("do_sample", False)) and float(kwargs.get("temperature", 1.0)) > 0
         temperature = float(kwargs.pop("temperature", 1.0))
         options["temperature"] = temperature if sample else 0.0
-        for key in ("top_p", "top_k", "min_p", "sampler"):  # sampling only, as HF's generate ignores them when greedy
+        for key in SAMPLING_ONLY:  # sampling only, as HF's generate ignores them when greedy
             if key in kwargs and sample:
                 options[key] = kwargs.pop(key)
             kwargs.pop(key, None)
-        options.update(kwargs)  # seed, repetition_penalty, min_new_tokens
+        options.update(kwargs)  # seed, repetition_penalty, min_new_tokens, ignore_eos
         return options, until
 
     def _generate(self, work: list[tuple[list[int], dict[str, Any], list[str]]]) -> list[str]:

@@ -350,8 +350,7 @@ class HfBackend(BackendBase, backend="hf"):
         tap = ScoreTap() if opts.logprobs is not None and plan.logprobs_mode.startswith("processed") else None
         sampler: list[Any] = []
         if not opts.is_greedy:  # warpers after every other processor, then one draw per row with its own seed
-            sampler.append(RowSampler([p.seed for p in prompts], temperature=opts.temperature, top_k=opts.top_k,
-                                      top_p=opts.top_p, min_p=opts.min_p, tap=tap, sampler=opts.sampler,
+            sampler.append(RowSampler([p.seed for p in prompts], opts, tap=tap,
                                       positions=(inputs["attention_mask"].sum(dim=1) - 1).tolist()))
         elif tap is not None:  # greedy: the draw is the argmax of what every processor left (vLLM's greedy path)
             sampler.append(tap)

@@ -12,7 +12,10 @@ a :class:`ScoreTap` keeps the scores the draw used (processed logprobs' source, 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.config.generation import GenerationOptions
 
 
 def sampling_warpers(temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> list[Any]:
@@ -33,24 +36,25 @@ def sampling_warpers(temperature: float, top_k: int, top_p: float, min_p: float 
 class RowSampler:
     """The last logits processor of a sampled HF call: warps, then draws each row with its own generator.
 
+    It reads what it needs from the call's options, handed whole (temperature, min-p, top-k, top-p, ``sampler``).
     ``seeds[i]`` seeds row ``i`` (None: that row draws from torch's global generator, i.e. unseeded)::
 
         >>> import torch
-        >>> sampler = RowSampler([7, 7], temperature=1.0, top_k=0, top_p=1.0)
+        >>> from engine.config.generation import GenerationOptions
+        >>> sampler = RowSampler([7, 7], GenerationOptions(max_new_tokens=4, temperature=1.0))
         >>> scores = sampler(torch.zeros(2, 1), torch.zeros(2, 50))  # two rows, a flat distribution
         >>> bool((scores[0] == scores[1]).all()), int(torch.isfinite(scores[0]).sum())  # same seed: same draw
         (True, 1)
     """
 
-    def __init__(self, seeds: Sequence[int | None], *, temperature: float, top_k: int, top_p: float,
-                 min_p: float = 0.0, tap: ScoreTap | None = None, sampler: str = "native",
+    def __init__(self, seeds: Sequence[int | None], options: GenerationOptions, *, tap: ScoreTap | None = None,
                  positions: Sequence[int] = ()) -> None:
         import torch
 
-        self.warpers = sampling_warpers(temperature, top_k, top_p, min_p)
+        self.warpers = sampling_warpers(options.temperature, options.top_k, options.top_p, options.min_p)
         self.generators = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
         self.tap = tap
-        self.sampler = sampler
+        self.sampler = options.sampler
         self.seeds = list(seeds)
         self.positions = list(positions)
         """The portable sampler's position of each row's first draw: its last prompt token's (``prompt_len - 1``)."""

@@ -67,13 +67,8 @@ class LlamaCppRow:
         self.rules = make([s for s in plan.rules if s.hf_hook == "logits_processor"])
         self.stoppers = make([s for s in plan.rules if s.hf_hook == "stopping_criteria"])
         self.step = LlamaCppRowStep(prompt_len=len(prompt.token_ids), terminal_ids=plan.terminal_token_ids,
-                                    min_new_tokens=opts.min_new_tokens, rules=self.rules,
-                                    eos_id=plan.eos_token_ids[0], repetition_penalty=opts.repetition_penalty,
-                                    temperature=None if opts.is_greedy else opts.temperature, min_p=opts.min_p,
-                                    top_k=opts.top_k, top_p=opts.top_p, logprobs=opts.logprobs is not None,
-                                    logprobs_mode=plan.logprobs_mode,
-                                    portable=None if opts.is_greedy or opts.sampler == "native" else
-                                    (opts.sampler, prompt.seed))
+                                    rules=self.rules, eos_id=plan.eos_token_ids[0], options=opts,
+                                    logprobs_mode=plan.logprobs_mode, seed=prompt.seed)
         self.stops = StopStringWatch(plan.stop.strings, text_stream(decode),
                                      min_new_tokens=opts.min_new_tokens) if plan.stop.strings else None
         self.budget = min(opts.max_new_tokens, n_ctx - len(prompt.token_ids))

@@ -17,39 +17,44 @@ processed ones the draw used.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.rules.base import RuleSet
+
+if TYPE_CHECKING:
+    from engine.config.generation import GenerationOptions
 
 
 class LlamaCppRowStep:
     """One row's logits processor; the backend's loop feeds it each kept token (:meth:`feed`).
 
+    It reads what it needs from the call's options, handed whole (``GenerationOptions``: the ban on terminal ids
+    until ``min_new_tokens``, then penalty, rules, temperature, min-p, top-k, top-p in the shared order, then the
+    portable draw when ``sampler`` asks for it).
+
     >>> import numpy as np
-    >>> step = LlamaCppRowStep(prompt_len=1, terminal_ids=[0], min_new_tokens=1, rules=None, eos_id=0)
+    >>> from engine.config.generation import GenerationOptions
+    >>> step = LlamaCppRowStep(prompt_len=1, terminal_ids=[0], rules=None, eos_id=0,
+    ...                        options=GenerationOptions(max_new_tokens=4, min_new_tokens=1))
     >>> step(np.array([5]), np.zeros(3, dtype=np.float32)).tolist()
     [-inf, 0.0, 0.0]
     >>> step.feed(2); step(np.array([5, 2]), np.zeros(3, dtype=np.float32)).tolist()
     [0.0, 0.0, 0.0]
     """
 
-    def __init__(self, *, prompt_len: int, terminal_ids: Sequence[int], min_new_tokens: int, rules: RuleSet | None,
-                 eos_id: int, repetition_penalty: float = 1.0, temperature: float | None = None,
-                 min_p: float = 0.0, top_k: int = 0, top_p: float = 1.0, logprobs: bool = False,
-                 logprobs_mode: str = "raw_logprobs", portable: tuple[str, int] | None = None) -> None:
+    def __init__(self, *, prompt_len: int, terminal_ids: Sequence[int], rules: RuleSet | None, eos_id: int,
+                 options: GenerationOptions, logprobs_mode: str = "raw_logprobs", seed: int | None = None) -> None:
         self.prompt_len = prompt_len
         self.terminal_ids = list(terminal_ids)
-        self.min_new_tokens = min_new_tokens
         self.rules = rules
         self.eos_id = eos_id
-        self.repetition_penalty = repetition_penalty
-        self.temperature = temperature
-        self.min_p = min_p
-        self.top_k = top_k
-        self.top_p = top_p
-        self.logprobs = logprobs
+        self.options = options
+        self.min_new_tokens = options.min_new_tokens
+        self.repetition_penalty = options.repetition_penalty
+        self.temperature = None if options.is_greedy else options.temperature
+        self.logprobs = options.logprobs is not None
         self.mode = logprobs_mode
-        self.portable = portable
+        self.portable = None if options.is_greedy or options.sampler == "native" else (options.sampler, seed)
         """(sampler, row seed) when the row draws with the portable sampler: the step draws and leaves only the drawn
         token finite, so llama.cpp's greedy chain takes it."""
         self.generated = 0
@@ -83,8 +88,8 @@ class LlamaCppRowStep:
             apply_decisions(row[None, :], decide(row[None, :], [(0, self.rules, self.eos_id)]))
         if self.temperature is not None and self.temperature != 1.0:
             scores /= self.temperature
-        min_p_mask(row[None, :], self.min_p)  # vLLM's min-p, after the temperature (shared rule)
-        truncate(row[None, :], self.top_k, self.top_p)  # vLLM's top-k then top-p
+        min_p_mask(row[None, :], self.options.min_p)  # vLLM's min-p, after the temperature (shared rule)
+        truncate(row[None, :], self.options.top_k, self.options.top_p)  # vLLM's top-k then top-p
         if self.logprobs and self.mode.startswith("processed"):
             self.last_logprobs = self._kept(scores)
         if self.portable is not None:
