@@ -7,7 +7,7 @@ from engine.backends.host import name_mkl_branch
 name_mkl_branch()  # before anything imports torch (every session of the repository: tests, conformance, benchmarks)
 
 # Start-up hooks for subprocesses; importing one in the test process would activate the compat shim.
-collect_ignore = ["engine/compat/site", "engine/swift_rollout/site", "conformance/isa_site"]
+collect_ignore = ["engine/compat/site", "engine/swift_rollout/site", "conformance/kit/isa_site"]
 # The ms-swift plugin file attaches the guard when imported (that is its job, inside ``swift rollout``).
 collect_ignore += ["engine/swift_rollout/plugin.py"]
 if importlib.util.find_spec("vllm") is None:

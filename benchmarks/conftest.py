@@ -19,7 +19,7 @@ import pytest
 
 from benchmarks.harness import Rounds, Variant
 from benchmarks.workload import SIZES, Size
-from conformance import reaper
+from conformance.kit import reaper
 from engine.backends.registry import SPECS
 from engine.backends.vllm.memory import engine_share
 from engine.report.schema import RATIO_COLUMNS

@@ -35,8 +35,8 @@ WAYS = {"spawn": {}, "fork": {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}}
 
 
 def config() -> dict[str, Any]:
-    from conformance.pool import CPU_VLLM
-    from conformance.servers import SERVED_CHAT
+    from conformance.subjects.pool import CPU_VLLM
+    from conformance.subjects.servers import SERVED_CHAT
     from engine.backends.host import turn_torch_compile_off
 
     turn_torch_compile_off()  # as the suite: its servers inherit the environment

@@ -2,10 +2,10 @@
 client, side by side in one run.
 
 Both servers run the benchmark session's vLLM config (``python -m engine.serve`` on it, and ``vllm serve`` with the
-flags ``conformance.stock.vllm_serve_arguments`` derives from it: model, dtype, seed, context, batch size, KV cache,
-eager mode); ours runs its served default (``vllm.multiprocessing`` left out: true when served, the executor laid out
-as ``vllm serve`` lays it out, since issue 61). On a CPU host that layout is what decides the speed, not the server:
-``vllm serve`` runs the model in a worker process whose OpenMP threads are pinned to all cores but one (kept for
+flags ``conformance.subjects.stock.vllm_serve_arguments`` derives from it: model, dtype, seed, context, batch size, KV
+cache, eager mode); ours runs its served default (``vllm.multiprocessing`` left out: true when served, the executor
+laid out as ``vllm serve`` lays it out, since issue 61). On a CPU host that layout is what decides the speed, not the
+server: ``vllm serve`` runs the model in a worker process whose OpenMP threads are pinned to all cores but one (kept for
 the scheduler), while the in-process layout (``multiprocessing: false``, vLLM's uniproc executor, the served default
 before issue 61) runs torch on every core, unpinned. On this 2-core machine that layout served 1.5x stock's
 tokens/s on a quiet machine and 0.57-0.64x with one or two busy processes beside it; laid out alike, ours/stock was
@@ -53,7 +53,7 @@ def servers(bench: Any) -> Iterator[dict[str, Any]]:
     side by side (each start is mostly imports and waiting) and stopped when the module ends."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from conformance.stock import start_vllm_serve
+    from conformance.subjects.stock import start_vllm_serve
     from engine.backends.host import has_cuda
     from engine.client import launch_server
     from engine.config import VllmConfig

@@ -1,7 +1,7 @@
 """The suite's fixtures: the shared engine pool, the backend as a parameter, the served twin's reach.
 
-They live in the package's conftest, not in the plugin (``conformance/plugin.py``), so that they apply to the suite's
-own checks only: generic names (``engine``, ``client``, ``pool``) never reach a user's other tests, and another
+They live in the package's conftest, not in the plugin (``conformance/kit/plugin.py``), so that they apply to the
+suite's own checks only: generic names (``engine``, ``client``, ``pool``) never reach a user's other tests, and another
 plugin's fixture of the same name (pytest-flask's ``client``) never replaces ours here.
 """
 
@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from conformance.availability import unavailable_reason
-from conformance.plugin import CALL_PASSED, TARGET_DESCRIBED, pool_of
-from conformance.pool import EnginePool
-from conformance.served import IN_PROCESS, SERVED
-from conformance.target import TARGET, Target
-from conformance.tiers import Workload
+from conformance.kit.availability import unavailable_reason
+from conformance.kit.plugin import CALL_PASSED, TARGET_DESCRIBED, pool_of
+from conformance.kit.tiers import Workload
+from conformance.subjects.pool import EnginePool
+from conformance.subjects.served import IN_PROCESS, SERVED
+from conformance.subjects.target import TARGET, Target
 from engine.backends.registry import SPECS
 
 VLM_BACKENDS = tuple(name for name, s in SPECS.items() if s.serves_images)
@@ -51,7 +51,7 @@ def reach(request: pytest.FixtureRequest, pytestconfig: pytest.Config) -> Iterat
 
 @pytest.fixture
 def target(request: pytest.FixtureRequest, pool: EnginePool) -> Iterator[Target]:
-    """The server a target check asks (``conformance/target.py``): ``--engine-target-url``'s, or the selected
+    """The server a target check asks (``conformance/subjects/target.py``): ``--engine-target-url``'s, or the selected
     backend's own (the pool's text server, shared with the served twins)."""
     name, options = request.param, pool.options.target
     if name == TARGET:
@@ -74,7 +74,7 @@ def target(request: pytest.FixtureRequest, pool: EnginePool) -> Iterator[Target]
 @pytest.fixture(scope="session")
 def workload(pytestconfig: pytest.Config) -> Workload:
     """The quick tier's smaller workload where ``-m`` selected quick checks only, else the full gate's
-    (conformance/tiers.py)."""
+    (conformance/kit/tiers.py)."""
     return pytestconfig.pluginmanager.get_plugin("engine-quick-tier").workload
 
 
@@ -127,7 +127,7 @@ def model_path(pool: EnginePool) -> Path:
 @pytest.fixture
 def summary_note(request: pytest.FixtureRequest) -> Any:
     """``summary_note(text)``: a measured fact of this check, printed at the end and kept in the summary files."""
-    from conformance.record import result_id
+    from conformance.kit.record import result_id
 
     collector = request.config.pluginmanager.get_plugin("engine-summary")
     check = result_id(request.node.location)

@@ -3,8 +3,8 @@ official ``openai`` client, curl and plain HTTP: streamed text == non-streamed t
 text; Pattern C's min-length numbers are the rule's own; bad input is refused before anything is generated.
 
 One server per backend on ``--engine-model`` (fp32 by default): the pool's, which its served twins reach too, its
-Pattern C defaults made greedy (``conformance.servers.SERVED_CHAT``). Servers bind 127.0.0.1 only; every request loop
-is bounded.
+Pattern C defaults made greedy (``conformance.subjects.servers.SERVED_CHAT``). Servers bind 127.0.0.1 only; every
+request loop is bounded.
 """
 
 from __future__ import annotations
@@ -312,7 +312,7 @@ def test_a_client_leaving_mid_stream_stops_its_generation(chat_server, backend):
     server = chat_server(backend)
 
     def cancelled() -> int:
-        from conformance.served import scrape
+        from conformance.subjects.served import scrape
 
         return int(scrape(server.url, "engine_requests_cancelled_total"))
 

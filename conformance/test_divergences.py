@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conformance.compare import assert_same_results
-from conformance.variants import answered_token, model_copy
+from conformance.subjects.variants import answered_token, model_copy
 from engine_fixtures import fixture_path, load_prompts
 
 LOOPER_PROMPTS = [p["messages"] for p in load_prompts("looper") + load_prompts("lists") + load_prompts("chat")[:1]]

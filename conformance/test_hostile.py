@@ -348,7 +348,7 @@ def test_silent_and_lying_connections_are_closed_by_the_server(server, backend, 
 
     import httpx
 
-    from conformance.servers import SERVED_TIMEOUTS
+    from conformance.subjects.servers import SERVED_TIMEOUTS
 
     host, port = server.url.removeprefix("http://").rsplit(":", 1)
     silent = [socket.create_connection((host, int(port)), timeout=30) for _ in range(20)]
@@ -390,7 +390,7 @@ def test_trickled_heads_bodies_and_a_full_connection_table_cannot_keep_clients_o
 
     import httpx
 
-    from conformance.servers import SERVED_TIMEOUTS
+    from conformance.subjects.servers import SERVED_TIMEOUTS
     from engine.config import ServeConfig
 
     host, port = server.url.removeprefix("http://").rsplit(":", 1)

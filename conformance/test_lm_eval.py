@@ -288,7 +288,7 @@ def test_lm_eval_local_completions_over_the_server_scores_as_the_engine_model(ru
     in-process ``engine`` model, on every backend that scores."""
     import httpx
 
-    from conformance.served import scrape
+    from conformance.subjects.served import scrape
 
     if pool.options.dtype != "float32":
         pytest.skip("exact agreement is the fp32 contract; other dtypes follow vLLM's close-logprobs rule")

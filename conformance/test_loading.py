@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.variants import answered_token, model_copy
+from conformance.subjects.variants import answered_token, model_copy
 from engine_fixtures import load_prompts
 
 CHAT = [p["messages"] for p in load_prompts("chat")]

@@ -12,7 +12,7 @@ from engine_fixtures import load_prompts
 pytestmark = [pytest.mark.servable, pytest.mark.dtype_dependent]
 
 
-@pytest.mark.quick  # with its served twin: every backend's server through /infer/ (conformance.tiers)
+@pytest.mark.quick  # with its served twin: every backend's server through /infer/ (conformance.kit.tiers)
 def test_greedy_parity_on_chat_prompts(engines, pool, summary_note):
     prompts = load_prompts("chat") + load_prompts("lists")
     names = list(engines)

@@ -44,7 +44,8 @@ def test_incompatible_hook_is_rejected_before_generation(counted, backend, reach
     if backend == "hf":
         got = engine.generate(JSON[:1], options={"max_new_tokens": 8}, plugins=plugins)
         assert got[0].token_ids and got[0].meta["plugins"] == ["json_boundary"]
-        # Served, the in-process answer compared is the one the in-process variant generated (conformance/served.py).
+        # Served, the in-process answer compared is the one the in-process variant generated
+        # (conformance/subjects/served.py).
         assert calls == ([1] if reach == "in-process" else [])
         return
     with pytest.raises(PluginCompatibilityError) as info:

@@ -1,6 +1,6 @@
 """A test run that dies leaves nothing running (issue 61): a run of the suite killed with SIGKILL mid-way, as the
 kernel's OOM killer kills (no Python code of the run gets to clean up), leaves none of the processes it had started
-(here the HF server its check started). ``conformance/reaper.py`` is what kills them."""
+(here the HF server its check started). ``conformance/kit/reaper.py`` is what kills them."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.reaper import command_line, descendants, process_table
+from conformance.kit.reaper import command_line, descendants, process_table
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +42,7 @@ def test_a_run_killed_mid_way_leaves_no_process_running(tmp_path):
             time.sleep(0.1)
         assert run.poll() is None, f"the run ended (exit {run.returncode}) before it could be killed mid-way"
         assert server is not None, "the run started no server within 240 s: nothing to prove"
-        reapers = [pid for pid in seen if "conformance/reaper.py" in command_line(pid)]
+        reapers = [pid for pid in seen if "conformance/kit/reaper.py" in command_line(pid)]
         assert reapers, f"the run started no reaper; its processes: {[command_line(p)[:80] for p in seen]}"
         run.send_signal(signal.SIGKILL)
         run.wait(timeout=30)

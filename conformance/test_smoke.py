@@ -12,7 +12,7 @@ GREEDY = {"max_new_tokens": 16}
 
 @pytest.mark.parametrize("fixture", ["smollm2-135m-instruct", "tiny-looper"])
 def test_backend_loads_text_fixture_and_generates(pool, backend, fixture):
-    from conformance.availability import unavailable_reason
+    from conformance.kit.availability import unavailable_reason
 
     if unavailable_reason(backend):
         pytest.skip(unavailable_reason(backend))

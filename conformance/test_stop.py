@@ -91,7 +91,7 @@ def test_never_matched_stops_leave_text_alone(engine, plain):
     assert [r.token_ids for r in results] == [r.token_ids for r in plain]
 
 
-@pytest.mark.quick  # with its served twin: every backend's server through /infer/ (conformance.tiers)
+@pytest.mark.quick  # with its served twin: every backend's server through /infer/ (conformance.kit.tiers)
 def test_stop_text_identical_across_backends(engines, pool):
     stop = {"strings": [" is", ",", "\n"]}
     got = {b: e.generate(CHAT, options={"max_new_tokens": 40}, stop=stop) for b, e in engines.items()}

@@ -33,7 +33,7 @@ MIN_60 = {"name": "min_length", "min_chars": 60}
 
 @pytest.fixture(params=CONSTRAINED)
 def constrained(request, pool):
-    from conformance.availability import unavailable_reason
+    from conformance.kit.availability import unavailable_reason
 
     if request.param not in pool.options.backends:
         pytest.skip(f"{request.param} is not selected (--engine-backends)")

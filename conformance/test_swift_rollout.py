@@ -95,7 +95,7 @@ def stop_group(process: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def guarded_engine(pool):
-    from conformance.availability import unavailable_reason
+    from conformance.kit.availability import unavailable_reason
 
     if "vllm" not in pool.options.backends or unavailable_reason("vllm"):
         pytest.skip(unavailable_reason("vllm") or "swift rollout runs vLLM, which --engine-backends leaves out")

@@ -1,5 +1,5 @@
 """A server checked through its OpenAI API against the in-process HF reference on the same model
-(``conformance/target.py``): greedy text, stop strings and stop ids, ``min_tokens``, seeds, streams, logprobs,
+(``conformance/subjects/target.py``): greedy text, stop strings and stop ids, ``min_tokens``, seeds, streams, logprobs,
 ``max_tokens`` at the context edge, refusals' shape, and what a plain OpenAI request gets by default.
 
 The subject is ``--engine-target-url``'s server (``target``) when given, where a difference is the verdict
@@ -15,7 +15,7 @@ import pytest
 
 from conformance.compare import exact_pair
 from conformance.precision import REFERENCE_TOL
-from conformance.target import TARGET, Findings, error_shape_problem
+from conformance.subjects.target import TARGET, Findings, error_shape_problem
 
 PROMPTS = ("The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,",
            "1, 2, 3, 4,")

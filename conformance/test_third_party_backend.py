@@ -1,7 +1,7 @@
 """A backend from another package joins the suite with no change to it, and a sharded run equals the run in one piece.
 
-The example backend (``conformance/example_backend``: a distribution whose ``xbackend_engine.backends`` entry point
-names its spec, and a transformers class that generates one row at a time) is put on ``PYTHONPATH`` and named in
+The example backend (``conformance/subjects/example_backend``: a distribution whose ``xbackend_engine.backends`` entry
+point names its spec, and a transformers class that generates one row at a time) is put on ``PYTHONPATH`` and named in
 ``--engine-backends``, as a user names their own. Every run here is a child pytest from an empty folder (the plugin
 found by its entry point, the checks by ``--pyargs``), HF and the example required: the whole suite collects an
 ``example`` variant of every per-backend check that has an ``hf`` one; a selection (:data:`SELECTION`) passes on it,
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from conformance import matrix, record
+from conformance.kit import matrix, record
 
-EXAMPLE = Path(__file__).resolve().parent / "example_backend"
+EXAMPLE = Path(__file__).resolve().parent / "subjects" / "example_backend"
 SELECTION = ["--pyargs", "conformance.test_contract", "conformance.test_parity", "-m", "not served", "-k",
              "length_finish or min_new_tokens or empty_batch or logprobs_agree"]
 """Per-backend checks on both backends and a cross-backend one comparing them, each a few short requests."""

@@ -1,10 +1,10 @@
 """The quick tier over this session's own collection: every check function keeps one parametrization in ``-m quick``,
-and every module meets every backend it has (``conformance.tiers``). ``tests/test_tiers.py`` runs pytest's real
+and every module meets every backend it has (``conformance.kit.tiers``). ``tests/test_tiers.py`` runs pytest's real
 ``-m quick`` collection; this check sees the modules only the conformance venv can import (vLLM's own)."""
 
 from __future__ import annotations
 
-from conformance.tiers import missing_from_quick
+from conformance.kit.tiers import missing_from_quick
 
 
 def test_every_collected_check_function_runs_in_the_quick_tier(pytestconfig, summary_note):

@@ -52,7 +52,7 @@ def trl_server(pool: Any, backend_names: tuple[str, ...]) -> Any:
     if "vllm" not in backend_names:
         pytest.skip(f"trl vllm-serve runs vLLM; backends here: {backend_names}")
     import engine
-    from conformance.stock import free_port, started
+    from conformance.subjects.stock import free_port, started
 
     _, config = pool.servers.served_config("vllm", pool.options.model)
     port = free_port()

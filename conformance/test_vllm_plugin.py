@@ -112,7 +112,7 @@ def served_plugin(pool: Any, backend_names: tuple[str, ...]) -> Any:
     seeds' start-up variables (``ACTIVATION``), bound to 127.0.0.1, stopped after the module."""
     if "vllm" not in backend_names:
         pytest.skip(f"stock vllm serve runs vLLM; backends here: {backend_names}")
-    from conformance.stock import start_vllm_serve
+    from conformance.subjects.stock import start_vllm_serve
 
     _, config = pool.servers.served_config("vllm", pool.options.model)
     server = start_vllm_serve(config, "guarded", extra=["--logits-processors", PROCESSOR], env=ACTIVATION)
@@ -197,7 +197,7 @@ def test_a_bad_startup_activation_stops_vllm_serve(pool, backend_names):
     """A bad server-wide subtree fails the start (the engine core builds the processor), not the first request."""
     if "vllm" not in backend_names:
         pytest.skip(f"stock vllm serve runs vLLM; backends here: {backend_names}")
-    from conformance.stock import start_vllm_serve
+    from conformance.subjects.stock import start_vllm_serve
 
     _, config = pool.servers.served_config("vllm", str(fixture_path("tiny-looper")))
     bad = {"ENGINE_REPEAT_TERMINATE_JSON": '{"enabled": true, "ngram_size": 4}'}

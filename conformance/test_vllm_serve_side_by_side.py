@@ -1,5 +1,5 @@
 """The served engine beside stock ``vllm serve`` (issue 47): vLLM's own OpenAI server started on the same model and
-vLLM settings as the suite's vLLM server (``conformance/stock.py``), both sent the same requests through the
+vLLM settings as the suite's vLLM server (``conformance/subjects/stock.py``), both sent the same requests through the
 official ``openai`` client. Where both answer, the answers are equal (text, token strings and logprobs, finish
 reasons, usage); where both refuse, both answer a 4xx; every difference that remains is asserted as documented
 (``docs/serving.md``, "Beside stock vllm serve").
@@ -62,7 +62,7 @@ def stock(pool, backend_names):
     """(stock vllm serve's openai client, the suite's vLLM server's), on one model and vLLM's settings."""
     import openai
 
-    from conformance.stock import start_vllm_serve
+    from conformance.subjects.stock import start_vllm_serve
 
     if "vllm" not in backend_names:
         pytest.skip(f"stock vllm serve runs beside this session's vLLM server; backends here: {backend_names}")

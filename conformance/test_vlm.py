@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.variants import model_copy
+from conformance.subjects.variants import model_copy
 from engine.errors import RequestError, UnsupportedCapabilityError
 from engine_fixtures.data.images import IMAGE_SIZES, make_image
 
@@ -28,7 +28,7 @@ def images():
 
 @pytest.fixture(scope="session")
 def vlm_engine(pool, backend):
-    from conformance.availability import unavailable_reason
+    from conformance.kit.availability import unavailable_reason
 
     if unavailable_reason(backend):
         pytest.skip(unavailable_reason(backend))

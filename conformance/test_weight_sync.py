@@ -57,7 +57,7 @@ def test_pushed_weights_answer_like_the_perturbed_checkpoint(pool, backend, pert
     from swift.rlhf_trainers.utils import FlattenedTensorBucket
     from swift.rlhf_trainers.vllm_client import VLLMClient
 
-    from conformance.availability import unavailable_reason
+    from conformance.kit.availability import unavailable_reason
     from engine.client import RolloutClient, launch_server
     from engine.weight_sync import WeightSyncClient
 
@@ -113,7 +113,7 @@ def test_pushes_under_load_round_trip_exactly(pool, backend, perturbed):
     import httpx
     from safetensors.torch import load_file
 
-    from conformance.availability import unavailable_reason
+    from conformance.kit.availability import unavailable_reason
     from engine.client import RolloutClient, launch_server
     from engine.weight_sync import WeightSyncClient
 
@@ -199,7 +199,7 @@ def test_vllm_routes_and_disk_reload_round_trip_exactly(pool, backend, perturbed
     import httpx
     from safetensors.torch import load_file
 
-    from conformance.availability import unavailable_reason
+    from conformance.kit.availability import unavailable_reason
     from engine.client import RolloutClient, launch_server
     from engine.weight_transfer import WeightTransferClient
 
@@ -292,7 +292,7 @@ def test_a_learner_holds_rollouts_no_longer_than_the_session_bounds(pool, backen
 
     import httpx
 
-    from conformance.availability import unavailable_reason
+    from conformance.kit.availability import unavailable_reason
     from engine.client import launch_server
     from engine.weight_sync import WeightSyncClient
 

@@ -1,8 +1,8 @@
 """Backends from other packages: the registry reads the ``xbackend_engine.backends`` entry points.
 
 Each case runs a fresh interpreter (the registry reads entry points once, at import) with an installed distribution
-on ``PYTHONPATH``: the example backend in ``conformance/example_backend`` (a real ``.dist-info``), or a broken one
-written here. The conformance suite runs the example beside HF (``conformance/test_third_party_backend.py``).
+on ``PYTHONPATH``: the example backend in ``conformance/subjects/example_backend`` (a real ``.dist-info``), or a broken
+one written here. The conformance suite runs the example beside HF (``conformance/test_third_party_backend.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "conformance" / "example_backend"
+EXAMPLE = Path(__file__).resolve().parents[1] / "conformance" / "subjects" / "example_backend"
 
 
 def run(code: str, *paths: Path) -> dict:

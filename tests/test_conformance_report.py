@@ -12,9 +12,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from conformance import matrix, record, stock, target
-from conformance import report as collector_module
-from conformance.report import SummaryCollector
+from conformance.kit import matrix, record
+from conformance.kit import report as collector_module
+from conformance.kit.report import SummaryCollector
+from conformance.subjects import stock, target
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = '''
@@ -44,7 +45,7 @@ def test_known():
 
 def test_compares_all(request):
     [summary] = [p for p in request.config.pluginmanager.get_plugins() if hasattr(p, "note")]
-    from conformance.record import result_id
+    from conformance.kit.record import result_id
     summary.note(result_id(request.node.location),
         "greedy parity hf vs vllm: 5/6 token-identical; first divergence: chat-3@12")
     assert False, "prompt chat-3 differs"
@@ -53,7 +54,7 @@ def test_teardown_breaks(broken_teardown):
     pass
 
 def test_server_differs(backend):
-    from conformance.target import Findings
+    from conformance.subjects.target import Findings
     findings = Findings(strict=backend == "vllm")  # an external target's finding on hf; strict on vllm
     findings.differ("stop_token_ids ignored")
     findings.settle()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance import availability
+from conformance.kit import availability
 
 ROOT = Path(__file__).resolve().parents[1]
 

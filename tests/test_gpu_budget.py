@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import pytest
 
-from conformance.pool import EnginePool, PoolOptions
+from conformance.subjects.pool import EnginePool, PoolOptions
 from engine.backends.vllm.memory import RESERVE, EngineLeases, engine_share
 
 

@@ -140,3 +140,23 @@ def test_async_target_is_chosen_by_the_settings():
     assert vllm.target_for(VllmConfig()) == vllm.target
     assert vllm.engine_core_in_child(VllmConfig(multiprocessing=True))
     assert not vllm.engine_core_in_child(VllmConfig())
+
+
+def test_every_file_docs_layout_names_exists():
+    """docs/layout.md is the newcomer's map: every ``*.py`` file and folder it names in backquotes exists (by its
+    path, or by its name somewhere in the repository), so a moved or deleted file cannot stay on the map."""
+    import re
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs" / "layout.md").read_text()
+    tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
+    names = {Path(f).name for f in tracked} | {p.name for f in tracked for p in Path(f).parents}
+    paths = set(tracked) | {str(p) for f in tracked for p in Path(f).parents}
+    missing = []
+    for token in re.findall(r"`([A-Za-z0-9_./*-]+?(?:\.py|/))`", text):
+        token = token.rstrip("/")
+        if "*" in token or token.startswith("/") or token in paths or Path(token).name in names:  # /infer/: a route
+            continue
+        missing.append(token)
+    assert not missing, f"docs/layout.md names what the repository does not hold: {sorted(set(missing))}"

@@ -58,7 +58,7 @@ def test_every_mark_the_suite_uses_is_registered_by_the_plugin():
     """A user's ``--strict-markers`` (the kit's user repository sets it) accepts every check module of the suite."""
     import re
 
-    from conformance.plugin import MARKERS
+    from conformance.kit.plugin import MARKERS
 
     root = Path(__file__).resolve().parents[1] / "conformance"
     used = {m for path in root.glob("*.py") for m in re.findall(r"pytest\.mark\.(\w+)", path.read_text())}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conformance.runbook import DTYPE_MARKER, RUNNER_CHECKS, Outcome, plan_passes, read_junit, verdict
+from conformance.kit.runbook import DTYPE_MARKER, RUNNER_CHECKS, Outcome, plan_passes, read_junit, verdict
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
 <testcase classname="conformance.test_parity" name="test_a[hf]"/>

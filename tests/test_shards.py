@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance.shards import group_of, parse, split
+from conformance.kit.shards import group_of, parse, split
 
 BACKENDS = ("hf", "vllm", "llamacpp")
 IDS = st.lists(st.builds(lambda m, f, b, extra: f"conformance/test_{m}.py::test_{f}" + (

@@ -1,11 +1,11 @@
 """``--engine-target-*``: bad values are refused by name before anything starts, in the options' own rule and through
-the plugin (a usage error, exit 4); the refusal-shape and differs rules of ``conformance/target.py``."""
+the plugin (a usage error, exit 4); the refusal-shape and differs rules of ``conformance/subjects/target.py``."""
 
 from __future__ import annotations
 
 import pytest
 
-from conformance.target import Findings, TargetOptions, error_shape_problem
+from conformance.subjects.target import Findings, TargetOptions, error_shape_problem
 from tests.test_plugin_scope import pytest_in
 
 GOOD = {"url": "http://127.0.0.1:8000", "model": None, "key": None, "extra_body": None, "context": None,
@@ -62,7 +62,7 @@ def test_findings_pass_when_none_and_otherwise_differ_or_fail():
 
 
 def test_the_stock_launcher_refuses_a_model_without_its_gguf(capsys):
-    from conformance import stock
+    from conformance.subjects import stock
 
     with pytest.raises(SystemExit) as exited:
         stock.main(["llama-cpp-server", "--model", "/my/model", "--", "-k", "greedy"])  # nothing starts

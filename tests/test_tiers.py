@@ -1,4 +1,4 @@
-"""The conformance suite's quick tier (``conformance.tiers``): the pure rule on synthetic checks, and the real
+"""The conformance suite's quick tier (``conformance.kit.tiers``): the pure rule on synthetic checks, and the real
 collection of the suite, full and ``-m quick``, compared id by id."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conformance.tiers import Check, missing_from_quick, quick_checks
+from conformance.kit.tiers import Check, missing_from_quick, quick_checks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,7 +63,7 @@ def test_what_the_quick_tier_leaves_out_is_named():
 
 PROBE = """
 import json, sys, pytest
-from conformance.tiers import check_of
+from conformance.kit.tiers import check_of
 class Probe:
     def pytest_collection_finish(self, session):
         self.ids = [(c.function, list(c.spread())) for c in map(check_of, session.items)]

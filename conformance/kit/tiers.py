@@ -214,7 +214,7 @@ def table(checks: Sequence[Check], quick: Sequence[Check]) -> list[str]:
 
 
 def main(argv: Sequence[str] = ()) -> int:
-    """``python -m conformance.tiers [pytest args]``: collect the suite (nothing runs) and print :func:`table`."""
+    """``python -m conformance.kit.tiers [pytest args]``: collect the suite (nothing runs) and print :func:`table`."""
     import contextlib
     import io
 

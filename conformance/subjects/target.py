@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DIFFERS = "differs: "
-"""The prefix of a ``differs`` finding's reason (the report reads the verdict from it: ``conformance/report.py``)."""
+"""The prefix of a ``differs`` finding's reason (the report reads the verdict from it:
+``conformance/kit/report.py``)."""
 TARGET = "target"
 """The subject name of an external target in node ids and reports."""
 

@@ -44,6 +44,6 @@ def follow_aten_capability() -> list[str]:
     for name in changed:
         setattr(torch.cpu, name, lambda: False)
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    first = [str(SITE), str(SITE.parents[1])]
+    first = [str(SITE), str(SITE.parents[2])]
     os.environ["PYTHONPATH"] = os.pathsep.join([*first, *(p for p in paths if p not in first)])
     return changed

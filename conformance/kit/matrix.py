@@ -1,12 +1,12 @@
 """The conformance report drawn for people: a static HTML matrix (checks x subjects, coloured, each cell linking to its
 results' failure text) and a Markdown summary a CI step can publish.
 
-``python -m conformance.matrix REPORT [REPORT ...] [--html OUT] [--markdown OUT] [--merged OUT]`` reads reports of
-any version (``conformance.record.read``), merges several (the shards of one run) into one, and writes what is asked
+``python -m conformance.kit.matrix REPORT [REPORT ...] [--html OUT] [--markdown OUT] [--merged OUT]`` reads reports of
+any version (``conformance.kit.record.read``), merges several (the shards of one run) into one, and writes what is asked
 (default: ``conformance-matrix.html`` and ``conformance-summary.md`` beside the first report). The suite writes all
 three at the end of each run.
 
->>> from conformance.record import Result, new_report
+>>> from conformance.kit.record import Result, new_report
 >>> report = new_report({"model": "m", "dtype": "float32"}, [
 ...     Result("a.py::t[hf]", "a.py::t", "hf", "", "passed", 1.0),
 ...     Result("a.py::t[vllm]", "a.py::t", "vllm", "", "failed", 1.0, message="AssertionError: 3 != 4")])
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from conformance.record import BAD, CROSS, HELD, VERDICTS, merge, read, write
+from conformance.kit.record import BAD, CROSS, HELD, VERDICTS, merge, read, write
 
 COLOURS = {"passed": "#2e7d32", "failed": "#c62828", "differs": "#6a1b9a", "mixed": "#ef6c00", "skipped": "#9e9e9e",
            "none": "#ffffff"}
@@ -177,7 +177,7 @@ section {{ border-top: 1px solid #e0e0e0; margin-top: 1em; }}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m conformance.matrix", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m conformance.kit.matrix", description=__doc__.splitlines()[0])
     parser.add_argument("reports", nargs="+", type=Path, help="conformance-report.json files (a run's shards), "
                         "or a version-0 conformance-summary.parquet")
     parser.add_argument("--html", type=Path, help="where to write the HTML matrix")

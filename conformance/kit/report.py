@@ -1,6 +1,6 @@
-"""The per-run conformance report, collected while the suite runs: one result per check run (``conformance/record.py``
-holds the schema), written at the end as ``conformance-report.json``, the HTML matrix and the Markdown summary
-(``conformance/matrix.py``), with the checks' notes and the time by module."""
+"""The per-run conformance report, collected while the suite runs: one result per check run
+(``conformance/kit/record.py`` holds the schema), written at the end as ``conformance-report.json``, the HTML matrix
+and the Markdown summary (``conformance/kit/matrix.py``), with the checks' notes and the time by module."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from conformance.target import DIFFERS
+from conformance.subjects.target import DIFFERS
 
 
 def check_of(nodeid: str) -> str:
@@ -22,7 +22,7 @@ def check_of(nodeid: str) -> str:
 
 
 class SummaryCollector:
-    """A pytest plugin: one :class:`~conformance.record.Result` per check run, the checks' notes and the time by
+    """A pytest plugin: one :class:`~conformance.kit.record.Result` per check run, the checks' notes and the time by
     module; at session end the report, the matrix and the summary (the plugin registers it).
 
     ``describe()`` gives the run's model, dtype, backends, workload and engine context, read at the end."""
@@ -47,7 +47,7 @@ class SummaryCollector:
         self.notes.append((check, text))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        from conformance.record import result_id
+        from conformance.kit.record import result_id
 
         if self.checks is not None and report.nodeid not in self.checks:
             return
@@ -69,9 +69,9 @@ class SummaryCollector:
             entry["message"] = first_error_line(report.longreprtext)
 
     def report(self) -> dict[str, Any]:
-        """This run's report (``conformance.record``'s schema)."""
-        from conformance.record import Result, check_name, new_report, run_info, subject_of
-        from conformance.target import TARGET
+        """This run's report (``conformance.kit.record``'s schema)."""
+        from conformance.kit.record import Result, check_name, new_report, run_info, subject_of
+        from conformance.subjects.target import TARGET
 
         described = self.describe()
         backends = tuple(described.get("backends", ()))
@@ -123,8 +123,8 @@ class SummaryCollector:
     def write(self) -> list[Path]:
         """The report (``<report>.json``), the HTML matrix and the Markdown summary (with the notes and the time by
         module); the stem's suffix (``-bfloat16``) is kept on each."""
-        from conformance.matrix import markdown, page
-        from conformance.record import write
+        from conformance.kit.matrix import markdown, page
+        from conformance.kit.record import write
 
         report = self.report()
         suffix = self.stem.removeprefix("conformance-summary")
@@ -149,7 +149,7 @@ def verdict_of(report: pytest.TestReport) -> str | None:
     if report.when == "call":
         if hasattr(report, "wasxfail"):
             if report.skipped and str(report.wasxfail).startswith(DIFFERS):
-                return "differs"  # conformance/target.py: an external server's finding
+                return "differs"  # conformance/subjects/target.py: an external server's finding
             return "xfailed" if report.skipped else "xpassed"
         return report.outcome
     if report.failed:

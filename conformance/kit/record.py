@@ -4,7 +4,7 @@ A report holds the run (when, which code, which host, which library versions, mo
 check run: its id, its check function, the subject it ran on (a backend, or ``cross-backend`` for a check that
 compares every selected backend at once), its other parameters, the verdict, the time, the skip reason or the first
 line of the failure, the first divergence where the check reported one, and the failure's text. The HTML matrix and
-the Markdown summary (``conformance/matrix.py``) are drawn from it; shards of one run merge into one report
+the Markdown summary (``conformance/kit/matrix.py``) are drawn from it; shards of one run merge into one report
 (:func:`merge`). The schema is :data:`RESULT_FIELDS` and :data:`RUN_FIELDS`, documented in ``reports/README.md`` (a
 test checks they agree); :data:`SCHEMA_VERSION` goes up on any change of a field's name or meaning.
 
@@ -34,8 +34,8 @@ SCHEMA_VERSION = 2
 """Version 2 added the verdict ``differs`` and the run field ``target``; versions 0 and 1 read as this one."""
 VERDICTS = ("passed", "failed", "error", "skipped", "xfailed", "xpassed", "differs")
 """A result's verdict: pytest's outcome of its call, ``error`` where its setup or teardown failed, ``differs`` where
-an external target server answered otherwise than the reference (``conformance/target.py``): a finding about that
-server, which fails no run."""
+an external target server answered otherwise than the reference (``conformance/subjects/target.py``): a finding about
+that server, which fails no run."""
 HELD = ("passed", "xfailed")
 """Verdicts where the check held as written (an expected failure failed)."""
 BAD = ("failed", "error", "xpassed")

@@ -1,5 +1,5 @@
 """The GPU runbook: the checks whose behaviour differs on a CUDA host, run on both vLLM model runners, with a
-one-screen verdict to send back (``nox -s gpu``, or ``python -m conformance.runbook`` in an installed stack).
+one-screen verdict to send back (``nox -s gpu``, or ``python -m conformance.kit.runbook`` in an installed stack).
 
 On one CUDA GPU with no internet (the fixtures are built from registry packages the install already fetched):
 
@@ -31,7 +31,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REPORTS = ROOT / "reports"
 RUNNER_CHECKS = ("test_vllm_adapters.py", "test_vllm_plugin.py", "test_repeat.py", "test_rule_ends.py",
                  "test_parity.py", "test_served.py", "test_engine_core_process.py", "test_structured_rules.py",
@@ -185,14 +185,14 @@ def verdict(facts: list[str], runner: str, outcomes: list[Outcome], backends: tu
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m conformance.runbook", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m conformance.kit.runbook", description=__doc__.split("\n\n")[0])
     parser.add_argument("--backends", default="hf,vllm", help="backends to check (default: hf,vllm; a backend "
                                                               "that is not installed is left out and named)")
     parser.add_argument("--pass-timeout", type=float, default=None,
                         help="seconds each pass may run before it is interrupted and counted as failed (default: none)")
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     args = parser.parse_args(argv)
-    from conformance.availability import unavailable_reason
+    from conformance.kit.availability import unavailable_reason
 
     wanted = tuple(b.strip() for b in args.backends.split(",") if b.strip())
     missing = [b for b in wanted if unavailable_reason(b)]

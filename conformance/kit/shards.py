@@ -4,7 +4,7 @@ Checks are grouped by what they load: a per-backend check by its backend, a cros
 loads every backend's engine). A backend's checks go whole to one shard, each cross-backend module too, the largest
 first to the shard with the fewest checks so far (ties: the lowest), so a shard starts only its own backends'
 servers. The split depends only on the collected ids, so every runner computes the same one; merge the shards'
-reports with ``python -m conformance.matrix shard-1.json shard-2.json --merged all.json``.
+reports with ``python -m conformance.kit.matrix shard-1.json shard-2.json --merged all.json``.
 
 >>> ids = ["a.py::t[hf]", "a.py::t[vllm]", "b.py::u[hf]", "b.py::u[vllm]", "c.py::cross"]
 >>> split(ids, ("hf", "vllm"), 2)
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from conformance.record import CROSS, subject_of
+from conformance.kit.record import CROSS, subject_of
 
 
 def parse(text: str) -> tuple[int, int]:

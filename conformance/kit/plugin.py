@@ -15,12 +15,12 @@ own backends or server then skip, with that reason.
 Defaults are the fixture models built by ``python -m engine_fixtures build`` (built on first use when missing). A
 backend that cannot run here is skipped with its reason printed in the summary, never silently, unless
 ``--engine-require`` lists it: then the session fails before any test (``nox -s conformance`` requires all three).
-After each run the report is written to ``reports/``: ``conformance-report.json`` (``conformance/record.py``), the
-HTML matrix and the Markdown summary (``conformance/matrix.py``).
+After each run the report is written to ``reports/``: ``conformance-report.json`` (``conformance/kit/record.py``), the
+HTML matrix and the Markdown summary (``conformance/kit/matrix.py``).
 
 Checks marked ``servable`` run twice, as the ``reach`` parameter says: ``in-process``, and ``served`` (marked
 ``served``), where every engine they compare is reached through ``python -m engine.serve`` too and must answer the
-same (see ``conformance/served.py``). Served twins run last, grouped by module, then backend after backend per
+same (see ``conformance/subjects/served.py``). Served twins run last, grouped by module, then backend after backend per
 check, so each server is started about once (and the other backends' twins of it start ahead, in the
 background). ``-m "not served"`` leaves them out; ``-m served`` runs only them.
 """
@@ -33,16 +33,16 @@ from typing import Any
 
 import pytest
 
-from conformance import reaper
-from conformance.availability import check_required, unavailable_reason
-from conformance.isa import follow_aten_capability
-from conformance.pool import EnginePool, PoolOptions
-from conformance.report import SummaryCollector
-from conformance.served import IN_PROCESS, SERVED
-from conformance.shards import parse as parse_shard
-from conformance.shards import split as split_shards
-from conformance.target import TargetOptions
-from conformance.tiers import QuickTier
+from conformance.kit import reaper
+from conformance.kit.availability import check_required, unavailable_reason
+from conformance.kit.isa import follow_aten_capability
+from conformance.kit.report import SummaryCollector
+from conformance.kit.shards import parse as parse_shard
+from conformance.kit.shards import split as split_shards
+from conformance.kit.tiers import QuickTier
+from conformance.subjects.pool import EnginePool, PoolOptions
+from conformance.subjects.served import IN_PROCESS, SERVED
+from conformance.subjects.target import TargetOptions
 from engine.backends.host import name_mkl_branch
 from engine.config import BACKENDS, DTYPES
 
@@ -64,7 +64,7 @@ otherwise run ahead of the served twins); the engine-core check leaves the loope
 servers running for the repeat checks, which then need one server per guard setting."""
 MARKERS = {
     "quick": "the conformance quick tier (-m quick): every check function at least once on each backend, served "
-             "twins where marked (conformance/tiers.py picks it; a parametrization may be marked to represent its "
+             "twins where marked (conformance/kit/tiers.py picks it; a parametrization may be marked to represent its "
              "function)",
     "servable": "a conformance check that also runs as its served twin (reach=served), every engine it compares "
                 "reached through python -m engine.serve too",
@@ -128,8 +128,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "equal share of 0.8 of the card (default: 6, 0.13 each)")
     group.addoption("--engine-shard", default=None, metavar="K/N",
                     help="run shard K of N (a CI matrix): each backend's checks and each cross-backend module go "
-                         "whole to one shard, so a shard loads only its own engines (conformance/shards.py); merge "
-                         "the reports with python -m conformance.matrix")
+                         "whole to one shard, so a shard loads only its own engines (conformance/kit/shards.py); merge "
+                         "the reports with python -m conformance.kit.matrix")
     group.addoption("--engine-target-url", default=None, metavar="URL",
                     help="an OpenAI-compatible server to check against the in-process HF reference on "
                          "--engine-model (e.g. http://127.0.0.1:8000 of vllm serve or python -m llama_cpp.server); "
@@ -157,7 +157,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if any(PACKAGE in str(arg) for arg in config.args):  # a run of the suite, from any folder
         name_mkl_branch()
         reaper.start()  # every process this run starts dies with it, however it ends
-    config.stash[FORCED_PROBES] = follow_aten_capability()  # before anything imports vLLM (conformance/isa.py)
+    config.stash[FORCED_PROBES] = follow_aten_capability()  # before anything imports vLLM (conformance/kit/isa.py)
     backends = selected_backends(config)
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
@@ -302,7 +302,7 @@ def skip_own_engine_checks(config: pytest.Config, checks: list[pytest.Item]) -> 
 
 def keep_shard(config: pytest.Config, items: list[pytest.Item], checks: list[pytest.Item]) -> list[pytest.Item]:
     """``--engine-shard K/N``: keep shard K's checks (other tests of the session stay in shard 1 only)."""
-    from conformance.record import result_id
+    from conformance.kit.record import result_id
 
     k, n = parse_shard(config.getoption("--engine-shard"))
     mine = set(split_shards([result_id(item.location) for item in checks], selected_backends(config), n)[k - 1])
@@ -334,7 +334,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if not config.stash.get(FORCED_PROBES, None):
         return []
     return [f"cpu kernels: forced below AVX-512 (ATEN_CPU_CAPABILITY); torch.cpu probes answering False in "
-            f"this process: {', '.join(config.stash[FORCED_PROBES])} (conformance/isa.py)"]
+            f"this process: {', '.join(config.stash[FORCED_PROBES])} (conformance/kit/isa.py)"]
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

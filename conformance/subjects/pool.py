@@ -5,11 +5,11 @@ thresholds, generation defaults, the pixel budget: ``engine.engine.REQUEST_SECTI
 the pool derives such an engine from the loaded one (``GenerationEngine.derive``). ``shared=False`` builds one
 through the whole config path instead, for the checks that prove the two are the same.
 
-A check marked ``servable`` also runs as its served twin (the ``reach`` parameter, see ``conformance.served``):
+A check marked ``servable`` also runs as its served twin (the ``reach`` parameter, see ``conformance.subjects.served``):
 then every engine it compares is reached through ``python -m engine.serve`` too, while references it only derives
 expectations from (``pool.reference``) stay in-process. The servers are the server pool's
-(``conformance/servers.py``, ``pool.servers``); each twin gets the session's :class:`~conformance.served.Reach`
-and the way to its server explicitly.
+(``conformance/subjects/servers.py``, ``pool.servers``); each twin gets the session's
+:class:`~conformance.subjects.served.Reach` and the way to its server explicitly.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import resource
 from dataclasses import dataclass, field
 from typing import Any
 
-from conformance.bill import Bill
 from conformance.compare import LOW_PRECISION_TOPK
-from conformance.served import Reach
-from conformance.servers import ServerPool
-from conformance.target import TargetOptions
+from conformance.subjects.bill import Bill
+from conformance.subjects.served import Reach
+from conformance.subjects.servers import ServerPool
+from conformance.subjects.target import TargetOptions
 from engine.backends.registry import SPECS
 
 # On CPU hosts the suite's vLLM engines start eager with a small KV cache: a fixture engine then starts in about
@@ -71,7 +71,8 @@ class PoolOptions:
     gguf_models: tuple[tuple[str, str], ...] = ()
     """(HF model folder, its GGUF twin) pairs: what the llamacpp backend loads for a model the suite names."""
     target: TargetOptions = field(default_factory=TargetOptions)
-    """``--engine-target-*``: an external server to check against the HF reference (``conformance/target.py``)."""
+    """``--engine-target-*``: an external server to check against the HF reference
+    (``conformance/subjects/target.py``)."""
     gpu_vllm_engines: int = 6
     """On a CUDA host: vLLM engines held on the card at once, servers' included. Each gets ``engine_share`` of
     this many (vLLM refuses to start below its share of free memory); beyond it, the least recently used
@@ -154,11 +155,11 @@ class EnginePool:
 
     def engine(self, backend: str, model: str, /, *, shared: bool = True, **sections: Any) -> Any:
         """The session's engine for (backend, model, extra config sections such as repeat_terminate), as a
-        :class:`~conformance.served.ServedTwin`: in-process, and under the served reach through its server too.
+        :class:`~conformance.subjects.served.ServedTwin`: in-process, and under the served reach through its server too.
 
         ``shared`` (default): request-level sections derive from the loaded engine of (backend, model, the other
         sections); False: built from the whole config, its own backend loaded (the config path itself)."""
-        from conformance.served import ServedTwin
+        from conformance.subjects.served import ServedTwin
 
         key = self._key(backend, model, shared, sections)
         if key not in self._twins:
@@ -175,7 +176,7 @@ class EnginePool:
     def reference(self, backend: str, model: str, /, **sections: Any) -> Any:
         """The engine for expectations a check derives, not for what it compares: in-process whatever the reach
         (under the served reach it answers what it answered the check's in-process variant)."""
-        from conformance.served import ServedTwin
+        from conformance.subjects.served import ServedTwin
 
         key = self._key(backend, model, True, sections)
         if key not in self._references:

@@ -28,9 +28,10 @@ def free_port() -> int:
 
 
 def vllm_serve_arguments(config: dict[str, Any], name: str) -> list[str]:
-    """``vllm serve``'s flags for the engine config the suite's own vLLM server runs (``conformance/servers.py``):
-    the same model, dtype, seed, context, batch size, KV cache and eager mode, and vLLM's default sampling
-    parameters (``--generation-config vllm``: none from the checkpoint, as the engine sets none).
+    """``vllm serve``'s flags for the engine config the suite's own vLLM server runs
+    (``conformance/subjects/servers.py``): the same model, dtype, seed, context, batch size, KV cache and eager mode,
+    and vLLM's default sampling parameters (``--generation-config vllm``: none from the checkpoint, as the engine sets
+    none).
 
     >>> vllm_serve_arguments({"model": {"path": "/m", "dtype": "float32"}, "vllm": {"max_num_seqs": 16,
     ...                       "enforce_eager": True, "cpu_kv_cache_space_gib": 0.5}}, "m")[:6]
@@ -146,8 +147,8 @@ def finding_changes(report: dict[str, Any], expected: frozenset[str]) -> list[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m conformance.stock {vllm-serve,llama-cpp-server} [-- PYTEST ARGS]``: start the stock server on the
-    fixture model (or ``--model``/``--gguf``), bound to 127.0.0.1, run the target checks against it
+    """``python -m conformance.subjects.stock {vllm-serve,llama-cpp-server} [-- PYTEST ARGS]``: start the stock server
+    on the fixture model (or ``--model``/``--gguf``), bound to 127.0.0.1, run the target checks against it
     (``conformance/test_target.py``, HF as the reference), stop it; exits with pytest's status. On a CPU host the
     server runs with torch.compile off (``engine.backends.host.turn_torch_compile_off``, unless the environment says
     otherwise), as the suite's own servers do: vLLM would otherwise build inductor kernels for two sampler helpers at
@@ -157,11 +158,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import pytest
 
-    from conformance.pool import CPU_VLLM
+    from conformance.subjects.pool import CPU_VLLM
     from engine.backends.host import has_cuda, turn_torch_compile_off
     from engine_fixtures import GGUF_TWINS, ensure
 
-    parser = argparse.ArgumentParser(prog="python -m conformance.stock", description=main.__doc__,
+    parser = argparse.ArgumentParser(prog="python -m conformance.subjects.stock", description=main.__doc__,
                                      epilog="Arguments after -- go to pytest.")
     parser.add_argument("server", choices=STOCK_SERVERS)
     parser.add_argument("--model", default=None, help="the HF model folder served and used as the reference "
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(ours)  # what follows -- goes to pytest as is (-m, -k, --junitxml, ...)
     fixture = "smollm2-135m-instruct"
     model = args.model or str(ensure(fixture))
-    if not has_cuda():  # as the suite's own CPU runs (conformance/plugin.py): the server inherits it
+    if not has_cuda():  # as the suite's own CPU runs (conformance/kit/plugin.py): the server inherits it
         turn_torch_compile_off()
     if args.server == "vllm-serve":
         config = {"model": {"path": model, "dtype": "float32", "max_model_len": args.context},
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             "--engine-reports", str(reports),
             *(["--engine-target-extra-body", json.dumps(extra)] if extra else []), *rest]))
     if code == 0 and args.expect_findings:
-        from conformance.record import read
+        from conformance.kit.record import read
 
         changes = finding_changes(read(reports / "conformance-report.json"), KNOWN_FINDINGS[args.server])
         for line in changes:

@@ -8,8 +8,8 @@ gone, or its pipe to the watcher closes, it kills every noted process still aliv
 pid is never touched), and every process those left behind, then exits. On a run that ends well there is nothing left
 to kill; a leak is killed all the same.
 
-The suite's plugin starts it for a run of the suite (``conformance/plugin.py``), the benchmarks' conftest for a
-benchmark run; ``python conformance/reaper.py --parent PID`` is the watcher itself (standard library only, run
+The suite's plugin starts it for a run of the suite (``conformance/kit/plugin.py``), the benchmarks' conftest for a
+benchmark run; ``python conformance/kit/reaper.py --parent PID`` is the watcher itself (standard library only, run
 isolated: it starts in tens of milliseconds whatever the run's environment). :func:`start` returns only once the
 watcher has taken its first look (the run's identity noted): a watcher that started slowly under load, after the run
 it was to watch had been killed, once watched nothing and let an HF server outlive its run.
@@ -128,7 +128,7 @@ def watch(parent: int, pipe: int | None, ready: Any = None) -> None:
         time.sleep(0.2)
     killed = reap(noted)
     if killed:
-        print(f"conformance.reaper: the run (pid {parent}) ended; killed {len(killed)} process(es) it had left: "
+        print(f"conformance.kit.reaper: the run (pid {parent}) ended; killed {len(killed)} process(es) it had left: "
               + "; ".join(f"{pid} {cmd!r}" for pid, cmd in killed.items()), file=sys.stderr)
 
 
@@ -145,14 +145,14 @@ def start(wait_s: float = 60.0) -> subprocess.Popen[bytes]:
         ready, _, _ = select.select([_started.stdout], [], [], wait_s)
         said = _started.stdout.readline() if ready else b""
         if not said.startswith(b"watching"):
-            print(f"conformance.reaper: the watcher did not start within {wait_s:.0f} s (exit {_started.poll()}): "
+            print(f"conformance.kit.reaper: the watcher did not start within {wait_s:.0f} s (exit {_started.poll()}): "
                   "processes this run starts may outlive it if it is killed", file=sys.stderr)
         _started.stdout.close()
     return _started
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python conformance/reaper.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python conformance/kit/reaper.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--parent", type=int, required=True, help="the run's pid, whose tree dies with it")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the run, not its reaper

@@ -1,9 +1,10 @@
-"""The conformance session's servers (``python -m engine.serve``), beside the engine pool (``conformance/pool.py``):
-one server per served config key, started on first need, ``servers_per_backend`` of each backend alive at once (the
-least recently used one stops first), the same server of every other backend started ahead in the background.
+"""The conformance session's servers (``python -m engine.serve``), beside the engine pool
+(``conformance/subjects/pool.py``): one server per served config key, started on first need, ``servers_per_backend`` of
+each backend alive at once (the least recently used one stops first), the same server of every other backend started
+ahead in the background.
 
 The engine pool asks it for the server of an engine (``served_config`` names it); the served twins reach it through
-the callable the engine pool hands them (``conformance/served.py``).
+the callable the engine pool hands them (``conformance/subjects/served.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from conformance.bill import Bill
+from conformance.subjects.bill import Bill
 from engine.backends.registry import SPECS
 
 SERVED_CHAT = {"temperature": 0, "top_p": 1.0}

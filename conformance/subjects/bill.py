@@ -1,5 +1,5 @@
 """What the conformance session's pools started and what it cost: every engine, server and kept object, in order,
-with its seconds (printed at the session's end with the time by module, ``conformance/report.py``)."""
+with its seconds (printed at the session's end with the time by module, ``conformance/kit/report.py``)."""
 
 from __future__ import annotations
 
