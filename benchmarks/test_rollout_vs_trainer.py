@@ -10,7 +10,7 @@ teacher-forced as the rollout reports them (``engine.score``, with the sampling 
 Two variants, timed: ``rollout`` (subject) and ``rescore`` (reference); no speed ratio. The mode is in the case's
 benchmark name.
 
-Recorded (``engine.mismatch``, ``engine.correction``): ``dlogprob_*`` (per-token absolute difference),
+Recorded (``engine.trainer.mismatch``, ``engine.trainer.correction``): ``dlogprob_*`` (per-token absolute difference),
 ``importance_ratio_min`` / ``_max`` (per sequence), ms-swift's ``k3_kl``, ``chi2_token``, ``is_weight_mean`` and
 ``ess`` of the matched pairing, and what ms-swift's trainer (temperature only, full vocabulary) would weight the same
 tokens by (``temp_only_weight_mean``, ``temp_only_outside_frac``). The float32 cases carry ``trainer_agreement``, the
@@ -68,8 +68,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def test_rollout_vs_trainer(bench, benchmark, rollout_case: tuple[str, str, str]) -> None:
-    from engine.correction import correction_metrics, offpolicy_metrics
-    from engine.mismatch import agreement, chosen_logprobs, logprob_mismatch, rescored, token_weights
+    from engine.trainer.correction import correction_metrics, offpolicy_metrics
+    from engine.trainer.mismatch import agreement, chosen_logprobs, logprob_mismatch, rescored, token_weights
 
     backend, dtype, mode = rollout_case
     rollout_engine, trainer = bench.engine_in(backend, dtype, mode), bench.engine_in("hf", dtype)

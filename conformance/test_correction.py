@@ -1,4 +1,4 @@
-"""Rollout correction (``engine/correction.py``) against ms-swift's own code: the importance weights of its four
+"""Rollout correction (``engine/trainer/correction.py``) against ms-swift's own code: the importance weights of its four
 ``rollout_importance_sampling_mode`` values, its off-policy metrics and its correction metrics, computed by
 ``swift.rlhf_trainers.grpo_trainer.GRPOTrainer``'s methods on the same arrays (padded to its ``[B, T]`` layout with
 a completion mask) equal ours. Nothing is copied from ms-swift: its methods are called, unbound, with the two
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from engine.correction import MODES, correction_metrics, importance_weights, offpolicy_metrics
+from engine.trainer.correction import MODES, correction_metrics, importance_weights, offpolicy_metrics
 
 THRESHOLD = 1.5
 

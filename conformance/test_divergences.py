@@ -156,7 +156,7 @@ def test_rollout_logprobs_equal_the_trainers_rescoring(pool, backend, summary_no
     penalty, which change the draw but not the reported logprobs: they are the model's raw ones) re-scored
     teacher-forced by HF (``engine.score``, the trainer's view). In float32 it is a bound: every token within 2e-3,
     every sequence's importance ratio within 1 %."""
-    from engine.mismatch import rescore_mismatch
+    from engine.trainer.mismatch import rescore_mismatch
 
     rollout = pool.text_engine(backend).generate(CHAT[:4], options={
         "max_new_tokens": 24, "temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.3, "seed": 5, "logprobs": 0})

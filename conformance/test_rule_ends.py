@@ -13,7 +13,7 @@ import json
 import pytest
 
 from conformance.compare import assert_same_results
-from engine.metrics import TRUNCATED_RATE, rollout_metrics
+from engine.trainer.metrics import TRUNCATED_RATE, rollout_metrics
 from engine_fixtures import load_prompts
 
 pytestmark = pytest.mark.dtype_dependent

@@ -1,4 +1,4 @@
-"""Rollout correction's pure rules (``engine/correction.py``): the invariants every mode keeps, on any logprobs
+"""Rollout correction's pure rules (``engine/trainer/correction.py``): the invariants every mode keeps, on any logprobs
 (hypothesis), and bad input refused by name. Equality with ms-swift's own code: ``conformance/test_correction.py``."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.correction import MODES, correction_metrics, importance_weights, logged, offpolicy_metrics
+from engine.trainer.correction import MODES, correction_metrics, importance_weights, logged, offpolicy_metrics
 
 LOGPROB = st.floats(-30.0, 0.0, allow_nan=False)
 BATCH = st.lists(st.lists(st.tuples(LOGPROB, LOGPROB), min_size=1, max_size=6), min_size=1, max_size=4)

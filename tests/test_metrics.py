@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import metrics as m
+from engine.trainer import metrics as m
 from engine.types import GenerationResult
 
 

@@ -1,4 +1,4 @@
-"""The training-inference mismatch rule (``engine.mismatch``) on synthetic logprobs."""
+"""The training-inference mismatch rule (``engine.trainer.mismatch``) on synthetic logprobs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.mismatch import chosen_logprobs, logprob_mismatch, rescore_mismatch
+from engine.trainer.mismatch import chosen_logprobs, logprob_mismatch, rescore_mismatch
 
 
 def test_identical_logprobs_give_zero_deltas_and_unit_ratios():

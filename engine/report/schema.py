@@ -136,7 +136,7 @@ FIGURE_COLUMNS = {
                             "logprobs) over the case's sequences (1: the trainer sees exactly what the rollout drew)",
     "importance_ratio_max": "rollout_vs_trainer: largest sequence importance ratio",
     "k3_kl": "rollout_vs_trainer: ms-swift's rollout_correction/k3_kl of the matched pairing "
-             "(engine.correction)",
+             "(engine.trainer.correction)",
     "chi2_token": "rollout_vs_trainer: ms-swift's rollout_correction/chi2_token of the matched pairing",
     "is_weight_mean": "rollout_vs_trainer: ms-swift's token_truncate is_weight_mean (threshold 2) of the matched "
                       "pairing",

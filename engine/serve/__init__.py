@@ -20,7 +20,7 @@ key), ``access.py`` (access log, request ids), ``metrics.py`` (Prometheus text).
 Beside them: :mod:`engine.serve.service` (the loaded engine and what ``/health`` reports), :mod:`engine.serve.app`
 (the app factory). Start-up: :mod:`engine.serve.launch` (``python -m engine.serve``: validate, activate the guard,
 load, bind, fail fast) and :mod:`engine.serve.activation` (where the ``repeat_terminate`` subtree comes from). The
-learner side is :mod:`engine.client`, beside this package.
+learner side is :mod:`engine.serve.rollout.client` (public name :mod:`engine.client`).
 
 Nothing here imports torch, vLLM or a web framework on ``import engine.serve``.
 """

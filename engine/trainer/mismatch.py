@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.metrics import p99
+from engine.trainer.metrics import p99
 
 
 @dataclass(frozen=True)
