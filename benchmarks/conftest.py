@@ -20,8 +20,6 @@ import pytest
 from benchmarks.harness import Rounds, Variant
 from benchmarks.workload import SIZES, Size
 from conformance.kit import reaper
-from engine.backends.registry import SPECS
-from engine.backends.vllm.memory import engine_share
 from engine.report.schema import RATIO_COLUMNS
 
 SESSION_KEY = pytest.StashKey["BenchSession"]()
@@ -107,13 +105,6 @@ def bench(pytestconfig: pytest.Config) -> Iterator[BenchSession]:
     session.close()
 
 
-VLLM_ENGINES_AT_ONCE = 5
-"""vLLM engines a benchmark run holds on one card at once: the engine, the raw ``LLM`` (and its twin with the guard's
-plugin loaded), the served engine (one server process, shared by the served and chat benchmarks) and the
-``rollout_vs_trainer`` group's engine in the other dtype; at ``engine_share(5)`` each they take 0.8 of it, the
-rest is left to the HF models and the processes' CUDA contexts."""
-
-
 class BenchSession:
     """Engines shared by all benchmarks of a run, the report being written, and the progress lines."""
 
@@ -133,7 +124,7 @@ class BenchSession:
         self.started = 0
         self.item: pytest.Item | None = None
         """The benchmark running now (a gated one must carry the ``gated`` marker, which the quick tier selects)."""
-        self._objects: dict[tuple[Any, ...], Any] = {}
+        self._pool: Any = None
         if not self.size.vllm_compiled:  # before any engine or server starts: they inherit it
             from engine.backends.host import turn_torch_compile_off
 
@@ -156,49 +147,40 @@ class BenchSession:
     def model_name(self) -> str:
         return Path(self.model_arg).name
 
-    def _keep(self, key: tuple[Any, ...], factory: Any) -> Any:
-        if key not in self._objects:
-            self.progress(f"starting {' '.join(map(str, key))} ...")
-            self._objects[key] = factory()
-        return self._objects[key]
-
-    def config_for(self, backend: str, *, dtype: str | None = None, **sections: Any) -> dict[str, Any]:
-        """The config of ``backend``'s engine (in the run's dtype unless ``dtype`` says another)."""
-        model: dict[str, Any] = {"path": self.model_path, "dtype": dtype or self.dtype}
-        if SPECS[backend].model_format == "gguf":  # llama.cpp: the same weights as an F32 GGUF (the twin fixture)
+    @property
+    def pool(self) -> Any:
+        """The suite's engine pool with the benchmarks' sizing (``benchmarks/pool.py``), made on first need."""
+        if self._pool is None:
+            from benchmarks.pool import VLLM_ENGINES_AT_ONCE, BenchPool
+            from conformance.subjects.bill import Bill
+            from conformance.subjects.pool import PoolOptions
             from engine_fixtures import GGUF_TWINS, ensure
 
-            if self.model_arg not in GGUF_TWINS:
-                pytest.skip(f"llamacpp: --benchmark-model {self.model_arg!r} has no GGUF twin fixture "
-                            f"({', '.join(GGUF_TWINS)} do)")
-            model["path"] = str(ensure(GGUF_TWINS[self.model_arg]))
-        # vLLM engines share one GPU beside the HF model: the engine (its guarded twin is derived from it), the
-        # raw LLM and the served engine's, each with an equal share of the card (engine.backends.vllm.memory).
-        vllm = {"max_num_seqs": max(self.size.batches), "gpu_memory_utilization": engine_share(VLLM_ENGINES_AT_ONCE),
-                "enforce_eager": not self.size.vllm_compiled}
-        return {"backend": backend, "model": model, "vllm": vllm, **sections}
+            twin = GGUF_TWINS.get(self.model_arg)
+            options = PoolOptions(backends=self.backends, model=self.model_path, vlm_model="", dtype=self.dtype,
+                                  device="cuda" if _cuda() else "cpu", gpu_vllm_engines=VLLM_ENGINES_AT_ONCE)
+            self._pool = BenchPool(options, bill=Bill(announce=self.progress), size=self.size,
+                                   gguf_twin=None if twin is None else lambda: str(ensure(twin)))
+        return self._pool
 
     def engine(self, backend: str, *, guarded: bool = False) -> Any:
         """The backend's engine; ``guarded``: the same loaded engine with the repeat guard on (derived, so guard on
         vs off compares one model instance with itself)."""
         from benchmarks.workload import REPEAT_GUARD
-        from engine import GenerationEngine
 
         if guarded:
-            return self._keep(("engine", backend, "guarded"),
-                              lambda: self.engine(backend).derive(repeat_terminate=REPEAT_GUARD))
-        return self._keep(("engine", backend, "plain"), lambda: GenerationEngine(self.config_for(backend)))
+            return self.pool.loaded(backend, self.model_path, repeat_terminate=REPEAT_GUARD)
+        return self.pool.loaded(backend, self.model_path)
 
     def engine_in(self, backend: str, dtype: str, logprobs_mode: str = "raw_logprobs") -> Any:
         """``backend``'s engine with the model in ``dtype`` and ``logprobs_mode``: the run's own engine when those are
-        its own, else one more engine, kept for the run (vLLM's count in ``VLLM_ENGINES_AT_ONCE``)."""
-        from engine import GenerationEngine
-
+        its own, else one more engine, kept for the run (derived where the backend reads the mode per call; vLLM's
+        count in ``VLLM_ENGINES_AT_ONCE``)."""
         if dtype == self.dtype and logprobs_mode == "raw_logprobs":
             return self.engine(backend)
-        config = self.config_for(backend, dtype=dtype)
-        config["model"]["logprobs_mode"] = logprobs_mode
-        return self._keep(("engine", backend, dtype, logprobs_mode), lambda: GenerationEngine(config))
+        if dtype == self.dtype:
+            return self.pool.loaded(backend, self.model_path, model={"logprobs_mode": logprobs_mode})
+        return self.pool.loaded(backend, self.model_path, model={"dtype": dtype, "logprobs_mode": logprobs_mode})
 
     def raw_vllm(self, *, plugin: bool = False) -> Any:
         """A bare ``vllm.LLM`` with the engine's own arguments, minus what the engine adds; ``plugin``: the same with
@@ -214,35 +196,37 @@ class BenchSession:
             more = {"logits_processors": [PROCESSOR]} if plugin else {}
             return vllm.LLM(**llm_kwargs(plain.config.model, plain.config.vllm), **more)
 
-        return self._keep(("raw", "vllm", *(["plugin"] if plugin else [])), build)
+        return self.pool.keep(("raw", "vllm", *(["plugin"] if plugin else [])), build)
 
     def server(self, backend: str) -> Any:
-        """``python -m engine.serve`` on the plain engine's config (a free port on 127.0.0.1); the HF batcher may
-        merge as many requests as the largest served concurrency, as the in-process variant batches them; Pattern C
-        ``/chat`` is greedy (its other defaults kept)."""
-        from engine.client import launch_server
-
-        return self._keep(("server", backend), lambda: launch_server(self.server_config(backend)))
+        """``python -m engine.serve`` on the plain engine's config (a free port on 127.0.0.1), from the pool's
+        servers; the HF batcher may merge as many requests as the largest served concurrency, as the in-process
+        variant batches them; Pattern C ``/chat`` is greedy (its other defaults kept)."""
+        return self.pool.servers.server(*self._served(backend))
 
     def server_config(self, backend: str) -> dict[str, Any]:
         """The config ``server(backend)`` runs."""
+        return self._served(backend)[1]
+
+    def _served(self, backend: str) -> tuple[tuple[str, str], dict[str, Any]]:
+        from engine.config.serve import ServeConfig
+
         # Pattern C greedy: every round then generates the same tokens (sampled, one row looping on emoji until
-        # max_new_tokens -- characters grow slowly there -- held a whole HF batch for 85 s in one round).
-        serve = {"port": 0, "max_batch_size": max(self.size.served_concurrency),
-                 "chat": {"temperature": 0, "top_p": 1.0}}
-        config = self.config_for(backend)
-        # The uniproc executor, as the suite's servers run it: a multiprocess worker (the served default) spins
-        # while idle and would take a core from every later benchmark. test_vs_vllm_serve runs the default.
-        config["vllm"] = {**config["vllm"], "multiprocessing": False}
-        return {**config, "serve": serve}
+        # max_new_tokens -- characters grow slowly there -- held a whole HF batch for 85 s in one round). The
+        # server's own timeouts, not the suite's short ones (those are for the hostile checks). The uniproc
+        # executor, as the suite's servers run it (the pool's servers do): a multiprocess worker (the served
+        # default) spins while idle and would take a core from every later benchmark. test_vs_vllm_serve runs
+        # the default.
+        defaults = ServeConfig()
+        serve = {"max_batch_size": max(self.size.served_concurrency), "chat": {"temperature": 0, "top_p": 1.0},
+                 "idle_connection_timeout_s": defaults.idle_connection_timeout_s,
+                 "body_timeout_s": defaults.body_timeout_s}
+        return self.pool.servers.served_config(backend, self.model_path, serve=serve)
 
     def close(self) -> None:
-        for key, obj in reversed(list(self._objects.items())):
-            if key[0] == "engine":
-                obj.close()
-            elif key[0] == "server":
-                obj.stop()
-        self._objects.clear()
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     # -- measuring and recording ----------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ with its seconds (printed at the session's end with the time by module, ``confor
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -21,9 +21,14 @@ class Bill:
     """
 
     starts: list[tuple[str, str, float]] = field(default_factory=list)
+    announce: Callable[[str], None] | None = None
+    """Told ``starting <kind> <key> ...`` as each start begins (the benchmarks' progress lines)."""
 
     @contextmanager
     def timed(self, kind: str, key: tuple[str, ...]) -> Iterator[None]:
+        named = " ".join(k for k in key if k and k != "[]")
+        if self.announce is not None:
+            self.announce(f"starting {kind} {named} ...")
         began = time.monotonic()
         yield
-        self.starts.append((kind, " ".join(k for k in key if k and k != "[]"), time.monotonic() - began))
+        self.starts.append((kind, named, time.monotonic() - began))

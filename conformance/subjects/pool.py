@@ -183,6 +183,11 @@ class EnginePool:
             self._references[key] = ServedTwin(self._local(key, backend, model, True, sections), None, self.reach)
         return self._references[key]
 
+    def loaded(self, backend: str, model: str, /, **sections: Any) -> Any:
+        """The in-process ``GenerationEngine`` itself, not a twin: what the benchmarks time (a twin remembers the
+        answers of the check's in-process variant). The same engine :meth:`engine` and :meth:`reference` wrap."""
+        return self._local(self._key(backend, model, True, sections), backend, model, True, sections)
+
     def text_engine(self, backend: str) -> Any:
         return self.engine(backend, self.options.model)
 
