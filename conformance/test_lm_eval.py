@@ -279,6 +279,11 @@ def test_lm_eval_cli_runs_the_engine_model(pool, tmp_path):
     assert "engine_json" in done.stdout  # lm-eval's own results table
 
 
+@pytest.mark.gate_only(reason=(
+    "a third lm_eval CLI run per backend, over HTTP (34 s on CI); CI keeps the lm_eval CLI on the "
+    "engine model (test_lm_eval_cli_runs_the_engine_model), its scores against lm_eval's own hf model "
+    "(test_scores_equal_lm_evals_hf_model) and /v1/completions echo scoring (test_hostile.py's echo "
+    "checks, test_vllm_serve_side_by_side)"))
 @pytest.mark.slow
 def test_lm_eval_local_completions_over_the_server_scores_as_the_engine_model(runs, chat_server, pool, tmp_path,
                                                                             limit):

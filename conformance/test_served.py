@@ -417,6 +417,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.gate_only(reason=(
+    "a server process started to watch it refuse (12 s on CI); CI keeps the same refusal in-process, "
+    "before vLLM starts (test_repeat.py::test_refuses_to_start_when_the_guard_cannot_be_activated), and "
+    "the served start-up activation (test_served.py::test_health_reports_the_startup_activation)"))
 def test_guard_that_cannot_run_exits_before_binding(pool, served_config, tmp_path):
     """vLLM without its runner's logits-processor interface: exit 3 with the reason; the port never listens (it is
     bound before the model loads, so that a port in use fails first, but nothing is accepted there)."""

@@ -145,6 +145,10 @@ def test_swift_rollout_ends_rows_where_the_engine_does(guarded_engine, tmp_path,
     assert "model.norm.weight" in keys["keys"], "swift's worker extension is no longer reached"
 
 
+@pytest.mark.gate_only(reason=(
+    "a second swift rollout started to watch it refuse (19 s on CI); CI keeps swift rollout with the "
+    "plugin (test_swift_rollout_ends_rows_where_the_engine_does) and the bad environment refused by "
+    "name (tests/test_swift_rollout_plugin.py::test_a_bad_environment_is_refused_naming_the_field)"))
 def test_a_bad_subtree_stops_swift_rollout_before_it_serves(guarded_engine, tmp_path):
     """The plugin is imported while swift parses its arguments: a threshold out of range ends the command there,
     with the field, the value and the fix, before any port is bound or model loaded."""

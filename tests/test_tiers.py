@@ -68,22 +68,24 @@ class Probe:
     def pytest_collection_finish(self, session):
         self.ids = [(c.function, list(c.spread())) for c in map(check_of, session.items)]
     def pytest_sessionfinish(self, session):
-        self.workload = session.config.pluginmanager.get_plugin("engine-quick-tier").workload.name
+        tier = session.config.pluginmanager.get_plugin("engine-quick-tier")
+        self.workload, self.gate_only = tier.workload.name, sorted(tier.gate_only)
 probe = Probe()
 code = pytest.main(["conformance", "--collect-only", "-q", "-p", "no:cacheprovider", *sys.argv[1:]], plugins=[probe])
-print("PROBE " + json.dumps([probe.workload, probe.ids]))
+print("PROBE " + json.dumps([probe.workload, probe.ids, probe.gate_only]))
 sys.exit(0 if code == 0 else code)
 """
 
 
-def collected(*args: str) -> tuple[str, list[tuple[str, tuple[str, ...]]]]:
-    """(the workload the run would use, its (function, backend) pairs) of a real collection with ``args``."""
+def collected(*args: str) -> tuple[str, list[tuple[str, tuple[str, ...]]], list[str]]:
+    """(the workload the run would use, its (function, backend) pairs, the functions left to the full gate) of a real
+    collection with ``args``."""
     done = subprocess.run([sys.executable, "-c", PROBE, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     line = next((x for x in done.stdout.splitlines() if x.startswith("PROBE ")), None)
     assert done.returncode == 0 and line, f"collection failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr}"
-    workload, ids = json.loads(line.removeprefix("PROBE "))
-    return workload, [(f, tuple(s)) for f, s in ids]
+    workload, ids, gate_only = json.loads(line.removeprefix("PROBE "))
+    return workload, [(f, tuple(s)) for f, s in ids], gate_only
 
 
 def test_the_collected_quick_tier_runs_every_check_function_and_meets_every_backend_in_each_module():
@@ -91,9 +93,32 @@ def test_the_collected_quick_tier_runs_every_check_function_and_meets_every_back
     session's own check, ``conformance/test_tiers.py``): ``-m quick`` keeps every check function and every (module,
     backend) of the full gate, and leaves parametrizations out; it runs the quick workload, the full gate the full
     one."""
-    full_workload, full = collected()
-    quick_workload, quick = collected("-m", "quick")
+    full_workload, full, gate_only = collected()
+    quick_workload, quick, _ = collected("-m", "quick")
     assert (full_workload, quick_workload) == ("full", "quick")
     assert len({f for f, _ in full}) >= 100, f"only {len(full)} checks collected: the probe saw too little"
-    assert missing_from_quick(full, quick) == []
+    assert missing_from_quick(full, quick, gate_only) == []
+    assert not {f for f, _ in quick} & set(gate_only), "a gate-only function runs in the quick tier"
+    assert len(gate_only) <= 10, f"{len(gate_only)} check functions left to the full gate: CI would miss too much"
     assert len(quick) < len(full), f"the quick tier holds all {len(full)} checks: it leaves nothing to the full gate"
+
+
+class Marked:
+    """A collected item as ``check_of`` reads it: its node id, path and one mark."""
+
+    def __init__(self, mark):
+        self.nodeid, self.path, self.mark = "conformance/test_m.py::test_f", Path("test_m.py"), mark
+
+    def get_closest_marker(self, name):
+        return self.mark if self.mark is not None and self.mark.name == name else None
+
+
+def test_a_gate_only_mark_needs_its_reason():
+    import pytest
+
+    from conformance.kit.tiers import check_of
+
+    assert check_of(Marked(pytest.mark.gate_only(reason="test_g carries it").mark)).gate_only
+    assert not check_of(Marked(None)).gate_only
+    with pytest.raises(pytest.UsageError, match="needs reason"):
+        check_of(Marked(pytest.mark.gate_only.mark))

@@ -66,6 +66,8 @@ MARKERS = {
     "quick": "the conformance quick tier (-m quick): every check function at least once on each backend, served "
              "twins where marked (conformance/kit/tiers.py picks it; a parametrization may be marked to represent its "
              "function)",
+    "gate_only": "gate_only(reason=...): a conformance check function the quick tier leaves to the full gate, the "
+                 "reason naming the quick check that carries what it proves (conformance/kit/tiers.py)",
     "servable": "a conformance check that also runs as its served twin (reach=served), every engine it compares "
                 "reached through python -m engine.serve too",
     "served": "the served twin of a servable check (-m 'not served' skips them)",

@@ -16,6 +16,11 @@ function runs once, with its first in-process parametrization, and every module 
   (the other surfaces, ``/v1/chat/completions``, ``/v1/completions``, Pattern C ``/chat``, have check functions of
   their own).
 
+- A function marked ``gate_only`` (``@pytest.mark.gate_only(reason=...)``) is left to the full gate whole: the
+  reason names the quick check that already carries what it proves on CI's clock (each a foreign process started
+  only to watch it refuse, or a second transport for the same answers; ``docs/tiers.md`` lists them). A mark
+  without a reason fails collection.
+
 Everything else (the other backends of a per-backend check, more guard settings, prompts, served twins and configs,
 hostile cases) stays in the full gate, ``nox -s conformance``, which runs before an issue is resolved.
 
@@ -37,6 +42,8 @@ from typing import Any
 import pytest
 
 MARK = "quick"
+GATE_ONLY = "gate_only"
+"""The mark of a check function the quick tier leaves to the full gate, with its reason."""
 SPREAD = ("backend",)
 """The parameters the quick tier covers every value of, per check function (a target check's ``target``, the
 server it asks, counts as its backend: :func:`check_of`)."""
@@ -52,13 +59,19 @@ class Check:
     function: str
     params: dict[str, Any] = field(default_factory=dict)
     marked: bool = False
+    gate_only: bool = False
 
     def spread(self) -> tuple[str, ...]:
         return tuple(str(self.params.get(name, "")) for name in SPREAD)
 
 
 def quick_checks(checks: Sequence[Check]) -> list[Check]:
-    """The quick tier of ``checks``, in their order (see the module's rule)."""
+    """The quick tier of ``checks``, in their order (see the module's rule).
+
+    >>> [c.function for c in quick_checks([Check("m::f"), Check("m::g", gate_only=True)])]
+    ['m::f']
+    """
+    checks = [c for c in checks if not c.gate_only]
     by_function: dict[str, list[Check]] = {}
     for check in checks:
         by_function.setdefault(check.function, []).append(check)
@@ -115,15 +128,19 @@ def rest_of(check: Check) -> str:
 
 
 def missing_from_quick(full: Sequence[tuple[str, tuple[str, ...]]],
-                       quick: Sequence[tuple[str, tuple[str, ...]]]) -> list[str]:
+                       quick: Sequence[tuple[str, tuple[str, ...]]], gate_only: Sequence[str] = ()) -> list[str]:
     """What the quick tier promises and ``quick`` lacks, given the full gate's (function, spread) pairs: a check
     function that never runs, or a (module, backend) that never meets (empty when the rule holds; the unit test over
-    the collected ids and the conformance session's own check assert it).
+    the collected ids and the conformance session's own check assert it). Functions in ``gate_only`` are the full
+    gate's alone.
 
     >>> full = [("m::f", ("hf",)), ("m::f", ("vllm",)), ("m::g", ("",))]
     >>> missing_from_quick(full, [("m::f", ("hf",))])
     ['function m::g', 'module m on vllm']
+    >>> missing_from_quick(full, [("m::f", ("hf",)), ("m::f", ("vllm",))], gate_only=["m::g"])
+    []
     """
+    full = [(f, s) for f, s in full if f not in set(gate_only)]
     ran_functions = {f for f, _ in quick}
     ran_modules = {(module_of(f), s) for f, s in quick}
     missing = [f"function {f}" for f in dict.fromkeys(f for f, _ in full) if f not in ran_functions]
@@ -162,12 +179,15 @@ class QuickTier:
         self.is_check = is_check
         self.checks: list[Check] = []
         self.quick: list[Check] = []
+        self.gate_only: dict[str, str] = {}
+        """Check functions left to the full gate, with their reasons."""
         self.workload = Workload()
 
     @pytest.hookimpl(tryfirst=True)  # before pytest's own -m deselects anything
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         mine = [item for item in items if self.is_check(item)]
         self.checks = [check_of(item) for item in mine]
+        self.gate_only = gate_only_reasons(mine)
         self.quick = quick_checks(self.checks)
         chosen = {id(c) for c in self.quick}
         for item, check in zip(mine, self.checks, strict=True):
@@ -190,7 +210,21 @@ def check_of(item: pytest.Item) -> Check:
     function = item.nodeid.split("[", 1)[0]
     if function.startswith("::"):  # --pyargs names no module in node ids
         function = item.path.name + function
-    return Check(function, params, item.get_closest_marker(MARK) is not None)
+    gate_only = item.get_closest_marker(GATE_ONLY)
+    if gate_only is not None and not gate_only.kwargs.get("reason"):
+        raise pytest.UsageError(f"{function}: @pytest.mark.gate_only needs reason=... (which quick check carries what "
+                                "it proves on CI's clock)")
+    return Check(function, params, item.get_closest_marker(MARK) is not None, gate_only is not None)
+
+
+def gate_only_reasons(items: Sequence[pytest.Item]) -> dict[str, str]:
+    """Check function -> the reason it is the full gate's alone (``docs/tiers.md`` lists them)."""
+    reasons: dict[str, str] = {}
+    for item in items:
+        marker = item.get_closest_marker(GATE_ONLY)
+        if marker is not None:
+            reasons.setdefault(check_of(item).function, marker.kwargs["reason"])
+    return reasons
 
 
 def table(checks: Sequence[Check], quick: Sequence[Check]) -> list[str]:
@@ -208,7 +242,8 @@ def table(checks: Sequence[Check], quick: Sequence[Check]) -> list[str]:
         counts[c.function][0] += 1
         backends.setdefault(c.function, set()).update(b for b in c.spread() if b)
     rows = ["| check function | quick | full | quick backends |", "|---|---|---|---|"]
-    rows += [f"| `{f}` | {q} | {n} | {', '.join(sorted(backends.get(f, ()))) or 'cross-backend'} |"
+    rows += [f"| `{f}` | {q} | {n} | "
+             f"{', '.join(sorted(backends.get(f, ()))) or ('full gate only' if q == 0 else 'cross-backend')} |"
              for f, (q, n) in sorted(counts.items())]
     return rows
 
@@ -231,6 +266,9 @@ def main(argv: Sequence[str] = ()) -> int:
         print(f"collection failed (pytest exit {code})")
         return int(code) or 1
     print("\n".join(table(probe.tier.checks, probe.tier.quick)))
+    if probe.tier.gate_only:
+        print("\nLeft to the full gate (`gate_only`), and what carries it on CI's clock:\n")
+        print("\n".join(f"- `{f}`: {reason}" for f, reason in sorted(probe.tier.gate_only.items())))
     return 0
 
 
