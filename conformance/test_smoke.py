@@ -25,6 +25,10 @@ def test_backend_loads_text_fixture_and_generates(pool, backend, fixture):
         assert r.meta["backend"] == backend
 
 
+@pytest.mark.gate_only(reason=(
+    "the same six chat prompts on the same engines (17 s on CI); CI keeps "
+    "test_parity.py::test_greedy_parity_on_chat_prompts, which holds them and two lists token-identical on every "
+    "backend in float32 (this check's 5-of-6 bar is for lower dtypes, the full gate's bfloat16 pass)"))
 def test_smollm2_greedy_parity_at_least_5_of_6(engines, pool):
     prompts = load_prompts("chat")
     assert len(prompts) == 6
