@@ -31,15 +31,17 @@ WEIGHT_TOL = 1e-3
 
 VLLM_PROCESSED = {"multiprocessing": True, "cpu_kv_cache_space_gib": 0.125}
 """vLLM fixes the mode when it starts: its processed engine is a second one, kept out of the suite's process (its
-engine core in a child) with a small KV cache (and a 2048-token context), so the suite's own memory stays where it
-was (the CPU CI's 12 GB per process)."""
+engine core in a child) with a small KV cache (and a 2048-token context), so the full gate's own memory stays where
+it was (the CPU CI's 12 GB per process). The quick tier, whose process peaks lower (8.8 GiB), keeps it in-process:
+the child's start (two more processes importing vLLM) took 58 s of the 2-core CI run, the in-process one 12 s."""
 
 
-def processed(pool, backend):
+def processed(pool, backend, workload):
     """``backend``'s engine in processed mode: derived from the loaded one on HF and llama.cpp (they read the mode
-    per call), a second engine on vLLM."""
+    per call), a second engine on vLLM (in a child process in the full gate, :data:`VLLM_PROCESSED`)."""
     if backend == "vllm":
-        settings = {**pool.config(backend, pool.options.model)["vllm"], **VLLM_PROCESSED}
+        child = workload.pick(full=VLLM_PROCESSED, quick={**VLLM_PROCESSED, "multiprocessing": False})
+        settings = {**pool.config(backend, pool.options.model)["vllm"], **child}
         return pool.engine(backend, pool.options.model, model={**PROCESSED, "max_model_len": 2048}, vllm=settings)
     return pool.engine(backend, pool.options.model, model=PROCESSED)
 
@@ -49,9 +51,9 @@ def kept(step: dict[int, float]) -> dict[int, float]:
 
 
 @pytest.mark.servable
-def test_processed_logprobs_are_one_contract_on_every_backend(pool, backend_names):
-    rows = {b: processed(pool, b).generate(PROMPTS, options=SAMPLED) for b in backend_names}
-    greedy = {b: processed(pool, b).generate(PROMPTS, options=GREEDY) for b in backend_names}
+def test_processed_logprobs_are_one_contract_on_every_backend(pool, backend_names, workload):
+    rows = {b: processed(pool, b, workload).generate(PROMPTS, options=SAMPLED) for b in backend_names}
+    greedy = {b: processed(pool, b, workload).generate(PROMPTS, options=GREEDY) for b in backend_names}
     for b, results in rows.items():
         for i, r in enumerate(results):
             assert r.meta["logprobs_mode"] == "processed_logprobs", f"{b} row {i}: {r.meta.get('logprobs_mode')}"
@@ -83,10 +85,10 @@ def test_processed_logprobs_are_one_contract_on_every_backend(pool, backend_name
 
 
 @pytest.mark.servable
-def test_min_length_ban_shows_in_processed_logprobs(pool, backend):
+def test_min_length_ban_shows_in_processed_logprobs(pool, backend, workload):
     """A token the engine forbids (here EOS under ``min_new_tokens``) has processed logprob -inf while it is banned,
     and its raw logprob is the model's own: every backend reports the ban the same way."""
-    engine = processed(pool, backend)
+    engine = processed(pool, backend, workload)
     eos = engine.tokenizer.eos_token_id
     say = [[{"role": "user", "content": "Reply with one word: yes or no. Is water wet?"}]]
     free = engine.generate(say, options={"max_new_tokens": 6})[0]
@@ -98,11 +100,12 @@ def test_min_length_ban_shows_in_processed_logprobs(pool, backend):
 
 
 @pytest.mark.servable
-def test_importance_weights_are_one_when_the_trainer_rescores_as_the_rollout_drew(pool, backend, summary_note):
+def test_importance_weights_are_one_when_the_trainer_rescores_as_the_rollout_drew(pool, backend, summary_note,
+                                                                                 workload):
     """Rollouts in processed mode, re-scored by an HF trainer (``engine.score``) with the same processing: every
     token's weight is 1. Re-scored with the temperature only (ms-swift's trainer), or read raw (this server before
     ``logprobs_mode``), the weights are off: each combination is measured and noted."""
-    rollout = processed(pool, backend).generate(PROMPTS, options=SAMPLED)
+    rollout = processed(pool, backend, workload).generate(PROMPTS, options=SAMPLED)
     raw = pool.text_engine(backend).generate(PROMPTS, options=SAMPLED)
     trainer = pool.reference("hf", pool.options.model)
 
@@ -187,7 +190,7 @@ def trl_environment() -> dict[str, str] | None:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
 
 
-def test_trl_vllm_client_rollouts_rescore_to_the_logprobs_it_returned(pool, backend):
+def test_trl_vllm_client_rollouts_rescore_to_the_logprobs_it_returned(pool, backend, workload):
     """TRL 1.16's own ``VLLMClient`` against the served engine in processed mode (what TRL's GRPO trainer requires):
     it reads ``/server_info`` and ``/get_world_size``, sends its completions body (token-id prompts, ``n``,
     ``return_token_ids``, ``return_tokens_as_token_ids``, ``logprobs: 0``), and gets back prompt-major ids; the HF
@@ -201,7 +204,7 @@ def test_trl_vllm_client_rollouts_rescore_to_the_logprobs_it_returned(pool, back
     if env is None:
         pytest.skip(f"TRL {TRL_VERSION} is installed by nox -s conformance (ENGINE_TRL_PATH) or in the vLLM 0.31 venv "
                     "of nox -s vllm-versions; this environment has neither")
-    server = processed(pool, backend).server()
+    server = processed(pool, backend, workload).server()
     prompts = [list(r.prompt_token_ids) for r in pool.reference("hf", pool.options.model).generate(
         PROMPTS[:2], options={"max_new_tokens": 1})]
     sampling = {key: PROCESSING[key] for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}

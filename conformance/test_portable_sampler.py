@@ -175,7 +175,7 @@ def test_greedy_with_the_portable_sampler_is_refused_before_generation(engine, c
     assert calls == [], "a refused request generated tokens"
 
 
-def test_processed_logprobs_describe_the_distribution_the_draw_used(pool, backend_names):
+def test_processed_logprobs_describe_the_distribution_the_draw_used(pool, backend_names, workload):
     """In processed mode a portable row's logprobs are those of the distribution it was drawn from, on every backend
     (on vLLM the processor forces the drawn token, and the engine reports the distribution the draw used instead of
     that one-token row): an HF trainer re-scoring with the same processing weighs every token 1, and each step's
@@ -188,7 +188,7 @@ def test_processed_logprobs_describe_the_distribution_the_draw_used(pool, backen
         pytest.skip("weights within 1e-3 of 1 are float32's bound (test_logprobs_mode.py's WEIGHT_TOL)")
     trainer = pool.reference("hf", pool.options.model)
     for b in backend_names:
-        rows = processed(pool, b).generate(PROMPTS, options={**SAMPLED, "sampler": "portable"})
+        rows = processed(pool, b, workload).generate(PROMPTS, options={**SAMPLED, "sampler": "portable"})
         seqs = [list(r.prompt_token_ids) + list(r.token_ids) for r in rows]
         scores = trainer.score(seqs, [len(r.prompt_token_ids) for r in rows], processing=PROCESSING)
         for i, (r, score) in enumerate(zip(rows, scores, strict=True)):

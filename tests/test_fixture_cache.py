@@ -62,17 +62,45 @@ def test_fixture_key_covers_the_shared_builder_module(monkeypatch):
     assert FIXTURES["tiny-looper"].key() != before  # editing fixtures/seeded.py rebuilds the looper
 
 
+SYNTHETIC_BUILDER = """def build(out):
+    (out / "weights.bin").write_bytes(b"synthetic")
+"""
+
+
+def synthetic_fixture(tmp_path, monkeypatch, name="synthetic"):
+    """A fixture whose builder writes one file (registered for this test only): the cache's rules, without the
+    20-s build of a real model."""
+    import importlib.util
+
+    from engine_fixtures import build as fixture_build
+
+    source = tmp_path / "synthetic_builder.py"
+    source.write_text(SYNTHETIC_BUILDER)
+    spec = importlib.util.spec_from_file_location("engine_fixtures_synthetic_builder", source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    class Synthetic(fixture_build.Fixture):
+        def builder(self):
+            return module
+
+    monkeypatch.setitem(fixture_build.FIXTURES, name, Synthetic(name, "synthetic_builder"))
+    return name
+
+
 def test_as_built_uses_a_built_fixture_whatever_its_key(tmp_path, monkeypatch):
     """``ENGINE_FIXTURES_AS_BUILT=1`` (nox -s vllm-versions): a built fixture is not rebuilt under other package
     versions; one that was never built still is."""
     from engine_fixtures import build as fixture_build
 
-    monkeypatch.setenv("ENGINE_FIXTURES_DIR", str(tmp_path))
-    target = fixture_build.ensure("tiny-looper")
-    (target / ".fixture-key").write_text("another venv's key\n")
+    monkeypatch.setenv("ENGINE_FIXTURES_DIR", str(tmp_path / "cache"))
+    name = synthetic_fixture(tmp_path, monkeypatch)
     monkeypatch.setenv(fixture_build.AS_BUILT, "1")
-    assert fixture_build.ensure("tiny-looper") == target
+    target = fixture_build.ensure(name)  # never built: built, whatever AS_BUILT says
+    assert (target / "weights.bin").read_bytes() == b"synthetic"
+    (target / ".fixture-key").write_text("another venv's key\n")
+    assert fixture_build.ensure(name) == target
     assert (target / ".fixture-key").read_text() == "another venv's key\n"
     monkeypatch.delenv(fixture_build.AS_BUILT)
-    fixture_build.ensure("tiny-looper")
+    fixture_build.ensure(name)
     assert (target / ".fixture-key").read_text() != "another venv's key\n"
