@@ -33,15 +33,15 @@ VLLM_PROCESSED = {"multiprocessing": True, "cpu_kv_cache_space_gib": 0.125}
 """vLLM fixes the mode when it starts: its processed engine is a second one, kept out of the suite's process (its
 engine core in a child) with a small KV cache (and a 2048-token context), so the full gate's own memory stays where
 it was (the CPU CI's 12 GB per process). The quick tier, whose process peaks lower (8.8 GiB), keeps it in-process:
-the child's start (two more processes importing vLLM) took 58 s of the 2-core CI run, the in-process one 12 s."""
+the child's start (two more processes importing vLLM) took 58 s of the 2-core CI run, the in-process one 5-9 s."""
 
 
 def processed(pool, backend, workload):
     """``backend``'s engine in processed mode: derived from the loaded one on HF and llama.cpp (they read the mode
     per call), a second engine on vLLM (in a child process in the full gate, :data:`VLLM_PROCESSED`)."""
     if backend == "vllm":
-        child = workload.pick(full=VLLM_PROCESSED, quick={**VLLM_PROCESSED, "multiprocessing": False})
-        settings = {**pool.config(backend, pool.options.model)["vllm"], **child}
+        placed = workload.pick(full=VLLM_PROCESSED, quick={**VLLM_PROCESSED, "multiprocessing": False})
+        settings = {**pool.config(backend, pool.options.model)["vllm"], **placed}
         return pool.engine(backend, pool.options.model, model={**PROCESSED, "max_model_len": 2048}, vllm=settings)
     return pool.engine(backend, pool.options.model, model=PROCESSED)
 
