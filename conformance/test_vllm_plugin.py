@@ -91,7 +91,9 @@ def test_in_process_llm_without_settings_is_untouched(pool, plugin_llm, looper):
     ({"repeat_terminate.max_consecutive_token_repeats": "four"}, "repeat_terminate.max_consecutive_token_repeats"),
     ({"repeat_terminate.bogus": 3}, "repeat_terminate.bogus"),
     ({"min_length.min_chars": -1}, "min_length.min_chars"),
-], ids=["ngram_size 1", "a string", "an unknown field", "negative min_chars"])
+    ({"repeat_terminate.max_consecutive_token_repeats": 2**63}, "repeat_terminate.max_consecutive_token_repeats"),
+    ({"repeat_terminate.ngram_size": 10**12, "repeat_terminate.ngram_repeats": 2}, "repeat_terminate.ngram_size"),
+], ids=["ngram_size 1", "a string", "an unknown field", "negative min_chars", "2^63 repeats", "ngram_size 10^12"])
 def test_in_process_llm_refuses_bad_settings_before_generating(pool, plugin_llm, looper, extra, field):
     """vLLM runs the processor's ``validate_params`` at admission: the request is refused with the plugin's message
     (vLLM wraps it in its ``VLLMValidationError`` where it has one)."""
@@ -101,6 +103,21 @@ def test_in_process_llm_refuses_bad_settings_before_generating(pool, plugin_llm,
         refused = ValueError
     with pytest.raises((ValueError, refused), match=rf"{field.replace('.', '[.]')}.*got .*Fix: "):
         run_llm(plugin_llm, [(1, 2, 3)], extra, 4)
+    assert len(run_llm(plugin_llm, [(1, 2, 3)], None, 2)[0].token_ids) == 2  # the engine still runs
+
+
+def test_in_process_llm_refuses_the_guard_with_ignore_eos(plugin_llm):
+    """The row check runs at admission (``validate_params``), not only in the row decision's unit test: a request
+    that asks for the guard and ignores EOS (the guard's way of ending a row) is refused before it runs."""
+    from vllm import SamplingParams
+
+    try:
+        from vllm.exceptions import VLLMValidationError as refused
+    except ImportError:
+        refused = ValueError
+    params = SamplingParams(max_tokens=4, ignore_eos=True, extra_args=xargs(LOOP_GUARD))
+    with pytest.raises((ValueError, refused), match=r"vllm_xargs[.]repeat_terminate .*ignore_eos.*Fix: "):
+        plugin_llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)
 
 
 # -- stock vllm serve with the plugin -----------------------------------------------------------------------------
@@ -168,29 +185,63 @@ def test_served_plugin_leaves_healthy_rows_alone(pool, served_plugin, workload):
         assert status == 200 and tuple(got["choices"][0]["token_ids"]) == tuple(free.token_ids), f"prompt {i}"
 
 
-def test_served_plugin_holds_min_length(pool, served_plugin):
+@pytest.mark.parametrize("bias", [0.0, 6.0], ids=["min_chars", "punctuation_bias"])
+def test_served_plugin_holds_min_length(pool, served_plugin, bias):
     """``min_length.min_chars`` per request: EOS held back until the answer has that many characters, the same ids
-    as the HF engine's ``min_length`` plugin (which the short free answer does not reach)."""
+    as the HF engine's ``min_length`` plugin (which the short free answer does not reach); with
+    ``punctuation_bias`` too, sentence ends nudged past it (the plugin reads the server's tokenizer for them), the
+    same ids as the HF engine's, which the bias changed."""
     question = [[{"role": "user", "content": "What is 2+2? Answer with one number."}]]
     free = chat_rows(pool, question, 96)[0]
-    want = pool.engine("hf", pool.options.model).generate(question, options={"max_new_tokens": 96},
-                                                          plugins=[{"name": "min_length", "min_chars": MIN_CHARS}])[0]
+    engine = pool.engine("hf", pool.options.model)
+
+    def held(b: float) -> Any:
+        return engine.generate(question, options={"max_new_tokens": 96}, plugins=[
+            {"name": "min_length", "min_chars": MIN_CHARS, "punctuation_bias": b}])[0]
+
+    want = held(bias)
     assert len(free.text) < MIN_CHARS <= len(want.text)
-    status, got = complete(served_plugin, want.prompt_token_ids, 96,
-                           vllm_xargs={"min_length.min_chars": MIN_CHARS, "repeat_terminate.enabled": False})
+    if bias:
+        assert want.token_ids != held(0.0).token_ids, "the bias must change the held answer for this check to see it"
+    status, got = complete(served_plugin, want.prompt_token_ids, 96, vllm_xargs={
+        "min_length.min_chars": MIN_CHARS, "min_length.punctuation_bias": bias, "repeat_terminate.enabled": False})
     assert status == 200 and tuple(got["choices"][0]["token_ids"]) == tuple(want.token_ids)
 
 
-@pytest.mark.parametrize(("xargs_", "field"), [
-    ({"repeat_terminate.ngram_size": 1}, "repeat_terminate.ngram_size"),
-    ({"min_length.max_chars": 0}, "min_length.max_chars"),
-    ({"repeat_terminate.enabled": "maybe"}, "repeat_terminate.enabled"),
-], ids=["ngram_size 1", "max_chars 0", "enabled maybe"])
-def test_served_plugin_refuses_bad_xargs_with_a_400(served_plugin, xargs_, field):
-    status, body = complete(served_plugin, (1, 2, 3), 4, vllm_xargs=xargs_)
+KILLERS = {
+    "2^63 repeats": ({"repeat_terminate.max_consecutive_token_repeats": 2**63}, {},
+                     "repeat_terminate.max_consecutive_token_repeats"),
+    "2^63 min_new_tokens": ({"repeat_terminate.min_new_tokens": 2**63}, {}, "repeat_terminate.min_new_tokens"),
+    "ngram_size 10^12": ({"repeat_terminate.ngram_size": 10**12, "repeat_terminate.ngram_repeats": 2}, {},
+                         "repeat_terminate.ngram_size"),
+    "2^62 ngram_repeats": ({"repeat_terminate.ngram_size": 4, "repeat_terminate.ngram_repeats": 2**62}, {},
+                           "repeat_terminate.ngram_repeats"),
+    "2^63 min_chars": ({"min_length.min_chars": 2**63}, {}, "min_length.min_chars"),
+    "bias 1e300": ({"min_length.min_chars": 10, "min_length.punctuation_bias": 1e300}, {},
+                   "min_length.punctuation_bias"),
+    "guard with ignore_eos": ({"repeat_terminate.max_consecutive_token_repeats": 4}, {"ignore_eos": True},
+                              "ignore_eos"),
+}
+"""Round 4 of the hostile clients: per-request settings that passed ``validate_params`` and then raised inside the
+engine core's step (int64 counters, a ring of ``ngram_size`` columns), taking stock ``vllm serve`` down; and the row
+check (the guard ends rows with EOS) that only a unit test applied."""
+
+
+@pytest.mark.parametrize(("xargs_", "fields", "field"), [
+    ({"repeat_terminate.ngram_size": 1}, {}, "repeat_terminate.ngram_size"),
+    ({"min_length.max_chars": 0}, {}, "min_length.max_chars"),
+    ({"repeat_terminate.enabled": "maybe"}, {}, "repeat_terminate.enabled"),
+    *KILLERS.values(),
+], ids=["ngram_size 1", "max_chars 0", "enabled maybe", *KILLERS])
+def test_served_plugin_refuses_bad_xargs_with_a_400(served_plugin, xargs_, fields, field):
+    """Refused at admission with the field, the value and the fix; then an ordinary request is answered, so the
+    engine core is still alive."""
+    status, body = complete(served_plugin, (1, 2, 3), 4, vllm_xargs=xargs_, **fields)
     assert status == 400, body
     message = body["error"]["message"]
     assert field in message and "Fix:" in message, message
+    status, after = complete(served_plugin, (1, 2, 3), 2)
+    assert status == 200 and len(after["choices"][0]["token_ids"]) == 2, after
 
 
 @pytest.mark.gate_only(reason=(

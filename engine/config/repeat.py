@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, fields
 
 from engine.config.validation import check_range, check_type
 from engine.errors import ConfigError
-from engine.rules.repeat import RepeatThresholds
+from engine.rules.repeat import MAX_COUNT, MAX_NGRAM_SIZE, RepeatThresholds
 
 
 @dataclass(frozen=True)
@@ -35,13 +35,13 @@ Fix: set max_consecutive_token_repeats, ngram_size + ngram_repeats, or max_objec
         p = "repeat_terminate"
         check_type(f"{p}.enabled", self.enabled, bool, "true or false")
         check_type(f"{p}.min_new_tokens", self.min_new_tokens, int, "an integer")
-        check_range(f"{p}.min_new_tokens", self.min_new_tokens, low=0)
-        for name, low in (("max_consecutive_token_repeats", 2), ("ngram_size", 2), ("ngram_repeats", 2),
-                          ("max_object_keys", 1)):
+        check_range(f"{p}.min_new_tokens", self.min_new_tokens, low=0, high=MAX_COUNT)
+        for name, low, high in (("max_consecutive_token_repeats", 2, MAX_COUNT), ("ngram_size", 2, MAX_NGRAM_SIZE),
+                                ("ngram_repeats", 2, MAX_COUNT), ("max_object_keys", 1, MAX_COUNT)):
             value = getattr(self, name)
             if value is not None:
                 check_type(f"{p}.{name}", value, int, "an integer")
-                check_range(f"{p}.{name}", value, low=low)
+                check_range(f"{p}.{name}", value, low=low, high=high)
         if (self.ngram_size is None) != (self.ngram_repeats is None):
             missing = "ngram_repeats" if self.ngram_repeats is None else "ngram_size"
             raise ConfigError(f"{p}.{missing}", None, "must be set together with the other n-gram key",

@@ -96,6 +96,11 @@ def check_type(path: str, value: Any, kind: type | tuple[type, ...], what: str) 
         raise ConfigError(path, value, f"must be {what}", fix=f"give {what}")
 
 
+def _bound(value: float) -> str:
+    """A bound as written in a message: integers whole (``2147483647``, not ``2.14748e+09``), floats short."""
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else f"{value:g}"
+
+
 def check_range(path: str, value: float, *, low: float | None = None, high: float | None = None,
                 low_open: bool = False, high_open: bool = False, fix: str | None = None) -> None:
     """Check ``value`` is finite and lies in the interval, with a message that states exactly the interval checked
@@ -108,8 +113,8 @@ def check_range(path: str, value: float, *, low: float | None = None, high: floa
     """
     left = "(" if low_open or low is None else "["
     right = ")" if high_open or high is None else "]"
-    lo = "-inf" if low is None else f"{low:g}"
-    hi = "inf" if high is None else f"{high:g}"
+    lo = "-inf" if low is None else _bound(low)
+    hi = "inf" if high is None else _bound(high)
     interval = f"{left}{lo}, {hi}{right}"
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(path, value, "must be a finite number", fix=fix or f"give a value in {interval}")

@@ -16,6 +16,8 @@ from engine.plugins.base import (
 )
 from engine.rules.base import RuleSpec
 from engine.rules.cleanup import cleanup, stable_prefix
+from engine.rules.min_length import MAX_PUNCTUATION_BIAS
+from engine.rules.repeat import MAX_COUNT
 
 MECHANISMS = ("auto", "stopping_criteria", "logits_processor")
 
@@ -80,13 +82,14 @@ class MinLengthPlugin(Plugin):
     def validate(self) -> None:
         s, w = self.settings, self.where
         check_type(f"{w}.min_chars", s["min_chars"], int, "an integer")
-        check_range(f"{w}.min_chars", s["min_chars"], low=0)
+        check_range(f"{w}.min_chars", s["min_chars"], low=0, high=MAX_COUNT)
         if s["max_chars"] is not None:
             check_type(f"{w}.max_chars", s["max_chars"], int, "an integer")
-            check_range(f"{w}.max_chars", s["max_chars"], low=max(1, s["min_chars"]),
-                        fix="keep max_chars at least min_chars")
+            check_range(f"{w}.max_chars", s["max_chars"], low=max(1, s["min_chars"]), high=MAX_COUNT,
+                        fix=f"keep max_chars at least min_chars and at most {MAX_COUNT}")
         check_type(f"{w}.punctuation_bias", s["punctuation_bias"], (int, float), "a number")
-        check_range(f"{w}.punctuation_bias", s["punctuation_bias"], low=0, fix="use 0 to disable the bias")
+        check_range(f"{w}.punctuation_bias", s["punctuation_bias"], low=0, high=MAX_PUNCTUATION_BIAS,
+                    fix=f"use a value in [0, {MAX_PUNCTUATION_BIAS:g}]; 0 disables the bias")
 
     def hooks(self, backend: str) -> frozenset[str]:
         return frozenset({logits_processor_hook(backend)})

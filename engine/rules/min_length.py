@@ -10,6 +10,10 @@ from collections.abc import Iterable
 from engine.rules.base import CONTINUE, Decision, RowRule
 from engine.rules.cleanup import SENTENCE_ENDS
 
+MAX_PUNCTUATION_BIAS = 100.0
+"""Largest ``punctuation_bias``: the bound OpenAI's and vLLM's ``logit_bias`` hold a bias to; a larger one makes a
+sentence end certain, and a bias near float32's limit turns the row's logits into infinities."""
+
 
 def is_sentence_end_token(text: str) -> bool:
     """A token the punctuation bias nudges: its text ends a sentence (``.!?`` or the CJK full stop, question and

@@ -31,6 +31,13 @@ from engine.rules.json_text import STRING, JsonStringState
 CONSECUTIVE = "consecutive_token_repeats"
 NGRAM = "ngram_repeats"
 OBJECT_KEYS = "object_keys"
+MAX_COUNT = 2**31 - 1
+"""Largest count a threshold may hold (``min_new_tokens``, ``max_consecutive_token_repeats``, ``ngram_repeats``,
+``max_object_keys``): longer than any row a model generates, and small enough that the banks' int64 counters and
+spans (``ngram_size * (ngram_repeats - 1)``) never overflow."""
+MAX_NGRAM_SIZE = 1024
+"""Largest ``ngram_size``: the banks keep a ring of the last ``ngram_size`` ids for every row of the batch (the
+widest row sets the ring's width), so the bound caps that memory (1024 x 8 bytes a row)."""
 
 
 @dataclass(frozen=True)
@@ -39,16 +46,16 @@ class RepeatThresholds:
     (``engine.config.RepeatTerminateConfig`` adds ``enabled`` and validates them)."""
 
     min_new_tokens: int = 0
-    """No trigger before this many generated tokens exist, in [0, inf). (Generation's own
+    """No trigger before this many generated tokens exist, in [0, MAX_COUNT]. (Generation's own
     ``min_new_tokens`` is honoured too: the guard never ends a row before it.)"""
     max_consecutive_token_repeats: int | None = None
-    """Fire when the last N generated tokens are one token id, N in [2, inf). None: off."""
+    """Fire when the last N generated tokens are one token id, N in [2, MAX_COUNT]. None: off."""
     ngram_size: int | None = None
-    """n of the repeated n-gram, in [2, inf) (a 1-gram is the consecutive threshold). None: off."""
+    """n of the repeated n-gram, in [2, MAX_NGRAM_SIZE] (a 1-gram is the consecutive threshold). None: off."""
     ngram_repeats: int | None = None
-    """Back-to-back repetitions of the n-gram that fire, in [2, inf). Set together with ngram_size."""
+    """Back-to-back repetitions of the n-gram that fire, in [2, MAX_COUNT]. Set together with ngram_size."""
     max_object_keys: int | None = None
-    """Fire when one JSON-like object in the decoded output gets more than K keys, K in [1, inf). None: off."""
+    """Fire when one JSON-like object in the decoded output gets more than K keys, K in [1, MAX_COUNT]. None: off."""
 
     @property
     def needs_text(self) -> bool:
