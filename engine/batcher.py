@@ -145,16 +145,41 @@ class AsyncBatcher:
                 groups.append([job])
         return groups
 
-    async def _run(self, group: list[_Job], loop: asyncio.AbstractEventLoop) -> None:
+    async def _generate(self, group: list[_Job], loop: asyncio.AbstractEventLoop) -> list[BackendOutput]:
         prompts = [p for j in group for p in j.prompts]
+        self.batches.append(len(prompts))
+        # A backend that hears each token (HF, llama.cpp) always gets the fan-out: besides streaming, it ends the
+        # rows of a submission whose caller went away, streamed or not, at their next token.
+        hears = self.backend.streams_tokens or any(j.on_token for j in group)
+        kwargs = {"on_token": _fan_out(group, loop)} if hears else {}
+        return list(await loop.run_in_executor(self._executor,
+                                               partial(self.backend.generate, prompts, group[0].plan, **kwargs)))
+
+    async def _run_in_parts(self, job: _Job, loop: asyncio.AbstractEventLoop) -> None:
+        """A submission of more than ``max_batch_size`` rows (an OpenAI ``n`` of 2048 is 2048 rows) runs
+        ``max_batch_size`` rows at a time: what the model holds at once is one batch's, and a caller that went away
+        ends the work at the next part (its rows in the running part end at their next token)."""
+        outputs: list[BackendOutput] = []
+        size = self.max_batch_size
+        for start in range(0, len(job.prompts), size):
+            if job.future.done():  # the caller went away: nothing more runs for it
+                return
+            sink = job.on_token
+            part_sink = None if sink is None else partial(_shifted, sink, start)
+            try:
+                outputs.extend(await self._generate([_Job(job.prompts[start : start + size], job.plan, job.future,
+                                                          part_sink)], loop))
+            except Exception as err:
+                _settle(job.future, error=err)
+                return
+        _settle(job.future, result=outputs)
+
+    async def _run(self, group: list[_Job], loop: asyncio.AbstractEventLoop) -> None:
+        if len(group) == 1 and len(group[0].prompts) > self.max_batch_size:
+            await self._run_in_parts(group[0], loop)
+            return
         try:
-            self.batches.append(len(prompts))
-            # A backend that hears each token (HF, llama.cpp) always gets the fan-out: besides streaming, it ends
-            # the rows of a submission whose caller went away, streamed or not, at their next token.
-            hears = self.backend.streams_tokens or any(j.on_token for j in group)
-            kwargs = {"on_token": _fan_out(group, loop)} if hears else {}
-            outputs = await loop.run_in_executor(self._executor,
-                                                 partial(self.backend.generate, prompts, group[0].plan, **kwargs))
+            outputs = await self._generate(group, loop)
         except Exception as err:
             if len(group) == 1:
                 _settle(group[0].future, error=err)
@@ -166,6 +191,11 @@ class AsyncBatcher:
         for job in group:
             _settle(job.future, result=list(outputs[start : start + len(job.prompts)]))
             start += len(job.prompts)
+
+
+def _shifted(sink: TokenSink, start: int, row: int, position: int, token: int) -> None:
+    """A part's row ``row`` is its submission's row ``start + row``."""
+    sink(start + row, position, token)
 
 
 def _fan_out(group: list[_Job], loop: asyncio.AbstractEventLoop) -> Callable[[int, int, int], bool]:

@@ -228,3 +228,32 @@ def test_a_request_that_never_arrives_holds_a_batch_no_longer_than_max_wait():
 
     waited = run(main())
     assert backend.calls == [[(1,)]] and 0.1 <= waited < 1.0
+
+
+def test_a_submission_larger_than_a_batch_runs_a_batch_at_a_time_in_order():
+    """Hostile round 4: an OpenAI ``n`` of 2048 was one ``generate`` of 2048 rows and the HF server was killed for
+    memory; now at most ``max_batch_size`` rows run at once, and the rows come back in the submission's order."""
+    backend = Recorder()
+    batcher = AsyncBatcher(backend, max_batch_size=8, wait_s=0.0)
+    rows = run(batcher.submit([prompt(i, 0) for i in range(20)], plan()))
+    assert [len(c) for c in backend.calls] == [8, 8, 4]
+    assert [r.token_ids for r in rows] == [(0, i) for i in range(20)]
+
+
+def test_a_caller_that_leaves_a_large_submission_stops_its_next_parts():
+    class Slow(Recorder):
+        def generate(self, prompts, plan):
+            time.sleep(0.2)
+            return super().generate(prompts, plan)
+
+    backend = Slow()
+    batcher = AsyncBatcher(backend, max_batch_size=4, wait_s=0.0)
+
+    async def main():
+        task = asyncio.ensure_future(batcher.submit([prompt(i) for i in range(40)], plan()))
+        await asyncio.sleep(0.3)  # inside the second part
+        task.cancel()
+        await asyncio.sleep(0.6)
+
+    run(main())
+    assert len(backend.calls) <= 3, f"{len(backend.calls)} parts of 10 ran after the caller left"

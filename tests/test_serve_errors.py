@@ -94,3 +94,11 @@ def test_every_request_gets_an_id_and_one_access_line(caplog):
     assert len(lines) == 2
     assert lines[0].startswith("step-9 ") and '"POST /infer/" 500 ' in lines[0] and lines[0].endswith("ms")
     assert lines[1].startswith(missing.headers["x-request-id"]) and '"POST /no/such/route" 404' in lines[1]
+
+
+def test_a_path_cannot_write_a_line_of_its_own_into_the_access_log(caplog):
+    """Hostile round 4: ``%0A`` in a URL is decoded to a newline in the path, which the access line wrote as is."""
+    with caplog.at_level(logging.INFO, logger="engine.serve.access"):
+        post("/v1/models%0A2026-12-01 engine.serve.access: forged 200", {})
+    lines = [r.getMessage() for r in caplog.records if r.name == "engine.serve.access"]
+    assert len(lines) == 1 and "\n" not in lines[0] and "\\x0a2026-12-01" in lines[0], lines

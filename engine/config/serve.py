@@ -107,6 +107,11 @@ got 'response'. Fix: pick another key, e.g. 'coordexp'.
     """Largest request body read, in bytes (default 16 MiB); a larger one gets 413 before it is parsed."""
     max_prompts_per_call: int = 4096
     """Most conversations in one ``/infer/`` call; more are refused before any is tokenized."""
+    max_tokens_per_call: int = 2**20
+    """Most tokens one call may ask to generate: its rows (prompts, times ``n`` on the OpenAI routes) times each
+    row's ``max_tokens`` (the default, 1,048,576, is a GRPO step of 64 prompts x 16 samples x 1024 tokens); more are
+    refused before any is tokenized. What a call holds in memory at once is bounded
+    apart from it: the HF and llama.cpp batchers run at most ``max_batch_size`` rows at a time."""
     max_stop_strings: int = 64
     """Most stop strings in one request."""
     max_stop_string_chars: int = 256
@@ -129,8 +134,10 @@ got 'response'. Fix: pick another key, e.g. 'coordexp'.
     other clients (``/health``) out, nor exhaust the server's file descriptors."""
     weight_sync_hosts: tuple[str, ...] = ()
     """Addresses besides loopback and ``host`` on which ``/init_communicator/`` may open the learner's group store
-    (its rank 0 listens there, and what it receives is unpickled: expose it no wider than the HTTP port). swift's
-    client asks for the wildcard (``0.0.0.0``), which binds ``host``. Empty: loopback and ``host`` only."""
+    (its rank 0 listens there; over ``tcp`` it carries only values sealed with the group's secret, over ``nccl``
+    vLLM's pickled rendezvous: expose it no wider than the HTTP port). swift's client asks for the wildcard
+    (``0.0.0.0``), which binds ``host`` (a wildcard ``host`` only with an API key). Empty: loopback and ``host``
+    only."""
     weight_sync_join_timeout_s: float = 60.0
     """How long ``/init_communicator/`` waits for the learner to join, in (0, 3600]; generation goes on meanwhile,
     and a learner that never joins fails the next weight call, not the server."""
@@ -187,7 +194,8 @@ got 'response'. Fix: pick another key, e.g. 'coordexp'.
         for name in ("body_timeout_s", "idle_connection_timeout_s"):
             check_type(f"serve.{name}", getattr(self, name), (int, float), "a number")
             check_range(f"serve.{name}", getattr(self, name), low=0, high=3600, low_open=True)
-        for name in ("max_body_bytes", "max_prompts_per_call", "max_stop_strings", "max_stop_string_chars",
+        for name in ("max_body_bytes", "max_prompts_per_call", "max_tokens_per_call", "max_stop_strings",
+                     "max_stop_string_chars",
                      "max_stop_token_ids", "max_scored_tokens", "max_connections"):
             check_type(f"serve.{name}", getattr(self, name), int, "an integer")
             check_range(f"serve.{name}", getattr(self, name), low=1)

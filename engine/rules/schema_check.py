@@ -46,6 +46,9 @@ from engine.errors import RequestError
 
 MAX_REPEAT = 1000
 """The largest sum of a pattern's ``{n}`` / ``{m,n}`` counts."""
+MAX_SCHEMA_DEPTH = 64
+"""Deepest nesting of objects and arrays a schema may have (hostile round 4: a schema nested thousands deep was a
+RecursionError, a 500, on every server); no schema a model is asked to follow is half as deep."""
 MAX_SCHEMA_CHARS = 131_072
 """The longest schema (canonical JSON text, in characters)."""
 CHECK_SECONDS = 10.0
@@ -72,7 +75,11 @@ def check_schema(schema: str, compile: Callable[[str], Any] | None = None) -> No
     if len(schema) > MAX_SCHEMA_CHARS:
         raise RequestError("json_schema", _short(schema), f"is {len(schema)} characters long, more than "
                            f"{MAX_SCHEMA_CHARS}", fix="send a smaller schema (shorter enums, fewer properties)")
-    for pattern in _patterns(json.loads(schema)):
+    parsed = json.loads(schema)
+    if depth(parsed) > MAX_SCHEMA_DEPTH:
+        raise RequestError("json_schema", _short(schema), f"nests objects and arrays more than {MAX_SCHEMA_DEPTH} "
+                           "levels deep", fix="send a flatter schema ($defs and $ref name a shape once)")
+    for pattern in _patterns(parsed):
         counts = [max(int(m.group(1)), int(m.group(2) or 0)) for m in _COUNTED.finditer(pattern)]
         if sum(counts) > MAX_REPEAT:
             raise RequestError("json_schema", _short(schema), f"has a pattern repeating {sum(counts)} times in all "
@@ -154,6 +161,23 @@ def _reason(err: BaseException) -> str:
     """xgrammar's message without its C++ location prefix (``[12:00:00] /project/cpp/x.cc:12: ``)."""
     text = str(err).strip()
     return re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", text).splitlines()[0] if text else type(err).__name__
+
+
+def depth(node: Any) -> int:
+    """How deeply ``node`` nests lists and mappings, found without recursion.
+
+    >>> depth({"a": [1, {"b": 2}]}), depth(3)
+    (3, 0)
+    """
+    deepest, todo = 0, [(node, 1)]
+    while todo:
+        item, level = todo.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        todo.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def _patterns(node: Any) -> Iterator[str]:

@@ -158,6 +158,9 @@ Schemas only, got '[0-9]+'. Fix: send structured_outputs.json with a JSON Schema
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
+        except RecursionError:
+            raise RequestError("structured_outputs.json", value.json_[:60], "nests arrays or objects too deeply",
+                               fix="send a schema nested a few levels deep") from None
         except ValueError as err:
             raise RequestError("structured_outputs.json", value.json_, f"is not JSON ({err})",
                                fix="send the schema as an object, or as valid JSON text") from None

@@ -35,6 +35,19 @@ def request_id(headers: list[tuple[bytes, bytes]]) -> str:
     return uuid.uuid4().hex[:16]
 
 
+def loggable(text: str) -> str:
+    """``text`` with every character that is not printable escaped, so a client cannot write a line of its own into
+    the log (hostile round 4: ``%0A`` in a URL's path, which the server decodes to a newline).
+
+    >>> loggable("/v1/models" + chr(10) + "forged: 200")
+    '/v1/models\\\\x0aforged: 200'
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256 else f"\\u{ord(c):04x}"
+                   for c in text)
+
+
 class AccessLog:
     """ASGI middleware: the request id (``scope["state"]["request_id"]``, the response header) and the access line.
 
@@ -66,8 +79,8 @@ class AccessLog:
             raise
         finally:
             client = scope.get("client") or ("-", 0)
-            ACCESS.info('%s %s "%s %s" %d %.1fms', rid, client[0], scope["method"], scope["path"], status,
-                        (time.perf_counter() - start) * 1000)
+            ACCESS.info('%s %s "%s %s" %d %.1fms', loggable(rid), client[0], scope["method"],
+                        loggable(scope["path"]), status, (time.perf_counter() - start) * 1000)
 
 
 def configure_logging(level: str) -> None:

@@ -189,7 +189,8 @@ class Surface(Generic[P]):
             call = self.parse(body, self.served)
             engine = self.served.engine
             check_call(self.served.serve, prompts=call.prompt_count, options=call.options, stop=call.stop,
-                       max_model_len=engine.backend.capabilities.max_model_len)
+                       max_model_len=engine.backend.capabilities.max_model_len,
+                       default_max_new=engine.config.generation.max_new_tokens)
             prepared = self.prepare(call, self.served) if self.prepare is not None else None
         except EngineError as err:
             return err, fields, None

@@ -2,9 +2,10 @@
 
 The body is read up to ``serve.max_body_bytes`` (413 beyond, whatever ``Content-Length`` says), each part within
 ``serve.body_timeout_s`` of the last (408 otherwise); a parsed call then stays within ``serve.max_prompts_per_call``,
-``serve.max_stop_strings``, ``serve.max_stop_string_chars`` and ``serve.max_stop_token_ids``,
-and its ``max_new_tokens`` within the model's context length (a row can never generate past it). Each refusal is
-a typed error naming the client's field, the value (cut short) and the setting that raises the limit.
+``serve.max_stop_strings``, ``serve.max_stop_string_chars``, ``serve.max_stop_token_ids`` and
+``serve.max_tokens_per_call`` (rows times tokens), and its ``max_new_tokens`` within the model's context length (a
+row can never generate past it). Each refusal is a typed error naming the client's field, the value (cut
+short) and the setting that raises the limit.
 
 >>> from engine.config import ServeConfig
 >>> check_call(ServeConfig(max_stop_strings=2), prompts=1, options={}, stop={"strings": ["a", "b", "c"]},
@@ -18,6 +19,7 @@ send at most 2, or raise serve.max_stop_strings.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,18 +70,39 @@ async def read_bytes(request: Any, max_bytes: int, within_s: float) -> bytes:
     return b"".join(chunks)
 
 
+SURROGATE_HINT = re.compile(r"[\ud800-\udfff]|\\u[dD][89a-fA-F]")
+"""What only a text that may hold a lone surrogate has: a surrogate itself (raw UTF-8 bytes ``ED A0 80``, or UTF-16
+code units, which ``json.loads`` lets through) or a ``\\uD800``-``\\uDFFF`` escape in any case."""
+
+
 def parse_json(raw: bytes) -> Any:
     """``raw`` as JSON, or a ``RequestError`` naming the body (run off the event loop: a 16 MiB body takes a while);
-    a key or string holding a lone surrogate is refused by its path (:func:`check_unicode_strings`)."""
+    a key or string holding a lone surrogate, however it arrived (a ``\\uD800`` escape in either case, its raw
+    UTF-8 bytes, a UTF-16 body), is refused by its path (:func:`check_unicode_strings`).
+
+    >>> parse_json(b'{"prompt": "a\\xed\\xa0\\x80"}')  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: prompt holds a lone surrogate at character 1 (not valid Unicode text), got ...
+    >>> parse_json('{"prompt": "\\\\uD800"}'.encode("utf-16-le"))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: prompt holds a lone surrogate at character 0 (not valid Unicode text), got ...
+    """
     try:
-        data = json.loads(raw)
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")  # as json.loads decodes bytes
+    except (UnicodeDecodeError, LookupError) as err:
+        raise RequestError("body", raw[:60].decode("utf8", "replace"), f"is not valid JSON text ({err})",
+                           fix="send a JSON object in UTF-8 with Content-Type: application/json") from None
+    try:
+        data = json.loads(text)
     except RecursionError:
         raise RequestError("body", raw[:60].decode("utf8", "replace"), "nests arrays or objects too deeply",
                            fix="send a request body nested a few levels deep") from None
     except ValueError as err:  # not JSON, not UTF-8, or an integer beyond Python's 4300 digits
         raise RequestError("body", raw[:60].decode("utf8", "replace"), f"is not valid JSON ({err})",
                            fix="send a JSON object with Content-Type: application/json") from None
-    if b"\\ud" in raw.lower():  # only a \uD800-\uDFFF escape can give one: most bodies skip the walk
+    if SURROGATE_HINT.search(text):  # most bodies skip the walk
         check_unicode_strings(data)
     return data
 
@@ -156,10 +179,20 @@ def too_large(size: int, max_bytes: int) -> RequestTooLarge:
 
 
 def check_call(serve: Any, *, prompts: int, options: Mapping[str, Any] | None, stop: Mapping[str, Any] | None,
-               max_model_len: int | None) -> None:
+               max_model_len: int | None, default_max_new: int | None = None) -> None:
     """Refuse a parsed call that goes over a limit of ``serve`` (a :class:`~engine.config.ServeConfig`), naming
     engine fields (``requests``, ``stop.strings``, ``generation.max_new_tokens``): the surface's field table names
-    them as its client sent them."""
+    them as its client sent them. ``prompts`` counts rows (an OpenAI ``n`` of 8 is 8 rows); rows times the tokens
+    each may generate (``default_max_new`` when the call gives none) is held to ``serve.max_tokens_per_call``.
+
+    >>> from engine.config import ServeConfig
+    >>> check_call(ServeConfig(max_tokens_per_call=65536), prompts=2048, options={"max_new_tokens": 64}, stop=None,
+    ...            max_model_len=None)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestTooLarge: generation.max_new_tokens asks 2048 rows x 64 tokens (131072 in all), more \
+than serve.max_tokens_per_call (65536) allows, got 64. Fix: ...
+    """
     if prompts > serve.max_prompts_per_call:
         raise RequestTooLarge("requests", prompts, f"holds more than serve.max_prompts_per_call "
                               f"({serve.max_prompts_per_call}) conversations",
@@ -181,6 +214,13 @@ def check_call(serve: Any, *, prompts: int, options: Mapping[str, Any] | None, s
                                       f"serve.max_stop_string_chars ({serve.max_stop_string_chars} characters)",
                                       fix="send a shorter stop string, or raise serve.max_stop_string_chars")
     max_new = (options or {}).get("max_new_tokens")
+    per_row = default_max_new if max_new is None else max_new
+    if isinstance(per_row, int) and prompts * per_row > serve.max_tokens_per_call:
+        raise RequestTooLarge("generation.max_new_tokens", per_row, f"asks {prompts} rows x {per_row} tokens "
+                              f"({prompts * per_row} in all), more than serve.max_tokens_per_call "
+                              f"({serve.max_tokens_per_call}) allows",
+                              fix="send fewer rows (prompts, n) or fewer tokens per row in one call, or raise "
+                                  "serve.max_tokens_per_call")
     if max_model_len is not None and isinstance(max_new, int) and max_new > max_model_len:
         raise RequestError("generation.max_new_tokens", max_new, f"is more than the model's context length "
                            f"({max_model_len} tokens), which no row can go past",
