@@ -366,3 +366,163 @@ def test_a_learner_holds_rollouts_no_longer_than_the_session_bounds(pool, backen
     assert not drained and long_status == 200, "a reset with nothing loaded waited for the rows in flight"
     assert during_status == 200 and during < 10, \
         f"a learner pushing without end held a generation {during:.1f} s (session max 4 s)"
+
+
+STRANGER = '''
+import os, pickle, sys, time
+from datetime import timedelta
+from torch.distributed import TCPStore
+
+class Payload:  # what hostile round 4 wrote: unpickling it runs a command in the reader
+    def __reduce__(self):
+        return (os.system, (f"touch {sys.argv[2]}",))
+
+store = TCPStore("127.0.0.1", int(sys.argv[1]), None, False, timedelta(seconds=10))
+evil = pickle.dumps(Payload())
+for src in (0, 1):
+    for n in range(4):  # every key vLLM's StatelessProcessGroup reads in a learner's first pushes
+        for key in (f"broadcast_from/{src}/{n}", f"send_to/0/{n}", f"send_to/1/{n}"):
+            store.set(key, evil)
+print("written", store.num_keys(), flush=True)
+'''
+"""A local process with no key: it reaches the group's store (any process on the machine can) and writes a pickle
+that runs ``touch <marker>`` when read, under every key the old transport's reader took values from."""
+
+
+def test_a_stranger_in_the_group_store_runs_nothing(pool, backend, perturbed, tmp_path):
+    """Hostile round 4's attack, with ``ENGINE_API_KEY`` set: while a learner's group is open and the server waits
+    for a pushed tensor, a keyless local process writes pickles into the group's store. The server reads only keys
+    named from the group's secret (handed out by the keyed ``/init_communicator/``) and unpickles nothing: no
+    command runs, the learner's push lands as sent, and the round trip back to the original weights is bit-exact."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+    from swift.rlhf_trainers.utils import FlattenedTensorBucket
+
+    from conformance.kit.availability import unavailable_reason
+    from engine.client import RolloutClient, launch_server
+    from engine.weight_sync import WeightSyncClient
+
+    if unavailable_reason(backend):
+        pytest.skip(unavailable_reason(backend))
+    if backend == "llamacpp":
+        pytest.skip("llamacpp loads no learner's weights (refused by name: "
+                    "test_pushed_weights_answer_like_the_perturbed_checkpoint)")
+    _, changed = perturbed
+    looper = str(fixture_path("tiny-looper"))
+    original = {name: t for name, t in load_file(str(fixture_path("tiny-looper") / "model.safetensors")).items()
+                if name in changed}
+    marker = tmp_path / "ran-inside-the-server"
+    key = "k3y-of-the-test"
+    handle = launch_server({**pool.config(backend, looper), "serve": {"port": 0}}, api_key=key)
+    try:
+        with RolloutClient(handle.url, health_timeout=30, api_key=key) as client:
+            before = client.infer(PROMPTS[:1], GREEDY)
+            with WeightSyncClient(handle.url, api_key=key, transport="tcp") as sync:
+                # Announce, so the server waits on the store for the tensor; the stranger writes meanwhile.
+                sync._call("POST", "/update_named_param/", json={"name": NAMED, "dtype": str(changed[NAMED].dtype),
+                                                                 "shape": list(changed[NAMED].shape)})
+                wrote = subprocess.run([sys.executable, "-c", STRANGER, str(sync.port), str(marker)],
+                                       capture_output=True, text=True, timeout=60)
+                assert wrote.returncode == 0 and "written" in wrote.stdout, wrote.stderr[-2000:]
+                time.sleep(1.0)  # time for a reader of those keys to take them
+                sync._send(changed[NAMED])
+                bucket = FlattenedTensorBucket(named_tensors=[(name, changed[name]) for name in BUCKET])
+                sync.update_flattened_params(bucket.get_metadata(), bucket.get_flattened_tensor())
+                sync.reset_prefix_cache()  # the session (q with k and v: vLLM fuses them) ends here
+                moved = client.infer(PROMPTS[:1], GREEDY)
+                push(sync, original)
+            after = client.infer(PROMPTS[:1], GREEDY)
+    finally:
+        handle.stop()
+    assert not marker.exists(), "the stranger's pickle ran inside the server"
+    assert [r.token_ids for r in after] == [r.token_ids for r in before], "the round trip is not exact"
+    assert [r.token_ids for r in moved] != [r.token_ids for r in before], "the learner's push did not land"
+
+
+def refused_folders(root, changed: dict) -> dict:
+    """Checkpoint folders a reload must refuse (id: (folder, the parameter named, a phrase, backends)); each is what a
+    trainer or a hostile client sends by mistake or on purpose (hostile round 4: on vLLM the first three killed the
+    engine core or answered garbage ever after)."""
+    import os
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    source = fixture_path("tiny-looper")
+    tensors = load_file(str(source / "model.safetensors"))
+
+    def folder(name: str, content: dict | None = None) -> str:
+        out = root / name
+        shutil.copytree(source, out)
+        if content is not None:
+            save_file(content, str(out / "model.safetensors"))
+        return str(out)
+
+    fifo = folder("fifo")
+    os.remove(f"{fifo}/model.safetensors")
+    os.mkfifo(f"{fifo}/model.safetensors")
+    corrupt = folder("corrupt")
+    with open(f"{corrupt}/model.safetensors", "wb") as out:
+        out.write((64).to_bytes(8, "little") + b"{not json" + b" " * 55)
+    nan = tensors[NAMED].clone()
+    nan[0, 0] = float("nan")
+    both = ("hf", "vllm")
+    return {
+        "value-head": (folder("value-head", {**tensors, "v_head.weight": torch.zeros(1, 64)}), "v_head.weight",
+                       "is not a parameter of the served model", both),
+        "wrong-shape": (folder("wrong-shape", {**tensors, NAMED: tensors[NAMED][:-1].clone()}), NAMED,
+                        "has shape", both),
+        "half-a-fused-layer": (folder("half", {NAMED: tensors[NAMED]}), NAMED, "brings part of a fused layer",
+                               ("vllm",)),
+        "nan": (folder("nan", {**tensors, NAMED: nan}), NAMED, "holds NaN", both),
+        "fifo": (fifo, None, "is not a regular file", both),
+        "corrupt-header": (corrupt, None, "corrupt safetensors header", both),
+        "100k-character-path": ("x" * 100_000, None, "at most 4096 characters", both),
+    }
+
+
+def test_a_refused_reload_leaves_the_old_weights_serving(pool, backend, perturbed, tmp_path):
+    """``/update_weights_from_disk`` checks a folder by its safetensors headers (names, shapes, whole fused layers,
+    floating dtypes, regular files) and its values (finite) before anything is written: each bad folder is a 400
+    naming the parameter, answered at once (a FIFO does not hold the server), and after all of them the server
+    answers every prompt as before, bit for bit; the original folder then reloads with 200 (the engine is alive)."""
+    import httpx
+
+    from conformance.kit.availability import unavailable_reason
+    from engine.client import RolloutClient, launch_server
+
+    if unavailable_reason(backend):
+        pytest.skip(unavailable_reason(backend))
+    if backend == "llamacpp":
+        pytest.skip("llamacpp loads no learner's weights (refused by name: "
+                    "test_pushed_weights_answer_like_the_perturbed_checkpoint)")
+    _, changed = perturbed
+    looper = str(fixture_path("tiny-looper"))
+    cases = refused_folders(tmp_path, changed)
+    handle = launch_server({**pool.config(backend, looper), "serve": {"port": 0}})
+    try:
+        with RolloutClient(handle.url, health_timeout=30) as client:
+            before = [r.token_ids for r in client.infer(PROMPTS, GREEDY)]
+            for case, (path, param, phrase, backends) in cases.items():
+                began = time.monotonic()
+                reply = httpx.post(f"{handle.url}/update_weights_from_disk", json={"model_path": path}, timeout=60)
+                took = time.monotonic() - began
+                if backend not in backends:  # HF loads projections one by one: a lone q_proj is a whole push there
+                    assert reply.status_code == 200, f"{case}: {reply.text[:400]}"
+                    continue
+                assert reply.status_code == 400, f"{case}: {reply.status_code} {reply.text[:400]}"
+                message = reply.json()["error"]["message"]
+                assert phrase in message and (param is None or param in message), f"{case}: {message}"
+                assert took < 10, f"{case}: answered after {took:.1f} s"
+                assert [r.token_ids for r in client.infer(PROMPTS[:1], GREEDY)] == before[:1], f"after {case}"
+            after = [r.token_ids for r in client.infer(PROMPTS, GREEDY)]
+            reload = httpx.post(f"{handle.url}/update_weights_from_disk", json={"model_path": looper}, timeout=120)
+            again = [r.token_ids for r in client.infer(PROMPTS, GREEDY)]
+            health = httpx.get(f"{handle.url}/health", timeout=30)
+    finally:
+        handle.stop()
+    assert after == before, "a refused reload changed the served answers"
+    assert reload.status_code == 200 and again == before, reload.text[:400]
+    assert health.status_code == 200 and health.json()["status"] == "ok", health.text

@@ -26,14 +26,16 @@ TRANSPORTS = ("nccl", "tcp")
 
 class TcpCommunicator:
     """The part of ``PyNcclCommunicator`` weight sync uses (``rank``, ``device``, ``group``, ``broadcast``), over the
-    group's TCP store, on the CPU.
+    group's keyed TCP store (:class:`engine.weights.channel.KeyedGroup`), on the CPU: a tensor travels as its raw
+    bytes, sealed with the session's secret, and is received into a tensor whose dtype and shape the announcement gave
+    (nothing is unpickled).
 
     >>> import torch
-    >>> class Store:  # one process plays both ranks of a group here
-    ...     def __init__(self): self.sent = {}
-    ...     def broadcast_obj(self, obj, src): return self.sent.setdefault(src, obj)
-    >>> group = Store()
-    >>> learner, worker = TcpCommunicator(group, rank=1), TcpCommunicator(group, rank=0)
+    >>> from torch.distributed import HashStore
+    >>> from engine.weights.channel import KeyedGroup
+    >>> store = HashStore()  # one process plays both ranks of a group here
+    >>> learner = TcpCommunicator(KeyedGroup(store, 1, 2, "5e" * 32))
+    >>> worker = TcpCommunicator(KeyedGroup(store, 0, 2, "5e" * 32))
     >>> learner.broadcast(torch.ones(2), src=1)
     >>> received = torch.empty(2); worker.broadcast(received, src=1); received.tolist()
     [1.0, 1.0]
@@ -48,10 +50,20 @@ class TcpCommunicator:
 
     def broadcast(self, tensor: Any, src: int, stream: Any = None) -> None:
         """Send ``tensor`` (rank ``src``) or receive into it (every other rank), as NCCL's broadcast does."""
+        import torch
+
         if self.rank == src:
-            self.group.broadcast_obj(tensor.detach().to("cpu").contiguous(), src=src)
-        else:
-            tensor.copy_(self.group.broadcast_obj(None, src=src))
+            raw = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            self.group.broadcast_bytes(raw.numpy().tobytes(), src=src)
+            return
+        payload = self.group.broadcast_bytes(None, src=src)
+        size = tensor.numel() * tensor.element_size()
+        if len(payload) != size:
+            raise RuntimeError(f"the learner sent {len(payload)} bytes for a tensor of {size} bytes "
+                               f"({list(tensor.shape)}, {tensor.dtype}): the push and its announcement disagree")
+        if size:
+            tensor.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(tensor.dtype)
+                         .reshape(tensor.shape))
 
 
 def check_transport(transport: Any) -> str:
@@ -67,21 +79,26 @@ def check_transport(transport: Any) -> str:
 
 
 def open_communicator(host: str, port: int, rank: int, world_size: int, transport: str, device: Any = None,
-                      timeout_s: float = 300.0, learner_rank: int | None = None) -> Any:
+                      timeout_s: float = 300.0, learner_rank: int | None = None, secret: str | None = None) -> Any:
     """Join the learner's group as ``rank`` (rank 0 hosts its TCP store on ``host:port``) with ``transport``; rank
     0 waits ``timeout_s`` at most for the others to join. The learner is the group's last rank (swift's layout)
     unless ``learner_rank`` says otherwise (vLLM's weight-transfer layout: the trainer is rank 0); the communicator
-    carries it as ``learner_rank``, the rank every receive takes tensors from."""
-    from vllm.distributed.utils import StatelessProcessGroup
+    carries it as ``learner_rank``, the rank every receive takes tensors from.
 
-    group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size,
-                                         store_timeout=max(1, int(timeout_s)))
+    ``tcp`` moves sealed bytes under keys named from ``secret`` (the session's, from the answer of the keyed call that
+    opened the group: :mod:`engine.weights.channel`); ``nccl`` rendezvouses through vLLM's ``StatelessProcessGroup``,
+    which is what swift's and TRL's clients speak (docs/serving.md says what it exposes)."""
     if transport == "nccl":
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
 
+        group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size,
+                                             store_timeout=max(1, int(timeout_s)))
         communicator: Any = PyNcclCommunicator(group, device=device)
     else:
-        communicator = TcpCommunicator(group)
+        from engine.weights.channel import KeyedGroup
+
+        communicator = TcpCommunicator(KeyedGroup.create(host, port, rank, world_size, secret or "", timeout_s))
     communicator.learner_rank = world_size - 1 if learner_rank is None else learner_rank
     return communicator
 
@@ -156,31 +173,58 @@ def receive(joining: Joining | None, announced: Mapping[str, Any], within_s: flo
 
 WIDE_OPEN = frozenset({"0.0.0.0", "::", ""})
 """The wildcard addresses swift's client asks the server to bind its group store on."""
-LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+LOOPBACK_NAMES = frozenset({"localhost"})
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 MAX_TENSOR_ELEMENTS = 2**36
 """Most elements one announced tensor may have (256 GiB in float32): a shape beyond it is no model's."""
 
 
-def store_host(asked: Any, serve_host: str, allowed: Sequence[str] = (), field: str = "host") -> str:
+def _is_loopback(address: str) -> bool:
+    """An address of this machine's loopback: ``localhost``, or an IP address (not a name that merely starts with
+    ``127.``) in 127.0.0.0/8 or ``::1``."""
+    import ipaddress
+
+    if address in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def store_host(asked: Any, serve_host: str, allowed: Sequence[str] = (), field: str = "host", *,
+               keyed: bool = False) -> str:
     """Where ``/init_communicator/`` may open the group's store: loopback, the server's own ``serve.host`` (the
     wildcard swift's client sends means that one), or an address the operator listed in ``serve.weight_sync_hosts``.
+    A store on a wildcard address (a ``serve.host`` of ``0.0.0.0``) listens on every interface: only a server with an
+    API key (``keyed``) opens one there.
 
-    >>> store_host("0.0.0.0", "127.0.0.1"), store_host("::1", "10.0.0.5")
-    ('127.0.0.1', '::1')
+    >>> store_host("0.0.0.0", "127.0.0.1"), store_host("::1", "10.0.0.5"), store_host("127.0.0.2", "::1")
+    ('127.0.0.1', '::1', '127.0.0.2')
     >>> store_host("203.0.113.9", "127.0.0.1")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     engine.errors.RequestError: host is not loopback, this server's address (127.0.0.1) or a listed one: ...
+    >>> store_host("127.evil.example", "127.0.0.1")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: host is not loopback, this server's address (127.0.0.1) or a listed one: ...
+    >>> store_host("0.0.0.0", "0.0.0.0")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: host would open the group's store on every interface of a server without an API key...
     """
     if not isinstance(asked, str):
         raise RequestError(field, asked, "must be a host name or address", fix="e.g. 127.0.0.1")
-    if asked in WIDE_OPEN:
-        return serve_host
-    if asked in LOOPBACK or asked.startswith("127.") or asked == serve_host or asked in allowed:
-        return asked
+    address = serve_host if asked in WIDE_OPEN else asked
+    if address in WIDE_OPEN and not keyed:
+        raise RequestError(field, asked, "would open the group's store on every interface of a server without an "
+                           "API key (serve.host is a wildcard)",
+                           fix="send 127.0.0.1, or start the server with ENGINE_API_KEY (--api-key)")
+    if address in WIDE_OPEN or _is_loopback(address) or address == serve_host or address in allowed:
+        return address
     raise RequestError(field, asked, f"is not loopback, this server's address ({serve_host}) or a listed one: the "
-                       "group's store would listen there (or be reached there) and what it carries is unpickled",
+                       "group's store would listen there (or be reached there)",
                        fix="send 0.0.0.0 (this server's address) or 127.0.0.1, or list the address in "
                            "serve.weight_sync_hosts")
 
@@ -382,15 +426,15 @@ class WeightSyncClient(LearnerClient):
             with socket.socket() as probe:
                 probe.bind((self.host, 0))
                 self.port = probe.getsockname()[1]
-        self._call("POST", "/init_communicator/", json={"host": self.host, "port": self.port,
-                                                        "world_size": workers + 1, "transport": self.transport})
+        opened = self._call("POST", "/init_communicator/", json={
+            "host": self.host, "port": self.port, "world_size": workers + 1, "transport": self.transport})
         device = None
         if self.transport == "nccl":  # the learner's current card, as swift's client uses its own
             import torch
 
             device = torch.device("cuda", torch.cuda.current_device())
         self.communicator = open_communicator(self.host, self.port, workers, workers + 1, self.transport,
-                                              device=device)
+                                              device=device, secret=opened.get("group_secret"))
 
     def _send(self, tensor: Any) -> None:
         tensor = tensor.detach().to(self.communicator.device).contiguous()  # NCCL sends from its own card

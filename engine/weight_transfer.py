@@ -138,7 +138,7 @@ class WeightTransferClient(LearnerClient):
             with socket.socket() as probe:
                 probe.bind((self.host, 0))
                 self.port = probe.getsockname()[1]
-        self._post("/init_weight_transfer_engine", {"init_info": {
+        opened = self._post("/init_weight_transfer_engine", {"init_info": {
             "master_address": self.host, "master_port": self.port, "rank_offset": 1, "world_size": workers + 1,
             "transport": self.transport}})
         device = None
@@ -147,7 +147,7 @@ class WeightTransferClient(LearnerClient):
 
             device = torch.device("cuda", torch.cuda.current_device())
         self.communicator = open_communicator(self.host, self.port, 0, workers + 1, self.transport, device=device,
-                                              learner_rank=0)
+                                              learner_rank=0, secret=opened.get("group_secret"))
 
     @contextmanager
     def weight_update(self) -> Iterator[None]:

@@ -44,7 +44,9 @@ class Recording:
     def generate(self, prompts, plan):
         raise AssertionError("not used")
 
-    def open_weights(self, host, port, world_size, transport, timeout_s=300.0, *, learner_rank=None, packed=None):
+    def open_weights(self, host, port, world_size, transport, timeout_s=300.0, *, learner_rank=None, packed=None,
+                     secret=None):
+        self.secret = secret
         first = " trainer-first" if learner_rank == 0 else ""
         self.calls.append(f"open {host}:{port} {world_size} {transport}{first}")  # the join: a thread of its own
 
@@ -182,7 +184,7 @@ def test_a_failed_push_is_the_next_weight_calls_never_a_generations():
 
 
 @pytest.mark.parametrize(("host", "opened"), [("0.0.0.0", "127.0.0.1"), ("::", "127.0.0.1"), ("127.0.0.1", "127.0.0.1"),
-                                              ("203.0.113.9", None)])
+                                              ("203.0.113.9", None), ("127.evil.example", None)])
 def test_the_group_store_listens_only_on_loopback_or_the_servers_own_address(host, opened):
     """swift's client asks for the wildcard; the store then listens where the HTTP server does (127.0.0.1 here),
     never on every interface of a server that serves loopback only, nor on an address a client names."""
@@ -329,3 +331,72 @@ def test_every_weight_route_is_counted_in_metrics_by_status_and_not_timed_as_a_g
     assert counted == {"200": 2, "400": 1}, counted
     timed = [s.value for s in samples if s.name == "engine_request_latency_seconds_count"]
     assert timed == [0], timed
+
+
+def test_the_opening_call_hands_out_the_groups_secret_and_the_backend_gets_the_same():
+    """On ``tcp`` the group's store carries only values sealed with a secret drawn per group: the keyed opening call
+    answers it (``group_secret``) and the backend joins with it; a second group gets another."""
+    backend = Recording()
+    first, second, _closed = session(backend, [OPEN, OPEN, ("POST", "/close_communicator/", None)])
+    assert first.status_code == 200 and second.status_code == 200
+    secrets_ = first.json()["group_secret"], second.json()["group_secret"]
+    assert len(secrets_[0]) == 64 and secrets_[0] != secrets_[1] and backend.secret == secrets_[1]
+
+
+@pytest.mark.parametrize("key", [None, "k"], ids=["keyless", "keyed"])
+def test_a_wildcard_store_needs_the_api_key(key):
+    """A server on ``0.0.0.0`` would open the group's store on every interface: refused without an API key."""
+    backend = Recording()
+    app = create_app(ServedEngine(Engine(backend, {"host": "0.0.0.0"}), Activation(None, "test"), api_key=key),
+                     close_engine=False)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine.test",
+                                     headers=headers) as client:
+            reply = await client.post("/init_communicator/", json={**OPEN[2], "host": "0.0.0.0"})
+            await client.post("/close_communicator/")  # waits for the background join's start
+            return reply
+
+    reply = asyncio.run(run())
+    if key is None:
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "host", reply.text
+        assert "API key" in reply.json()["error"]["message"]
+    else:
+        assert reply.status_code == 200 and "0.0.0.0:29500" in backend.calls[0], reply.text
+
+
+def test_starts_without_a_push_cannot_restart_the_session_bound():
+    """Hostile round 4: ``/start_weight_update`` every 15 s on a group nobody joins held an ordinary request 100 s
+    with a 40 s bound (each start ended the old session and aged the new one from zero). Sessions that never got a
+    tensor are aged from the first of them: here the bound is 1 s, three starts span 1.2 s, and the next generation
+    runs at once."""
+    import time
+
+    backend = Recording()
+    app = create_app(ServedEngine(Engine(backend, {"weight_sync_session_max_s": 1}), Activation(None, "test")),
+                     close_engine=False)
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine.test") as client:
+            assert (await client.post(TRANSFER_OPEN[1], json=TRANSFER_OPEN[2])).status_code == 200
+            for _ in range(3):
+                assert (await client.post("/start_weight_update")).status_code == 200
+                await asyncio.sleep(0.6)
+            began = time.monotonic()
+            reply = await client.post(INFER[1], json=INFER[2])
+            return reply, time.monotonic() - began
+
+    reply, waited = asyncio.run(run())
+    assert reply.status_code == 200 and waited < 0.4, f"the generation waited {waited:.2f} s"
+
+
+def test_the_weight_version_is_the_groups_to_set_and_is_printable():
+    backend = Recording()
+    keyless, = session(backend, [("POST", "/finish_weight_update", {"weight_version": "evil"})])
+    assert keyless.status_code == 409 and "init_weight_transfer_engine" in keyless.text, keyless.text
+    _opened, poisoned, fine, info = session(backend, [
+        TRANSFER_OPEN, ("POST", "/finish_weight_update", {"weight_version": "a\nforged: line"}),
+        ("POST", "/finish_weight_update", {"weight_version": "step-3"}), ("GET", "/weight_info", None)])
+    assert poisoned.status_code == 400 and poisoned.json()["error"]["param"] == "weight_version", poisoned.text
+    assert fine.status_code == 200 and info.json() == {"weight_version": "step-3"}

@@ -204,11 +204,13 @@ class WeightLoading(Protocol):
     these off its event loop, one at a time, never during a ``generate`` of a backend that batches through it."""
 
     def open_weights(self, host: str, port: int, world_size: int, transport: str, timeout_s: float = 300.0, *,
-                     learner_rank: int | None = None, packed: dict[str, Any] | None = None) -> None:
+                     learner_rank: int | None = None, packed: dict[str, Any] | None = None,
+                     secret: str | None = None) -> None:
         """Start joining the learner's group without holding generation back; the join (``timeout_s`` at most)
         completes, or fails, at the next ``load_weights``. The learner is the group's last rank (swift's layout),
         or ``learner_rank`` 0 with the workers after it (vLLM's); ``packed`` (vLLM's packed NCCL broadcasts) holds
-        the buffer geometry the trainer sends with."""
+        the buffer geometry the trainer sends with; ``secret`` (the ``tcp`` transport) names and seals every value
+        the group's store carries (:mod:`engine.weights.channel`)."""
         ...
 
     def check_announced(self, announced: dict[str, Any]) -> None:

@@ -164,14 +164,15 @@ class HfBackend(BackendBase, backend="hf"):
     # -- weight sync (engine.weight_sync): this process is the group's rank 0 ------------------------------------
 
     def open_weights(self, host: str, port: int, world_size: int, transport: str, timeout_s: float = 300.0, *,
-                     learner_rank: int | None = None, packed: dict[str, Any] | None = None) -> None:
+                     learner_rank: int | None = None, packed: dict[str, Any] | None = None,
+                     secret: str | None = None) -> None:
         from engine.weight_sync import Joining, open_communicator
 
         rank = 1 if learner_rank == 0 else 0
 
         def join() -> Any:
             communicator = open_communicator(host, port, rank, world_size, transport, device=self.device,
-                                             timeout_s=timeout_s, learner_rank=learner_rank)
+                                             timeout_s=timeout_s, learner_rank=learner_rank, secret=secret)
             communicator.packed = packed
             return communicator
 
@@ -184,29 +185,32 @@ class HfBackend(BackendBase, backend="hf"):
         self._check_tensors(announced_tensors(announced))
 
     def _check_tensors(self, tensors: Sequence[tuple[str, str, Sequence[int]]]) -> None:
+        """Against the loaded model's own state (``engine.weights.description``'s rule)."""
+        from engine.weights.description import ModelWeights
+
         state = self.model.state_dict()
-        for field, name, shape in tensors:
-            if name not in state:
-                raise RequestError(field, name, "is not a parameter of the served model",
-                                   fix="send the names GET /get_model_state_keys/ lists")
-            if tuple(shape) != tuple(state[name].shape):
-                raise RequestError(field, name, f"has shape {list(shape)} but the model's is "
-                                   f"{list(state[name].shape)}", fix="push the parameter with its own shape")
+        ModelWeights({name: (tuple(t.shape), str(t.dtype)) for name, t in state.items()}).check(tensors)
 
     def load_weights(self, announced: dict[str, Any], within_s: float = 300.0) -> int:
         """Receive the announced tensors and copy them into the model's state (tied weights follow)."""
         from engine.weight_sync import receive
+        from engine.weights.description import check_finite
 
-        return self._copy_in(receive(getattr(self, "weights", None), announced, within_s))
+        received = receive(getattr(self, "weights", None), announced, within_s)
+        check_finite(received)  # before any is copied in: a refused push leaves the model as it was
+        return self._copy_in(received)
 
     def load_checkpoint(self, path: str) -> int:
         """Every tensor of the checkpoint, checked (names, shapes) before any is copied in."""
         from pathlib import Path
 
-        from engine.weight_checkpoint import checkpoint_tensors
+        from engine.weight_checkpoint import checkpoint_description, checkpoint_tensors
+        from engine.weights.description import check_finite
 
+        headers = checkpoint_description(Path(path))  # names and shapes from the headers, before any tensor is read
+        self._check_tensors([("model_path", name, shape) for name, (shape, _) in headers.items()])
         tensors = checkpoint_tensors(Path(path))
-        self._check_tensors([("model_path", name, tuple(t.shape)) for name, t in tensors])
+        check_finite(tensors, "model_path")  # every value before any is copied in: all or nothing
         return self._copy_in(tensors)
 
     def _copy_in(self, received: Sequence[tuple[str, Any]]) -> int:

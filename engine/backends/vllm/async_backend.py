@@ -51,6 +51,7 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
     def __init__(self, model: ModelConfig, settings: VllmConfig, tokenizer: Any, processor: Any = None,
                  repeat_terminate: Any = None) -> None:
         self.env = prepare_environment(settings)
+        self.model_path = model.path
         vllm = import_vllm()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.sampling_params import RequestOutputKind
@@ -193,13 +194,27 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
     # -- weight sync (engine.weight_sync): every worker of the engine core receives and loads ----------------------
 
     def open_weights(self, host: str, port: int, world_size: int, transport: str, timeout_s: float = 300.0, *,
-                     learner_rank: int | None = None, packed: dict[str, Any] | None = None) -> None:
+                     learner_rank: int | None = None, packed: dict[str, Any] | None = None,
+                     secret: str | None = None) -> None:
         self._call(self.llm.collective_rpc("engine_open_weights", args=(host, port, world_size, transport, timeout_s,
-                                                                        learner_rank, packed)))
+                                                                        learner_rank, packed, secret)))
 
     def check_announced(self, announced: dict[str, Any]) -> None:
-        """Names are checkpoint names here (vLLM fuses q, k and v when loading): the generic checks only
-        (``engine.weight_sync``: dtypes, shapes, byte ranges), made when the body was read."""
+        """Names are checkpoint names here (vLLM fuses q, k and v when loading): each announced tensor against the
+        served checkpoint's own (``engine.weights.description``), before anything is received: a name vLLM's loader
+        does not know or a wrong shape raised inside the engine core's reload, which left it dead."""
+        from engine.weight_sync import announced_tensors
+
+        self.weights_description().check(announced_tensors(announced))
+
+    def weights_description(self) -> Any:
+        """The served model's tensors by checkpoint name, read once from its safetensors headers."""
+        described = getattr(self, "_described", None)
+        if described is None:
+            from engine.weights.description import ModelWeights
+
+            described = self._described = ModelWeights.of_checkpoint(self.model_path)
+        return described
 
     @property
     def dead_reason(self) -> str | None:
@@ -212,6 +227,16 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
         return int(self._call(self.llm.collective_rpc("engine_load_weights", args=(announced, within_s)))[0])
 
     def load_checkpoint(self, path: str) -> int:
+        """Every tensor of the folder, checked by its headers (names, shapes, whole fused layers, dtypes) before the
+        engine core reads it: a failed reload there leaves no old weights to serve."""
+        from pathlib import Path
+
+        from engine.weight_checkpoint import check_checkpoint_values, checkpoint_description
+
+        headers = checkpoint_description(Path(path))
+        self.weights_description().check([("model_path", name, shape) for name, (shape, _) in headers.items()],
+                                         whole=True)
+        check_checkpoint_values(Path(path))
         return int(self._call(self.llm.collective_rpc("engine_load_checkpoint", args=(path,)))[0])
 
     def finish_weights(self) -> None:

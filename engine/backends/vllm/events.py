@@ -24,7 +24,7 @@ class RuleEventsWorker:
 
     def engine_open_weights(self, host: str, port: int, world_size: int, transport: str,
                             timeout_s: float = 300.0, learner_rank: int | None = None,
-                            packed: dict[str, Any] | None = None) -> None:
+                            packed: dict[str, Any] | None = None, secret: str | None = None) -> None:
         """Start joining the learner's group at this worker's rank (after the trainer's rank 0 when
         ``learner_rank`` is 0, vLLM's layout) on a thread of its own, so the engine core goes on generating while the
         learner joins (``engine.weight_sync.Joining``); the next load waits for it."""
@@ -36,7 +36,7 @@ class RuleEventsWorker:
 
         def join() -> Any:
             communicator = open_communicator(host, port, rank, world_size, transport, device=device,
-                                             timeout_s=timeout_s, learner_rank=learner_rank)
+                                             timeout_s=timeout_s, learner_rank=learner_rank, secret=secret)
             communicator.packed = packed
             return communicator
 
@@ -50,8 +50,10 @@ class RuleEventsWorker:
         weight packing, quantization) once all its weights arrived; ``engine_finish_weights`` ends the session.
         Returns the tensor count."""
         from engine.weight_sync import receive
+        from engine.weights.description import check_finite
 
         weights = receive(getattr(self, "engine_weights", None), announced, within_s)
+        check_finite(weights)  # before the reload starts: a refused push leaves the layers as they were
         self._engine_load(weights)
         return len(weights)
 

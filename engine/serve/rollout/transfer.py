@@ -32,15 +32,35 @@ from engine.serve.rollout.bodies import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsRequest,
 )
-from engine.serve.rollout.weights import CACHES, WEIGHTS, reset_cache, weight_calls
+from engine.serve.rollout.weights import CACHES, WEIGHTS, group_answer, reset_cache, weight_calls
 from engine.serve.service import ServedEngine
 from engine.serve.shared.calls import control_route
 from engine.serve.shared.errors import WeightSyncConflict, WeightSyncFailed
 from engine.weight_sync import store_host
+from engine.weights.channel import new_secret
 
 BODIES = {"/init_weight_transfer_engine": InitWeightTransferRequest, "/update_weights": UpdateWeightsRequest,
           "/finish_weight_update": FinishWeightUpdateRequest,
           "/update_weights_from_disk": UpdateWeightsFromDiskRequest}
+
+
+MAX_VERSION_CHARS = 256
+
+
+def check_version(version: str | None) -> str | None:
+    """A ``weight_version`` as ``GET /weight_info`` will report it: printable text of at most 256 characters.
+
+    >>> check_version("step-12"), check_version(None)
+    ('step-12', None)
+    >>> check_version("a\\nforged: line")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: weight_version must be printable text of at most 256 characters, got ...
+    """
+    if version is not None and (len(version) > MAX_VERSION_CHARS or not version.isprintable()):
+        raise RequestError("weight_version", version[:80], f"must be printable text of at most {MAX_VERSION_CHARS} "
+                           "characters", fix="send a short label such as the training step, e.g. 'step-12'")
+    return version
 
 
 def router(served: ServedEngine) -> APIRouter:
@@ -62,23 +82,24 @@ def router(served: ServedEngine) -> APIRouter:
         backend = calls.backend
         info = body.init_info
         address = store_host(info.get("master_address"), served.serve.host, served.serve.weight_sync_hosts,
-                             field="init_info.master_address")
+                             field="init_info.master_address", keyed=served.api_key is not None)
         checked = check_init_info(info, served.world_size())
         port, world = info["master_port"], info["world_size"]
         packed = {"buffer_bytes": checked["buffer_bytes"], "buffers": checked["buffers"]} if checked["packed"] \
             else None
         timeout = served.serve.weight_sync_join_timeout_s
+        secret = new_secret()
         await calls.start(lambda: backend.open_weights(address, port, world, checked["transport"], timeout,
-                                                       learner_rank=0, packed=packed), exclusive=False)
+                                                       learner_rank=0, packed=packed, secret=secret), exclusive=False)
         calls.opened = True
-        return {"message": "Weight transfer initialized"}
+        return group_answer("Weight transfer initialized", checked["transport"], secret)
 
     @weight_call("/start_weight_update")
     async def start_weight_update() -> Any:
         calls.backend  # noqa: B018 (refuses a backend without weight loading)
         require_group("/start_weight_update")
         await calls.finish()
-        calls.open_session()
+        calls.open_session(pushing=False)
         return {"message": "Weight update started"}
 
     @weight_call("/update_weights", UpdateWeightsRequest)
@@ -98,9 +119,11 @@ def router(served: ServedEngine) -> APIRouter:
     @weight_call("/finish_weight_update", FinishWeightUpdateRequest)
     async def finish_weight_update(body: FinishWeightUpdateRequest) -> Any:
         calls.backend  # noqa: B018
+        require_group("/finish_weight_update")  # the version trainers read is the group's to set
+        version = check_version(body.weight_version)
         await calls.finish()
-        if body.weight_version is not None:
-            calls.version = body.weight_version
+        if version is not None:
+            calls.version = version
         return {"message": "Weight update finished"}
 
     @weight_call("/shutdown_weight_transfer_engine")
@@ -121,6 +144,7 @@ def router(served: ServedEngine) -> APIRouter:
             raise RequestError("abort_all_requests", True, "is not supported: this server lets the rows in flight "
                                "end, holds new ones, then loads", fix="leave it out (or false)")
         path = str(check_model_path(body.model_path, body.load_format))
+        version = check_version(body.weight_version)
         await calls.finish()
         calls.holding = True  # new rows wait for the load; the rows in flight end first
         calls.ended.clear()
@@ -133,8 +157,8 @@ def router(served: ServedEngine) -> APIRouter:
         calls.stale = set(CACHES)
         if body.flush_cache is not False:
             await reset_cache(calls, "prefix")
-        if body.weight_version is not None:
-            calls.version = body.weight_version
+        if version is not None:
+            calls.version = version
         return {"success": True, "message": f"loaded {loaded} tensors from {path}", "num_paused_requests": 0}
 
     return api

@@ -42,6 +42,7 @@ from engine.serve.shared.bodies import Body
 from engine.serve.shared.calls import control_route
 from engine.serve.shared.errors import WeightSyncConflict, WeightSyncFailed
 from engine.weight_sync import check_metadatas, check_shape, check_transport, store_host, torch_dtype
+from engine.weights.channel import new_secret
 
 log = logging.getLogger(__name__)
 BODIES = {"/init_communicator/": InitCommunicatorRequest, "/update_named_param/": UpdateNamedParamRequest,
@@ -72,18 +73,28 @@ class WeightCalls:
         self.opened = False
         """A communicator was opened (``/init_communicator/``) and not closed since: pushes may come."""
         self.opened_at = 0.0
-        """When the open push session began (its first push, or ``/start_weight_update``)."""
+        """When the open push session began (its first push, or ``/start_weight_update``), or, for sessions that
+        never received a tensor, the first of them: starts with no push cannot restart the bound."""
+        self.unfed_since: float | None = None
+        """When the first of a run of sessions that received no tensor began (None: the last session got one)."""
         self.stale: set[str] = set()
         """The caches (``CACHES``) computed with weights older than the loaded ones: each is reset once after a
         load; a reset of a cache not stale drops nothing, and drains nothing."""
         self.version: str | None = None
         """The weight version the last finished update named (vLLM's ``weight_version``)."""
 
-    def open_session(self) -> None:
-        """A push session is open from now: new generations wait at the gate until it ends."""
+    def open_session(self, *, pushing: bool = True) -> None:
+        """A push session is open from now (``pushing``: a tensor is on its way; else ``/start_weight_update``): new
+        generations wait at the gate until it ends. A session that never received a tensor is aged from the first
+        such start, so a learner that starts sessions and never pushes holds the rollouts no longer than
+        ``serve.weight_sync_session_max_s`` in all (each start used to age the next from zero)."""
         now = time.monotonic()
         if not self.pushed:
-            self.opened_at = now
+            self.opened_at = now if pushing or self.unfed_since is None else self.unfed_since
+        if pushing:
+            self.unfed_since = None
+        elif self.unfed_since is None:
+            self.unfed_since = self.opened_at
         self.pushed, self.last_push, self.stale = True, now, set(CACHES)
         self.ended.clear()
 
@@ -214,6 +225,12 @@ def _in_range(key: str, value: int, low: int, high: int | None = None) -> int:
     return value
 
 
+def group_answer(message: str, transport: str, secret: str) -> dict[str, Any]:
+    """The answer of a call that opens a group: on ``tcp``, the group's secret (``group_secret``), which the learner
+    needs to read or write anything in the group's store. Only this keyed call hands it out."""
+    return {"message": message, **({"group_secret": secret} if transport == "tcp" else {})}
+
+
 def weight_calls(served: ServedEngine) -> WeightCalls:
     """The served engine's one weight-sync state, shared by swift's routes and vLLM's (``transfer.py``); its gate
     is added to the generation gates once."""
@@ -266,7 +283,8 @@ def router(served: ServedEngine) -> APIRouter:
     @weight_call("/init_communicator/", InitCommunicatorRequest)
     async def init_communicator(body: InitCommunicatorRequest) -> Any:
         backend = calls.backend
-        host = store_host(body.host, served.serve.host, served.serve.weight_sync_hosts)
+        host = store_host(body.host, served.serve.host, served.serve.weight_sync_hosts,
+                          keyed=served.api_key is not None)
         port = _in_range("port", body.port, 1, 65535)
         expected = served.world_size() + 1
         world_size = _in_range("world_size", body.world_size, 2)
@@ -275,9 +293,11 @@ def router(served: ServedEngine) -> APIRouter:
                                "workers and the learner", fix="take it from GET /get_world_size/, plus one")
         transport = check_transport(body.transport)
         timeout = served.serve.weight_sync_join_timeout_s
-        await calls.start(lambda: backend.open_weights(host, port, world_size, transport, timeout), exclusive=False)
+        secret = new_secret()
+        await calls.start(lambda: backend.open_weights(host, port, world_size, transport, timeout, secret=secret),
+                          exclusive=False)
         calls.opened = True
-        return {"message": f"joining the learner's group on {host}:{port} ({transport})"}
+        return group_answer(f"joining the learner's group on {host}:{port} ({transport})", transport, secret)
 
     @weight_call("/update_named_param/", UpdateNamedParamRequest)
     async def update_named_param(body: UpdateNamedParamRequest) -> Any:
