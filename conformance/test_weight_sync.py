@@ -1,7 +1,7 @@
 """Weight sync on a served engine (issue 28): a learner pushes perturbed weights over swift's routes, and the server's
 answers then equal, token for token, an in-process engine loaded from the perturbed checkpoint.
 
-The learner is this test process with :class:`engine.weight_sync.WeightSyncClient` over the ``tcp`` transport (a CPU
+The learner is this test process with :class:`engine.weights.sync.WeightSyncClient` over the ``tcp`` transport (a CPU
 host has no NCCL, which swift's own ``VLLMClient`` needs for its broadcasts); ms-swift's real code still builds the
 flattened bucket (``FlattenedTensorBucket``) and calls the routes it can call on a CPU host (``VLLMClient``'s
 ``get_model_state_keys`` and the three cache resets its trainer calls). The prompts are answered once before the
@@ -59,7 +59,7 @@ def test_pushed_weights_answer_like_the_perturbed_checkpoint(pool, backend, pert
 
     from conformance.kit.availability import unavailable_reason
     from engine.client import RolloutClient, launch_server
-    from engine.weight_sync import WeightSyncClient
+    from engine.weights.sync import WeightSyncClient
 
     if unavailable_reason(backend):
         pytest.skip(unavailable_reason(backend))
@@ -115,7 +115,7 @@ def test_pushes_under_load_round_trip_exactly(pool, backend, perturbed):
 
     from conformance.kit.availability import unavailable_reason
     from engine.client import RolloutClient, launch_server
-    from engine.weight_sync import WeightSyncClient
+    from engine.weights.sync import WeightSyncClient
 
     if unavailable_reason(backend):
         pytest.skip(unavailable_reason(backend))
@@ -201,7 +201,7 @@ def test_vllm_routes_and_disk_reload_round_trip_exactly(pool, backend, perturbed
 
     from conformance.kit.availability import unavailable_reason
     from engine.client import RolloutClient, launch_server
-    from engine.weight_transfer import WeightTransferClient
+    from engine.weights.transfer import WeightTransferClient
 
     if unavailable_reason(backend):
         pytest.skip(unavailable_reason(backend))
@@ -294,7 +294,7 @@ def test_a_learner_holds_rollouts_no_longer_than_the_session_bounds(pool, backen
 
     from conformance.kit.availability import unavailable_reason
     from engine.client import launch_server
-    from engine.weight_sync import WeightSyncClient
+    from engine.weights.sync import WeightSyncClient
 
     if unavailable_reason(backend):
         pytest.skip(unavailable_reason(backend))
@@ -402,7 +402,7 @@ def test_a_stranger_in_the_group_store_runs_nothing(pool, backend, perturbed, tm
 
     from conformance.kit.availability import unavailable_reason
     from engine.client import RolloutClient, launch_server
-    from engine.weight_sync import WeightSyncClient
+    from engine.weights.sync import WeightSyncClient
 
     if unavailable_reason(backend):
         pytest.skip(unavailable_reason(backend))

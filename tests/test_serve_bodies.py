@@ -205,3 +205,20 @@ def test_a_stalled_or_trickled_body_is_a_408_and_a_stalled_oversized_one_its_413
                                           within_s=30))
     finally:
         limits.DRAIN_IDLE_S = saved
+
+
+def test_a_client_that_leaves_mid_body_is_a_typed_refusal_not_a_500():
+    """Hostile round 4: a client closing its connection part-way through the body was a 500 and a traceback per
+    request; it is the body's refusal now (nobody hears it: the client is gone; the log keeps one access line)."""
+    from starlette.requests import ClientDisconnect
+
+    from engine.errors import RequestTimedOut
+    from engine.serve.shared import limits
+
+    class Leaving(Stalling):
+        async def stream(self):
+            yield b'{"a": '
+            raise ClientDisconnect()
+
+    with pytest.raises(RequestTimedOut, match=r"was cut off: the client closed the connection"):
+        asyncio.run(limits.read_bytes(Leaving([]), max_bytes=100, within_s=5))

@@ -14,8 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the hf extra (installed by `nox -s tests`)")
 
-from engine.weight_sync import TcpCommunicator  # noqa: E402
 from engine.weights.channel import KeyedGroup, UnsealedValue, new_secret  # noqa: E402
+from engine.weights.sync import TcpCommunicator  # noqa: E402
 
 
 class Payload:

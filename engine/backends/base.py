@@ -200,7 +200,7 @@ class BackendBase:
 
 @runtime_checkable
 class WeightLoading(Protocol):
-    """A backend that takes a learner's weights while it serves (``engine.weight_sync``); the served engine calls
+    """A backend that takes a learner's weights while it serves (``engine.weights.sync``); the served engine calls
     these off its event loop, one at a time, never during a ``generate`` of a backend that batches through it."""
 
     def open_weights(self, host: str, port: int, world_size: int, transport: str, timeout_s: float = 300.0, *,
@@ -223,7 +223,7 @@ class WeightLoading(Protocol):
         ...
 
     def load_checkpoint(self, path: str) -> int:
-        """Load every tensor of a saved checkpoint folder (``engine.weight_checkpoint``) into the model, in effect
+        """Load every tensor of a saved checkpoint folder (``engine.weights.checkpoint``) into the model, in effect
         at once; the number of tensors loaded."""
         ...
 

@@ -5,7 +5,7 @@ engine), its wire format both ways (no web framework) and its routes (``routes.p
 
 - ``rollout/`` -- swift's rollout protocol: ``/health``, ``/infer/`` (``infer.py``, with the additive envelope under
   ``serve.namespace``, ``coordexp`` by default: the seeds' name), ``/get_world_size/``, ``/get_engine_type/``,
-  ``/metrics``; and swift's weight-sync routes (``weights.py``; the transfer itself: :mod:`engine.weight_sync`).
+  ``/metrics``; and swift's weight-sync routes (``weights.py``; the transfer itself: :mod:`engine.weights.sync`).
 - ``openai/`` -- ``/v1/models``, ``/v1/chat/completions`` (``chat.py``), ``/v1/completions`` (``text.py``), what
   both share (``sampling.py``), and vLLM's utility routes ``/tokenize``, ``/detokenize``, ``/tokenizer_info``,
   ``/version`` (``tokenize.py``).

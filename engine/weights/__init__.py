@@ -1,1 +1,1 @@
-"""Everything that brings weights into a served model: the group's keyed channel (:mod:`engine.weights.channel`)."""
+"""Every way weights arrive in a served model, and the one check each makes first: docs/layout.md lists the files."""

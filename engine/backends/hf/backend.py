@@ -161,12 +161,12 @@ class HfBackend(BackendBase, backend="hf"):
                                          structured_outputs=processor is None)
         self._schemas: Any = None
 
-    # -- weight sync (engine.weight_sync): this process is the group's rank 0 ------------------------------------
+    # -- weight sync (engine.weights.sync): this process is the group's rank 0 ------------------------------------
 
     def open_weights(self, host: str, port: int, world_size: int, transport: str, timeout_s: float = 300.0, *,
                      learner_rank: int | None = None, packed: dict[str, Any] | None = None,
                      secret: str | None = None) -> None:
-        from engine.weight_sync import Joining, open_communicator
+        from engine.weights.sync import Joining, open_communicator
 
         rank = 1 if learner_rank == 0 else 0
 
@@ -180,7 +180,7 @@ class HfBackend(BackendBase, backend="hf"):
 
     def check_announced(self, announced: dict[str, Any]) -> None:
         """Every announced name is a parameter of the model, with its shape (any floating dtype converts)."""
-        from engine.weight_sync import announced_tensors
+        from engine.weights.sync import announced_tensors
 
         self._check_tensors(announced_tensors(announced))
 
@@ -193,8 +193,8 @@ class HfBackend(BackendBase, backend="hf"):
 
     def load_weights(self, announced: dict[str, Any], within_s: float = 300.0) -> int:
         """Receive the announced tensors and copy them into the model's state (tied weights follow)."""
-        from engine.weight_sync import receive
         from engine.weights.description import check_finite
+        from engine.weights.sync import receive
 
         received = receive(getattr(self, "weights", None), announced, within_s)
         check_finite(received)  # before any is copied in: a refused push leaves the model as it was
@@ -204,7 +204,7 @@ class HfBackend(BackendBase, backend="hf"):
         """Every tensor of the checkpoint, checked (names, shapes) before any is copied in."""
         from pathlib import Path
 
-        from engine.weight_checkpoint import checkpoint_description, checkpoint_tensors
+        from engine.weights.checkpoint import checkpoint_description, checkpoint_tensors
         from engine.weights.description import check_finite
 
         headers = checkpoint_description(Path(path))  # names and shapes from the headers, before any tensor is read

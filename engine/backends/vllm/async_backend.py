@@ -191,7 +191,7 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
         finally:
             future.cancel()  # vLLM aborts the request when its generator is cancelled
 
-    # -- weight sync (engine.weight_sync): every worker of the engine core receives and loads ----------------------
+    # -- weight sync (engine.weights.sync): every worker of the engine core receives and loads ----------------------
 
     def open_weights(self, host: str, port: int, world_size: int, transport: str, timeout_s: float = 300.0, *,
                      learner_rank: int | None = None, packed: dict[str, Any] | None = None,
@@ -203,7 +203,7 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
         """Names are checkpoint names here (vLLM fuses q, k and v when loading): each announced tensor against the
         served checkpoint's own (``engine.weights.description``), before anything is received: a name vLLM's loader
         does not know or a wrong shape raised inside the engine core's reload, which left it dead."""
-        from engine.weight_sync import announced_tensors
+        from engine.weights.sync import announced_tensors
 
         self.weights_description().check(announced_tensors(announced))
 
@@ -231,7 +231,7 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
         engine core reads it: a failed reload there leaves no old weights to serve."""
         from pathlib import Path
 
-        from engine.weight_checkpoint import check_checkpoint_values, checkpoint_description
+        from engine.weights.checkpoint import check_checkpoint_values, checkpoint_description
 
         headers = checkpoint_description(Path(path))
         self.weights_description().check([("model_path", name, shape) for name, (shape, _) in headers.items()],

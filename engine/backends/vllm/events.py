@@ -1,5 +1,5 @@
 """The worker side of the engine: a vLLM ``worker_extension_cls`` that hands the engine the events the row-rule
-processor recorded in this worker's process, and receives the learner's weights (``engine.weight_sync``).
+processor recorded in this worker's process, and receives the learner's weights (``engine.weights.sync``).
 
 ``VllmBackend`` starts vLLM with ``worker_extension_cls="engine.backends.vllm.events.RuleEventsWorker"`` and,
 after a batch, calls ``llm.collective_rpc("engine_rule_events", args=(keys,))``. The call reaches the worker
@@ -27,8 +27,8 @@ class RuleEventsWorker:
                             packed: dict[str, Any] | None = None, secret: str | None = None) -> None:
         """Start joining the learner's group at this worker's rank (after the trainer's rank 0 when
         ``learner_rank`` is 0, vLLM's layout) on a thread of its own, so the engine core goes on generating while the
-        learner joins (``engine.weight_sync.Joining``); the next load waits for it."""
-        from engine.weight_sync import Joining, open_communicator
+        learner joins (``engine.weights.sync.Joining``); the next load waits for it."""
+        from engine.weights.sync import Joining, open_communicator
 
         rank, device = self.rank, getattr(self, "device", None)  # type: ignore[attr-defined]
         if learner_rank == 0:
@@ -49,8 +49,8 @@ class RuleEventsWorker:
         form, each push loads by checkpoint name (fused projections included), and a layer is processed again (CPU
         weight packing, quantization) once all its weights arrived; ``engine_finish_weights`` ends the session.
         Returns the tensor count."""
-        from engine.weight_sync import receive
         from engine.weights.description import check_finite
+        from engine.weights.sync import receive
 
         weights = receive(getattr(self, "engine_weights", None), announced, within_s)
         check_finite(weights)  # before the reload starts: a refused push leaves the layers as they were
@@ -61,7 +61,7 @@ class RuleEventsWorker:
         """Every tensor of a saved checkpoint folder, loaded as one whole session (in effect on return)."""
         from pathlib import Path
 
-        from engine.weight_checkpoint import checkpoint_tensors
+        from engine.weights.checkpoint import checkpoint_tensors
 
         weights = checkpoint_tensors(Path(path))
         self._engine_load(weights)

@@ -68,6 +68,6 @@ def transfer_config(backend: Any) -> dict[str, str] | None:
 
     if not isinstance(backend, WeightLoading):
         return None
-    from engine.weight_sync import check_transport
+    from engine.weights.sync import check_transport
 
     return {"backend": check_transport(None)}

@@ -89,7 +89,7 @@ class UpdateFlattenedParamsRequest(Body):
 class InitWeightTransferRequest(Body):
     """``POST /init_weight_transfer_engine`` (vLLM's weight transfer; TRL 1.16's ``VLLMClient``)."""
 
-    init_info: Annotated[dict[str, Any], Wire("the trainer's group (engine.weight_transfer.check_init_info)")]
+    init_info: Annotated[dict[str, Any], Wire("the trainer's group (engine.weights.transfer.check_init_info)")]
 
 
 class UpdateWeightsRequest(Body):

@@ -1,6 +1,6 @@
 """Weight updates through vLLM's own routes, as TRL 1.16's ``VLLMClient``, SkyRL and verl's remote servers send them
-(:mod:`engine.weight_transfer`), and the checkpoint reload SGLang and AReaL name ``/update_weights_from_disk``
-(:mod:`engine.weight_checkpoint`). They share swift's routes' state (``weights.py``: one push session at a time,
+(:mod:`engine.weights.transfer`), and the checkpoint reload SGLang and AReaL name ``/update_weights_from_disk``
+(:mod:`engine.weights.checkpoint`). They share swift's routes' state (``weights.py``: one push session at a time,
 the generation gate, the drain before a load, the session bounds), so the two families cannot interleave.
 
 * ``/init_weight_transfer_engine`` ``{"init_info": {master_address, master_port, rank_offset: 1, world_size,
@@ -36,8 +36,8 @@ from engine.serve.rollout.weights import CACHES, WEIGHTS, group_answer, reset_ca
 from engine.serve.service import ServedEngine
 from engine.serve.shared.calls import control_route
 from engine.serve.shared.errors import WeightSyncConflict, WeightSyncFailed
-from engine.weight_sync import store_host
 from engine.weights.channel import new_secret
+from engine.weights.sync import store_host
 
 BODIES = {"/init_weight_transfer_engine": InitWeightTransferRequest, "/update_weights": UpdateWeightsRequest,
           "/finish_weight_update": FinishWeightUpdateRequest,
@@ -77,7 +77,7 @@ def router(served: ServedEngine) -> APIRouter:
 
     @weight_call("/init_weight_transfer_engine", InitWeightTransferRequest)
     async def init_weight_transfer_engine(body: InitWeightTransferRequest) -> Any:
-        from engine.weight_transfer import check_init_info
+        from engine.weights.transfer import check_init_info
 
         backend = calls.backend
         info = body.init_info
@@ -104,7 +104,7 @@ def router(served: ServedEngine) -> APIRouter:
 
     @weight_call("/update_weights", UpdateWeightsRequest)
     async def update_weights(body: UpdateWeightsRequest) -> Any:
-        from engine.weight_transfer import check_update_info
+        from engine.weights.transfer import check_update_info
 
         backend = calls.backend
         require_group("/update_weights")
@@ -137,7 +137,7 @@ def router(served: ServedEngine) -> APIRouter:
 
     @weight_call("/update_weights_from_disk", UpdateWeightsFromDiskRequest)
     async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest) -> Any:
-        from engine.weight_checkpoint import check_model_path
+        from engine.weights.checkpoint import check_model_path
 
         backend = calls.backend
         if body.abort_all_requests:

@@ -1,7 +1,7 @@
 """Weight sync routes, as ms-swift's ``VLLMClient`` calls them in GRPO server mode: ``/init_communicator/``,
 ``/update_named_param/``, ``/update_flattened_params/``, ``/process_weights_after_loading/``,
 ``/reset_prefix_cache/`` (and ``_encoder_``, ``_mm_``), ``/get_model_state_keys/``, ``/close_communicator/``.
-What moves and how: :mod:`engine.weight_sync`. Their bodies: ``rollout/bodies.py``.
+What moves and how: :mod:`engine.weights.sync`. Their bodies: ``rollout/bodies.py``.
 
 Pushes form a session that ends (the loaded weights take effect, ``WeightLoading.finish_weights``) at the next
 ``/process_weights_after_loading/``, ``/reset_prefix_cache/``, key listing or closing; generations wait for that
@@ -41,8 +41,8 @@ from engine.serve.service import ServedEngine
 from engine.serve.shared.bodies import Body
 from engine.serve.shared.calls import control_route
 from engine.serve.shared.errors import WeightSyncConflict, WeightSyncFailed
-from engine.weight_sync import check_metadatas, check_shape, check_transport, store_host, torch_dtype
 from engine.weights.channel import new_secret
+from engine.weights.sync import check_metadatas, check_shape, check_transport, store_host, torch_dtype
 
 log = logging.getLogger(__name__)
 BODIES = {"/init_communicator/": InitCommunicatorRequest, "/update_named_param/": UpdateNamedParamRequest,

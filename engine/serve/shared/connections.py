@@ -7,10 +7,11 @@ added:
 * a request's head (request line and headers) must arrive whole within ``serve.idle_connection_timeout_s`` of the
   connection's opening, or of the first byte of a later request on it; else the connection is closed (a silent
   socket and a trickled head alike; hostile round 3: a head sent one byte every 5-9 s stayed open for 100 s);
-* beyond ``serve.max_connections`` open connections, the oldest connection with no request running (silent, part of
-  a head, or idle between requests) is closed to make room; only when every connection runs a request is the new one
-  closed at once (hostile round 3: 1,100 stalled sockets had every other client refused, ``/health`` included);
-* a request running is never closed by these rules.
+* beyond ``serve.max_connections`` open connections, the oldest connection with no request running (silent, part
+  of a head or of a body, or idle between requests) is closed to make room; only when every connection runs a
+  request is the new one closed at once (hostile round 3: 1,100 stalled sockets had every other client refused,
+  ``/health`` included; round 4: 1,024 sockets that sent a head and trickled the body still did);
+* a request running (its head and body arrived whole) is never closed by these rules.
 
 A request body that stalls or trickles is the call path's (``serve.body_timeout_s``, a total deadline: a 408,
 :func:`engine.serve.shared.limits.read_bytes`).
@@ -47,9 +48,17 @@ def guarded_protocol(serve: Any) -> type:
             """No request runs on this connection (none yet, part of a head, or between requests)."""
             return self.cycle is None or self.cycle.response_complete
 
+        def runs_a_request(self) -> bool:
+            """A request whose head and body arrived whole runs here (being answered, or streaming its answer); one
+            whose body is still arriving does not yet (hostile round 4: 1,024 connections that sent a head and
+            trickled the body counted as running, and no new client got in)."""
+            return not self.idle() and not getattr(self.cycle, "more_body", False)
+
         def _make_room(self) -> bool:
-            """Close the oldest idle connection but this one; False when every other one runs a request."""
-            idle = [c for c in self.connections if c is not self and isinstance(c, GuardedHTTPProtocol) and c.idle()]
+            """Close the oldest connection but this one that runs no request (silent, part of a head or a body,
+            idle between requests); False when every other one runs a request."""
+            idle = [c for c in self.connections
+                    if c is not self and isinstance(c, GuardedHTTPProtocol) and not c.runs_a_request()]
             if not idle:
                 return False
             oldest = min(idle, key=lambda c: c.opened)

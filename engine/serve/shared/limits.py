@@ -39,6 +39,8 @@ async def read_bytes(request: Any, max_bytes: int, within_s: float) -> bytes:
     stops sending holds nothing for long)."""
     import asyncio
 
+    from starlette.requests import ClientDisconnect
+
     declared = request.headers.get("content-length", "")
     chunks: list[bytes] = []
     size = 0
@@ -52,6 +54,9 @@ async def read_bytes(request: Any, max_bytes: int, within_s: float) -> bytes:
             chunk = await asyncio.wait_for(parts.__anext__(), min(left, DRAIN_IDLE_S) if over else left)
         except StopAsyncIteration:
             break
+        except ClientDisconnect:  # round 4: a client leaving mid-body was a 500 and a traceback per request
+            raise RequestTimedOut("body", f"{size} bytes received", "was cut off: the client closed the connection "
+                                  "before sending it whole", fix="send the whole body") from None
         except TimeoutError:
             if over:  # Content-Length: 10**12 and ten bytes: the 413 now
                 break
@@ -214,6 +219,10 @@ than serve.max_tokens_per_call (65536) allows, got 64. Fix: ...
                                       f"serve.max_stop_string_chars ({serve.max_stop_string_chars} characters)",
                                       fix="send a shorter stop string, or raise serve.max_stop_string_chars")
     max_new = (options or {}).get("max_new_tokens")
+    if max_model_len is not None and isinstance(max_new, int) and max_new > max_model_len:
+        raise RequestError("generation.max_new_tokens", max_new, f"is more than the model's context length "
+                           f"({max_model_len} tokens), which no row can go past",
+                           fix=f"ask for at most {max_model_len} tokens")
     per_row = default_max_new if max_new is None else max_new
     if isinstance(per_row, int) and prompts * per_row > serve.max_tokens_per_call:
         raise RequestTooLarge("generation.max_new_tokens", per_row, f"asks {prompts} rows x {per_row} tokens "
@@ -221,7 +230,3 @@ than serve.max_tokens_per_call (65536) allows, got 64. Fix: ...
                               f"({serve.max_tokens_per_call}) allows",
                               fix="send fewer rows (prompts, n) or fewer tokens per row in one call, or raise "
                                   "serve.max_tokens_per_call")
-    if max_model_len is not None and isinstance(max_new, int) and max_new > max_model_len:
-        raise RequestError("generation.max_new_tokens", max_new, f"is more than the model's context length "
-                           f"({max_model_len} tokens), which no row can go past",
-                           fix=f"ask for at most {max_model_len} tokens")
