@@ -52,6 +52,26 @@ def perturbed(tmp_path_factory) -> tuple[str, dict]:
     return str(out), changed
 
 
+def needs_weight_loading(backend: str) -> None:
+    """Skip, with the reason, a backend that cannot run here or loads no learner's weights (llama.cpp: refused by
+    name, which test_pushed_weights_answer_like_the_perturbed_checkpoint checks)."""
+    from conformance.kit.availability import unavailable_reason
+
+    if unavailable_reason(backend):
+        pytest.skip(unavailable_reason(backend))
+    if backend == "llamacpp":
+        pytest.skip("llamacpp loads no learner's weights (refused by name: "
+                    "test_pushed_weights_answer_like_the_perturbed_checkpoint)")
+
+
+def originals(changed: dict) -> dict:
+    """The looper's own values of the tensors ``changed`` perturbs: what a round trip pushes back."""
+    from safetensors.torch import load_file
+
+    return {name: t for name, t in load_file(str(fixture_path("tiny-looper") / "model.safetensors")).items()
+            if name in changed}
+
+
 def test_pushed_weights_answer_like_the_perturbed_checkpoint(pool, backend, perturbed):
     import httpx
     from swift.rlhf_trainers.utils import FlattenedTensorBucket
@@ -111,21 +131,14 @@ def test_pushes_under_load_round_trip_exactly(pool, backend, perturbed):
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
-    from safetensors.torch import load_file
 
-    from conformance.kit.availability import unavailable_reason
     from engine.client import RolloutClient, launch_server
     from engine.weights.sync import WeightSyncClient
 
-    if unavailable_reason(backend):
-        pytest.skip(unavailable_reason(backend))
-    if backend == "llamacpp":
-        pytest.skip("llamacpp loads no learner's weights (refused by name: "
-                    "test_pushed_weights_answer_like_the_perturbed_checkpoint)")
+    needs_weight_loading(backend)
     _, changed = perturbed
     looper = str(fixture_path("tiny-looper"))
-    original = {name: t for name, t in load_file(str(fixture_path("tiny-looper") / "model.safetensors")).items()
-                if name in changed}
+    original = originals(changed)
     scored = {**GREEDY, "logprobs": True, "top_logprobs": 2}
     long = {**GREEDY, "max_tokens": 48}
     handle = launch_server({**pool.config(backend, looper), "serve": {"port": 0, "weight_sync_join_timeout_s": 5}})
@@ -197,7 +210,6 @@ def test_vllm_routes_and_disk_reload_round_trip_exactly(pool, backend, perturbed
     transport TRL's client checks for, ``/weight_info`` the version the finish named; bad calls are refused by name
     before anything moves; llama.cpp refuses both families by name and reports no weight-transfer engine."""
     import httpx
-    from safetensors.torch import load_file
 
     from conformance.kit.availability import unavailable_reason
     from engine.client import RolloutClient, launch_server
@@ -207,8 +219,7 @@ def test_vllm_routes_and_disk_reload_round_trip_exactly(pool, backend, perturbed
         pytest.skip(unavailable_reason(backend))
     path, changed = perturbed
     looper = str(fixture_path("tiny-looper"))
-    original = {name: t for name, t in load_file(str(fixture_path("tiny-looper") / "model.safetensors")).items()
-                if name in changed}
+    original = originals(changed)
     scored = {**GREEDY, "logprobs": True, "top_logprobs": 2}
     handle = launch_server({**pool.config(backend, looper), "serve": {"port": 0, "weight_sync_join_timeout_s": 10}})
     try:
@@ -292,15 +303,10 @@ def test_a_learner_holds_rollouts_no_longer_than_the_session_bounds(pool, backen
 
     import httpx
 
-    from conformance.kit.availability import unavailable_reason
     from engine.client import launch_server
     from engine.weights.sync import WeightSyncClient
 
-    if unavailable_reason(backend):
-        pytest.skip(unavailable_reason(backend))
-    if backend == "llamacpp":
-        pytest.skip("llamacpp loads no learner's weights (refused by name: "
-                    "test_pushed_weights_answer_like_the_perturbed_checkpoint)")
+    needs_weight_loading(backend)
     looper = str(fixture_path("tiny-looper"))
     bounds = {"weight_sync_join_timeout_s": 60, "weight_sync_session_timeout_s": 3, "weight_sync_session_max_s": 4}
     handle = launch_server({**pool.config(backend, looper), "serve": {"port": 0, **bounds}})
@@ -397,22 +403,15 @@ def test_a_stranger_in_the_group_store_runs_nothing(pool, backend, perturbed, tm
     import subprocess
     import sys
 
-    from safetensors.torch import load_file
     from swift.rlhf_trainers.utils import FlattenedTensorBucket
 
-    from conformance.kit.availability import unavailable_reason
     from engine.client import RolloutClient, launch_server
     from engine.weights.sync import WeightSyncClient
 
-    if unavailable_reason(backend):
-        pytest.skip(unavailable_reason(backend))
-    if backend == "llamacpp":
-        pytest.skip("llamacpp loads no learner's weights (refused by name: "
-                    "test_pushed_weights_answer_like_the_perturbed_checkpoint)")
+    needs_weight_loading(backend)
     _, changed = perturbed
     looper = str(fixture_path("tiny-looper"))
-    original = {name: t for name, t in load_file(str(fixture_path("tiny-looper") / "model.safetensors")).items()
-                if name in changed}
+    original = originals(changed)
     marker = tmp_path / "ran-inside-the-server"
     key = "k3y-of-the-test"
     handle = launch_server({**pool.config(backend, looper), "serve": {"port": 0}}, api_key=key)
@@ -490,14 +489,9 @@ def test_a_refused_reload_leaves_the_old_weights_serving(pool, backend, perturbe
     answers every prompt as before, bit for bit; the original folder then reloads with 200 (the engine is alive)."""
     import httpx
 
-    from conformance.kit.availability import unavailable_reason
     from engine.client import RolloutClient, launch_server
 
-    if unavailable_reason(backend):
-        pytest.skip(unavailable_reason(backend))
-    if backend == "llamacpp":
-        pytest.skip("llamacpp loads no learner's weights (refused by name: "
-                    "test_pushed_weights_answer_like_the_perturbed_checkpoint)")
+    needs_weight_loading(backend)
     _, changed = perturbed
     looper = str(fixture_path("tiny-looper"))
     cases = refused_folders(tmp_path, changed)
