@@ -15,7 +15,7 @@ import pytest
 from conformance.kit import matrix, record
 from conformance.kit import report as collector_module
 from conformance.kit.report import SummaryCollector
-from conformance.subjects import stock, target
+from conformance.subjects import pool, stock, target
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = '''
@@ -175,6 +175,6 @@ def test_reports_readme_documents_every_field():
         assert f"| `{name}` |" in readme, name
 
 
-@pytest.mark.parametrize("module", [record, matrix, collector_module, target, stock])
+@pytest.mark.parametrize("module", [record, matrix, collector_module, target, stock, pool])
 def test_doctests(module):
     assert doctest.testmod(module).failed == 0

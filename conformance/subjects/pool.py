@@ -56,6 +56,22 @@ def kv_cache_gib(model: str) -> float:
 
 
 
+def read_by(backend: str, sections: dict[str, Any]) -> dict[str, Any]:
+    """``sections`` without the settings sections of the other backends (``hf``, ``vllm``, ``llamacpp``): what
+    ``backend`` never reads, so a check that sizes every backend in one call (``hf={"max_batch_size": 8},
+    vllm={"max_num_seqs": 4}``) loads no second engine, and starts no second server, of a backend it did not size.
+
+    >>> sorted(read_by("llamacpp", {"vllm": {"max_num_seqs": 4}, "hf": {"max_batch_size": 8}, "stop": {}}))
+    ['stop']
+    >>> sorted(read_by("hf", {"vllm": {"max_num_seqs": 4}, "hf": {"max_batch_size": 8}}))
+    ['hf']
+    """
+    from engine.backends.registry import settings_section
+
+    foreign = {settings_section(name) for name in SPECS} - {settings_section(backend)}
+    return {k: v for k, v in sections.items() if k not in foreign}
+
+
 @dataclass(frozen=True)
 class PoolOptions:
     backends: tuple[str, ...]
@@ -135,6 +151,7 @@ class EnginePool:
     def config(self, backend: str, model: str, /, **sections: Any) -> dict[str, Any]:
         from engine.backends.host import has_cuda
 
+        sections = read_by(backend, sections)
         model_cfg: dict[str, Any] = {"path": self.model_for(backend, model), "dtype": self.options.dtype}
         if SPECS[backend].takes_device:
             model_cfg["device"] = self.options.device
@@ -198,7 +215,7 @@ class EnginePool:
 
     @staticmethod
     def _key(backend: str, model: str, shared: bool, sections: dict[str, Any]) -> tuple[str, ...]:
-        return (backend, model, repr(sorted(sections.items())), "" if shared else "own backend")
+        return (backend, model, repr(sorted(read_by(backend, sections).items())), "" if shared else "own backend")
 
     def _local(self, key: tuple[str, ...], backend: str, model: str, shared: bool, sections: dict[str, Any]) -> Any:
         if key in self._engines:
@@ -208,6 +225,7 @@ class EnginePool:
         from engine import GenerationEngine
         from engine.engine import REQUEST_SECTIONS
 
+        sections = read_by(backend, sections)
         per_request = {k: v for k, v in sections.items() if k in REQUEST_SECTIONS or self._mode_only(backend, k, v)}
         if shared and per_request:
             loaded = {k: v for k, v in sections.items() if k not in per_request}
