@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from conformance.kit import matrix, record
+from conformance.kit import census, matrix, record
 from conformance.kit import report as collector_module
 from conformance.kit.report import SummaryCollector
 from conformance.subjects import pool, stock, target
@@ -175,6 +175,6 @@ def test_reports_readme_documents_every_field():
         assert f"| `{name}` |" in readme, name
 
 
-@pytest.mark.parametrize("module", [record, matrix, collector_module, target, stock, pool])
+@pytest.mark.parametrize("module", [record, matrix, collector_module, target, stock, pool, census])
 def test_doctests(module):
     assert doctest.testmod(module).failed == 0

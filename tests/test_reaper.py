@@ -61,3 +61,37 @@ def test_a_child_started_after_the_last_look_dies_with_the_run(tmp_path):
     if still:
         os.kill(child, 9)
     assert not still, "a process started by a noted process after the watcher's last look outlived the run"
+
+
+CENSUS_RUN = """
+import subprocess, sys, time
+sys.path.insert(0, sys.argv[1])
+from conformance.kit import reaper
+reaper.start(census=sys.argv[2])
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "-m", "engine.serve"])
+time.sleep(1.5)  # three looks: the child is noted
+child.kill()
+print("noted", flush=True)
+time.sleep(30)
+"""
+
+
+def test_the_census_counts_what_the_run_started(tmp_path):
+    """The watcher writes each process it notes; the census counts it by its command line, and a process written
+    twice (renamed) counts once, as what it became."""
+    from conformance.kit import census
+
+    path = tmp_path / "census.tsv"
+    root = str(Path(reaper.__file__).resolve().parents[2])
+    run = subprocess.Popen([sys.executable, "-c", CENSUS_RUN, root, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert run.stdout is not None and run.stdout.readline().strip() == "noted"
+    finally:
+        run.kill()
+        run.wait()
+    counts = census.count(census.read(path))
+    assert counts["engine.serve server"] == 1, path.read_text()
+    with path.open("a") as out:
+        out.write("999999\t1\tpython -c from multiprocessing.spawn import spawn_main\n999999\t1\tVLLM::EngineCore\n")
+    counts = census.count(census.read(path))
+    assert counts["vLLM engine core"] == 1 and counts["multiprocessing helper"] == 0, counts

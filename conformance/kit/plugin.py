@@ -28,6 +28,7 @@ background). ``-m "not served"`` leaves them out; ``-m served`` runs only them.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -156,9 +157,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
+    census = None
     if any(PACKAGE in str(arg) for arg in config.args):  # a run of the suite, from any folder
         name_mkl_branch()
-        reaper.start()  # every process this run starts dies with it, however it ends
+        fd, census = tempfile.mkstemp(prefix="conformance-census-", suffix=".tsv")
+        os.close(fd)
+        reaper.start(census=census)  # every process this run starts dies with it, however it ends; each is counted
+        config.add_cleanup(lambda: Path(census).unlink(missing_ok=True))
     config.stash[FORCED_PROBES] = follow_aten_capability()  # before anything imports vLLM (conformance/kit/isa.py)
     backends = selected_backends(config)
     unknown = [b for b in backends if b not in BACKENDS]
@@ -196,7 +201,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
     stem = "conformance-summary" + ("" if dtype == "float32" else f"-{dtype}")
     out = Path(config.getoption("--engine-reports") or Path(config.invocation_params.dir) / "reports")
-    collector = SummaryCollector(out, describe, stem, checks=config.stash[CHECKS_KEY])
+    collector = SummaryCollector(out, describe, stem, checks=config.stash[CHECKS_KEY],
+                                 census=Path(census) if census else None)
     config.pluginmanager.register(collector, "engine-summary")
 
 

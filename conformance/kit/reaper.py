@@ -93,9 +93,29 @@ def reap(noted: Mapping[int, int]) -> dict[int, str]:
     return killed
 
 
-def watch(parent: int, pipe: int | None, ready: Any = None) -> None:
+class Census:
+    """What the watcher noted, as lines ``pid<TAB>start<TAB>command line`` appended to ``path``: each process when
+    first seen, and again when its command line changes (vLLM's engine core renames itself ``VLLM::EngineCore`` after
+    its spawn). ``conformance/kit/census.py`` reads and counts them; a process that lived less than one look is not
+    in it."""
+
+    def __init__(self, path: str) -> None:
+        self.out = open(path, "a", buffering=1)  # noqa: SIM115 (held for the watcher's life, line by line)
+        self.said: dict[tuple[int, int], str] = {}
+
+    def look(self, noted: Mapping[int, int], table: Mapping[int, tuple[int, int]]) -> None:
+        for pid, start in noted.items():
+            if table.get(pid, (0, -1))[1] != start:
+                continue  # gone (or its pid reused): what it was is written already
+            command = command_line(pid)
+            if command and self.said.get((pid, start)) != command:
+                self.said[(pid, start)] = command
+                self.out.write(f"{pid}\t{start}\t{command}\n")
+
+
+def watch(parent: int, pipe: int | None, ready: Any = None, census: Census | None = None) -> None:
     """Note ``parent``'s tree until it is gone (or ``pipe`` reads end-of-file), then :func:`reap` it; ``ready`` (a
-    file) is told once the first look is taken."""
+    file) is told once the first look is taken; ``census`` is handed every look."""
     start = process_table().get(parent, (0, None))[1]
     noted: dict[int, int] = {}
     me = os.getpid()
@@ -106,6 +126,8 @@ def watch(parent: int, pipe: int | None, ready: Any = None) -> None:
             if table.get(parent, (0, None))[1] != start:
                 break
             noted.update({pid: table[pid][1] for pid in descendants(parent, table) if pid != me})
+            if census is not None:
+                census.look(noted, table)
             if not told:
                 ready.write(f"watching {parent}\n")
                 ready.close()
@@ -132,13 +154,14 @@ def watch(parent: int, pipe: int | None, ready: Any = None) -> None:
               + "; ".join(f"{pid} {cmd!r}" for pid, cmd in killed.items()), file=sys.stderr)
 
 
-def start(wait_s: float = 60.0) -> subprocess.Popen[bytes]:
+def start(wait_s: float = 60.0, census: str | None = None) -> subprocess.Popen[bytes]:
     """Start the watcher for this process (once per process) and wait until it has taken its first look; returns it.
     Its stdin is a pipe whose writing end only this process holds (closed when this process ends, however it ends);
-    its stdout says when it watches."""
+    its stdout says when it watches. ``census``: a file the watcher appends each noted process to (:class:`Census`)."""
     global _started
     if _started is None or _started.poll() is not None:
-        _started = subprocess.Popen([sys.executable, "-I", "-S", __file__, "--parent", str(os.getpid())],
+        command = [sys.executable, "-I", "-S", __file__, "--parent", str(os.getpid())]
+        _started = subprocess.Popen(command + (["--census", census] if census else []),
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
                                     close_fds=True)
         assert _started.stdout is not None
@@ -154,9 +177,11 @@ def start(wait_s: float = 60.0) -> subprocess.Popen[bytes]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python conformance/kit/reaper.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--parent", type=int, required=True, help="the run's pid, whose tree dies with it")
+    parser.add_argument("--census", default=None, help="a file to append every noted process to (its command line)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the run, not its reaper
-    watch(args.parent, sys.stdin.fileno() if not sys.stdin.isatty() else None, ready=sys.stdout)
+    watch(args.parent, sys.stdin.fileno() if not sys.stdin.isatty() else None, ready=sys.stdout,
+          census=Census(args.census) if args.census else None)
     return 0
 
 

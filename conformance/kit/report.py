@@ -28,8 +28,12 @@ class SummaryCollector:
     ``describe()`` gives the run's model, dtype, backends, workload and engine context, read at the end."""
 
     def __init__(self, out_dir: Path, describe: Callable[[], dict[str, Any]] | None = None,
-                 stem: str = "conformance-summary", checks: set[str] | None = None) -> None:
+                 stem: str = "conformance-summary", checks: set[str] | None = None,
+                 census: Path | None = None) -> None:
         self.out_dir = out_dir
+        self.census = census
+        """The run watcher's census file (``conformance/kit/census.py``): the processes the run started, counted at
+        its end; None: not counted (a run outside the suite's plugin start)."""
         self.checks = checks
         """Node ids it counts (filled at collection by the plugin: the suite's own checks); None: every test."""
         self.stem = stem
@@ -101,6 +105,14 @@ class SummaryCollector:
             writer.line(f"note ({check}): {text}")
         for line in self.time_table():
             writer.line(line)
+        if self.census_line():
+            writer.line(self.census_line())
+
+    def census_line(self) -> str:
+        """The processes this run started, by kind (empty without a census)."""
+        from conformance.kit import census
+
+        return census.line(census.count(census.read(self.census))) if self.census is not None else ""
 
     def time_table(self) -> list[str]:
         """Seconds per check module, slowest first, with its share of the run: where the suite's time goes.
@@ -136,6 +148,8 @@ class SummaryCollector:
             lines += ["## Notes", ""] + [f"- `{check}`: {text}" for check, text in self.notes] + [""]
         if self.time_table():
             lines += ["## Time by module", "", "```", *self.time_table(), "```", ""]
+        if self.census_line():
+            lines += ["## Processes", "", self.census_line(), ""]
         md = self.out_dir / f"{self.stem}.md"
         md.write_text("\n".join(lines))
         return [json_path, html_path, md]
