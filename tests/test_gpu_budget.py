@@ -77,16 +77,23 @@ def cuda_pool(monkeypatch):
     return EnginePool(options)
 
 
-def suite_like_requests():
+def suite_like_requests(pool):
     """30 distinct loaded vLLM engines (the CPU suite starts 26 engines of all backends), each asked for again
-    later and with request-level variants derived from it, interleaved with HF engines."""
+    later and with request-level variants derived from it, interleaved with HF engines. A vLLM section is sized as
+    the suite's checks size one, over the pool's own (its card share kept)."""
+
+    def seqs(n: int) -> dict:
+        return {**pool.config("vllm", "/models/text")["vllm"], "max_num_seqs": n}
+
     for i in range(30):
-        yield "vllm", {"model": {"checkpoint_eos": bool(i % 2)}, "hf": {"max_batch_size": i}}
-        yield "vllm", {"model": {"checkpoint_eos": bool(i % 2)}, "hf": {"max_batch_size": i},
+        yield "vllm", {"model": {"checkpoint_eos": bool(i % 2)}, "vllm": seqs(i + 1)}
+        yield "vllm", {"model": {"checkpoint_eos": bool(i % 2)}, "vllm": seqs(i + 1),
                        "generation": {"max_new_tokens": 8}}  # derived: no second model
-        yield "hf", {"hf": {"max_batch_size": i}}
+        yield "vllm", {"model": {"checkpoint_eos": bool(i % 2)}, "vllm": seqs(i + 1),
+                       "hf": {"max_batch_size": 3}}  # HF's section: not read by vLLM, the same engine
+        yield "hf", {"hf": {"max_batch_size": i + 1}}
         if i >= 3:
-            yield "vllm", {"model": {"checkpoint_eos": bool((i - 3) % 2)}, "hf": {"max_batch_size": i - 3}}
+            yield "vllm", {"model": {"checkpoint_eos": bool((i - 3) % 2)}, "vllm": seqs(i - 2)}
 
 
 def test_the_pool_keeps_the_card_within_budget_for_a_whole_session(cuda_pool):
@@ -94,7 +101,7 @@ def test_the_pool_keeps_the_card_within_budget_for_a_whole_session(cuda_pool):
     servers = cuda_pool.options.servers_per_backend  # a vLLM server holds a share in its own process
     share = engine_share(cuda_pool.options.gpu_vllm_engines)
     peak = 0.0
-    for backend, sections in suite_like_requests():
+    for backend, sections in suite_like_requests(cuda_pool):
         cuda_pool._local(cuda_pool._key(backend, "/models/text", True, sections), backend, "/models/text", True,
                          sections)
         held = sum(b.share for b in FakeEngine.card) + servers * share
@@ -112,5 +119,16 @@ def test_in_process_engines_are_never_stopped_behind_the_suites_back(cuda_pool):
     cuda_pool.options = replace(cuda_pool.options, vllm_multiprocessing=False, gpu_vllm_engines=2)
     cuda_pool._local(cuda_pool._key("vllm", "/m", True, {}), "vllm", "/m", True, {})
     with pytest.raises(RuntimeError, match="--engine-vllm-multiprocessing"):
-        sections = {"hf": {"max_batch_size": 1}}
+        sections = {"vllm": {**cuda_pool.config("vllm", "/m")["vllm"], "max_num_seqs": 1}}
         cuda_pool._local(cuda_pool._key("vllm", "/m", True, sections), "vllm", "/m", True, sections)
+
+
+def test_another_backends_settings_section_loads_nothing_more(cuda_pool):
+    """``read_by``: a vLLM engine asked for with HF's section is the one already loaded (no second model on the
+    card), and HF's own section still keys a second HF engine."""
+    sizes = {"hf": {"max_batch_size": 2}}
+    first = cuda_pool._local(cuda_pool._key("vllm", "/m", True, {}), "vllm", "/m", True, {})
+    again = cuda_pool._local(cuda_pool._key("vllm", "/m", True, sizes), "vllm", "/m", True, sizes)
+    assert again is first and len(FakeEngine.card) == 1
+    plain = cuda_pool._local(cuda_pool._key("hf", "/m", True, {}), "hf", "/m", True, {})
+    assert cuda_pool._local(cuda_pool._key("hf", "/m", True, sizes), "hf", "/m", True, sizes) is not plain
