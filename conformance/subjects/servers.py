@@ -1,7 +1,7 @@
 """The conformance session's servers (``python -m engine.serve``), beside the engine pool
 (``conformance/subjects/pool.py``): one server per served config key, started on first need, ``servers_per_backend`` of
-each backend alive at once (the least recently used one stops first), the same server of every other backend started
-ahead in the background.
+each backend alive at once (the least recently used one stops first) beside the HF and llama.cpp text servers, which
+stay up (``KEPT_TEXT_SERVERS``), the same server of every other backend started ahead in the background.
 
 The engine pool asks it for the server of an engine (``served_config`` names it); the served twins reach it through
 the callable the engine pool hands them (``conformance/subjects/served.py``).
@@ -23,6 +23,13 @@ from engine.backends.registry import SPECS
 SERVED_CHAT = {"temperature": 0, "top_p": 1.0}
 """Pattern C ``/chat`` defaults of every server the pool starts: greedy (its other defaults kept), so HF, vLLM and
 llama.cpp must agree to the character. The chat checks use the text engine's server the served twins use too."""
+
+KEPT_TEXT_SERVERS = ("hf", "llamacpp")
+"""Backends whose text server (``--engine-model`` with the pool's defaults: the chat, target and hostile checks' and
+most twins') stays up beside their ``servers_per_backend`` others: about 1 GB each here. In the full gate at f320f65
+every other served config of a backend stopped it: HF servers on SmolLM2 with no other section were started 10 times
+and llama.cpp's 6 (processed-logprobs ones among them: the bill did not print model settings then). vLLM's (about 4
+GB in two processes) still takes its turn."""
 
 SERVED_TIMEOUTS = {"idle_connection_timeout_s": 3, "body_timeout_s": 5}
 """Shorter than the defaults (10 s, 30 s), so the hostile checks of silent connections and stalled bodies
@@ -92,9 +99,23 @@ class ServerPool:
         return self._servers[key]
 
     def _make_server_room(self, backend: str) -> None:
-        while sum(k[0] == backend for k in self._servers) >= self.options.servers_per_backend:
+        while sum(self._takes_turns(k, backend) for k in self._servers) >= self.options.servers_per_backend:
             # Stopped before the next one starts: two vLLM servers at once would hold ~8 GB.
-            self._servers.pop(next(k for k in self._servers if k[0] == backend)).stop()
+            self._servers.pop(next(k for k in self._servers if self._takes_turns(k, backend))).stop()
+
+    def _takes_turns(self, key: tuple[str, str], backend: str) -> bool:
+        """Whether ``key`` is a server of ``backend`` that a new one of that backend may stop (all but a kept text
+        server, ``KEPT_TEXT_SERVERS``)."""
+        import pytest
+
+        if key[0] != backend:
+            return False
+        if backend not in KEPT_TEXT_SERVERS:
+            return True
+        try:
+            return key != self.served_config(backend, self.options.model)[0]
+        except pytest.skip.Exception:  # no model of it on this backend: there is no text server to keep
+            return True
 
     def _start_ahead(self, key: tuple[str, str]) -> None:
         """Start, in the background, the server of every other backend in ``ahead_backends`` that serves the same
@@ -144,6 +165,9 @@ class ServerPool:
         defaults for it."""
         _, default = self.served_config(config["backend"], self.options.model)
         chosen = {k: v for k, v in config.items() if k not in ("backend", "model") and v != default.get(k)}
+        model = {k: v for k, v in config["model"].items() if k != "path" and v != default["model"].get(k)}
+        if model:  # e.g. a processed-logprobs server's mode
+            chosen["model"] = model
         return f"{config['model']['path'].rsplit('/', 1)[-1]} {json.dumps(chosen, sort_keys=True) if chosen else ''}"
 
     def close(self) -> None:
