@@ -7,6 +7,7 @@ be asked for; the real engines start in the conformance suite."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 from typing import ClassVar
 
@@ -132,3 +133,28 @@ def test_another_backends_settings_section_loads_nothing_more(cuda_pool):
     assert again is first and len(FakeEngine.card) == 1
     plain = cuda_pool._local(cuda_pool._key("hf", "/m", True, {}), "hf", "/m", True, {})
     assert cuda_pool._local(cuda_pool._key("hf", "/m", True, sizes), "hf", "/m", True, sizes) is not plain
+
+
+def test_a_kept_text_server_outlives_the_servers_that_take_turns(cuda_pool, monkeypatch):
+    """``KEPT_TEXT_SERVERS``: a second and a third HF config stop each other, never HF's text server; vLLM's text
+    server still takes its turn."""
+    import engine.client
+
+    stopped = []
+
+    class FakeServer:
+        def __init__(self, config):
+            self.name = json.dumps(config, sort_keys=True)
+
+        def stop(self):
+            stopped.append(self.name)
+
+    monkeypatch.setattr(engine.client, "launch_server", FakeServer)
+    servers = cuda_pool.servers
+    text = servers.server(*servers.served_config("hf", "/models/text"))
+    guarded = servers.server(*servers.served_config("hf", "/models/text", repeat_terminate={"enabled": True}))
+    servers.server(*servers.served_config("hf", "/models/text", generation={"max_new_tokens": 4}))
+    assert stopped == [guarded.name] and text.name not in stopped
+    vllm_text = servers.server(*servers.served_config("vllm", "/models/text"))
+    servers.server(*servers.served_config("vllm", "/models/text", repeat_terminate={"enabled": True}))
+    assert stopped[-1] == vllm_text.name
