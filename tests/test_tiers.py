@@ -54,6 +54,16 @@ def test_each_marked_representative_runs_once_on_the_next_backend_in_turn():
     assert picked(checks) == [("m::f", "hf", None, 2), ("m::f", "vllm", None, 3)]
 
 
+def test_a_function_that_names_its_quick_backend_runs_there_and_takes_no_turn():
+    checks = [Check(f"m::{f}", {"backend": b}, quick_on="llamacpp" if f == "g" else "")
+              for f in "fgh" for b in ("hf", "vllm", "llamacpp")]
+    assert picked(checks) == [("m::f", "hf", None, None), ("m::g", "llamacpp", None, None),
+                              ("m::h", "vllm", None, None)]
+    # a named backend this run does not collect: the turns choose, as for any function
+    lacking = [Check("m::f", {"backend": b}, quick_on="llamacpp") for b in ("hf", "vllm")]
+    assert picked(lacking) == [("m::f", "hf", None, None), ("m::f", "vllm", None, None)]
+
+
 def test_what_the_quick_tier_leaves_out_is_named():
     full = [("m::f", ("hf",)), ("m::f", ("vllm",)), ("m::g", ("",))]
     assert missing_from_quick(full, full) == []
@@ -122,3 +132,16 @@ def test_a_gate_only_mark_needs_its_reason():
     assert not check_of(Marked(None)).gate_only
     with pytest.raises(pytest.UsageError, match="needs reason"):
         check_of(Marked(pytest.mark.gate_only.mark))
+
+
+def test_a_quick_on_mark_needs_one_backend_and_its_reason():
+    import pytest
+
+    from conformance.kit.tiers import check_of
+
+    assert check_of(Marked(pytest.mark.quick_on("hf", reason="its server starts in 6 s").mark)).quick_on == "hf"
+    assert check_of(Marked(None)).quick_on == ""
+    for bad in (pytest.mark.quick_on("hf").mark, pytest.mark.quick_on(reason="why").mark,
+                pytest.mark.quick_on("hf", "vllm", reason="why").mark):
+        with pytest.raises(pytest.UsageError, match="needs one backend and reason"):
+            check_of(Marked(bad))

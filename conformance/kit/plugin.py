@@ -69,6 +69,9 @@ MARKERS = {
              "function)",
     "gate_only": "gate_only(reason=...): a conformance check function the quick tier leaves to the full gate, the "
                  "reason naming the quick check that carries what it proves (conformance/kit/tiers.py)",
+    "quick_on": "quick_on(backend, reason=...): the backend a per-backend conformance check function runs on in the "
+                "quick tier (a server of its own is cheaper to start there), the reason saying why it carries the "
+                "check (conformance/kit/tiers.py)",
     "servable": "a conformance check that also runs as its served twin (reach=served), every engine it compares "
                 "reached through python -m engine.serve too",
     "served": "the served twin of a servable check (-m 'not served' skips them)",

@@ -16,6 +16,11 @@ function runs once, with its first in-process parametrization, and every module 
   (the other surfaces, ``/v1/chat/completions``, ``/v1/completions``, Pattern C ``/chat``, have check functions of
   their own).
 
+- A per-backend function whose cost on CI's clock depends on its backend may say where the quick tier runs it
+  (``@pytest.mark.quick_on("hf", reason=...)``): a check that starts a server of its own pays that backend's start
+  (vLLM's about 25 s on CI, HF's 6 s, llama.cpp's 3 s), and the reason says why that backend carries what the
+  function proves on CI's clock. It takes no turn: the module's other functions still meet every backend (the turns
+  and the rule below see to it). A mark without a reason fails collection.
 - A function marked ``gate_only`` (``@pytest.mark.gate_only(reason=...)``) is left to the full gate whole: the
   reason names the quick check that already carries what it proves on CI's clock (each a foreign process started
   only to watch it refuse, or a second transport for the same answers; ``docs/tiers.md`` lists them). A mark
@@ -44,6 +49,8 @@ import pytest
 MARK = "quick"
 GATE_ONLY = "gate_only"
 """The mark of a check function the quick tier leaves to the full gate, with its reason."""
+QUICK_ON = "quick_on"
+"""The mark of a per-backend check function that names the backend the quick tier runs it on, with its reason."""
 SPREAD = ("backend",)
 """The parameters the quick tier covers every value of, per check function (a target check's ``target``, the
 server it asks, counts as its backend: :func:`check_of`)."""
@@ -60,6 +67,8 @@ class Check:
     params: dict[str, Any] = field(default_factory=dict)
     marked: bool = False
     gate_only: bool = False
+    quick_on: str = ""
+    """The backend the quick tier runs this function on (``@pytest.mark.quick_on``), or empty: the turns choose."""
 
     def spread(self) -> tuple[str, ...]:
         return tuple(str(self.params.get(name, "")) for name in SPREAD)
@@ -93,6 +102,12 @@ def quick_checks(checks: Sequence[Check]) -> list[Check]:
         variants: dict[str, list[Check]] = {}  # the parameters other than the backend -> that variant's checks
         for c in marked or [c for c in group if c.params.get("reach") != SERVED]:
             variants.setdefault(rest_of(c), []).append(c)
+        named = group[0].quick_on
+        pinned = [c for c in next(iter(variants.values()), []) if c.spread() == (named,)] if named else []
+        if pinned:  # the function names its backend: no turn taken
+            chosen.add(id(pinned[0]))
+            met.setdefault(module, set()).add(pinned[0].spread())
+            continue
         for key in (list(variants) if marked else list(variants)[:1]):
             pick = _next_backend(variants[key], backends_of[module], turn, module)
             chosen.add(id(pick))
@@ -181,6 +196,8 @@ class QuickTier:
         self.quick: list[Check] = []
         self.gate_only: dict[str, str] = {}
         """Check functions left to the full gate, with their reasons."""
+        self.quick_on: dict[str, tuple[str, str]] = {}
+        """Check functions that name their quick backend: (backend, reason)."""
         self.workload = Workload()
 
     @pytest.hookimpl(tryfirst=True)  # before pytest's own -m deselects anything
@@ -188,6 +205,7 @@ class QuickTier:
         mine = [item for item in items if self.is_check(item)]
         self.checks = [check_of(item) for item in mine]
         self.gate_only = gate_only_reasons(mine)
+        self.quick_on = quick_on_reasons(mine)
         self.quick = quick_checks(self.checks)
         chosen = {id(c) for c in self.quick}
         for item, check in zip(mine, self.checks, strict=True):
@@ -214,7 +232,12 @@ def check_of(item: pytest.Item) -> Check:
     if gate_only is not None and not gate_only.kwargs.get("reason"):
         raise pytest.UsageError(f"{function}: @pytest.mark.gate_only needs reason=... (which quick check carries what "
                                 "it proves on CI's clock)")
-    return Check(function, params, item.get_closest_marker(MARK) is not None, gate_only is not None)
+    quick_on = item.get_closest_marker(QUICK_ON)
+    if quick_on is not None and (len(quick_on.args) != 1 or not quick_on.kwargs.get("reason")):
+        raise pytest.UsageError(f"{function}: @pytest.mark.quick_on needs one backend and reason=... (why that backend "
+                                "carries what the function proves on CI's clock), e.g. quick_on(\"hf\", reason=...)")
+    return Check(function, params, item.get_closest_marker(MARK) is not None, gate_only is not None,
+                 quick_on.args[0] if quick_on is not None else "")
 
 
 def gate_only_reasons(items: Sequence[pytest.Item]) -> dict[str, str]:
@@ -225,6 +248,16 @@ def gate_only_reasons(items: Sequence[pytest.Item]) -> dict[str, str]:
         if marker is not None:
             reasons.setdefault(check_of(item).function, marker.kwargs["reason"])
     return reasons
+
+
+def quick_on_reasons(items: Sequence[pytest.Item]) -> dict[str, tuple[str, str]]:
+    """Check function -> (the backend the quick tier runs it on, why) (``docs/tiers.md`` lists them)."""
+    named: dict[str, tuple[str, str]] = {}
+    for item in items:
+        marker = item.get_closest_marker(QUICK_ON)
+        if marker is not None:
+            named.setdefault(check_of(item).function, (marker.args[0], marker.kwargs["reason"]))
+    return named
 
 
 def table(checks: Sequence[Check], quick: Sequence[Check]) -> list[str]:
@@ -269,6 +302,10 @@ def main(argv: Sequence[str] = ()) -> int:
     if probe.tier.gate_only:
         print("\nLeft to the full gate (`gate_only`), and what carries it on CI's clock:\n")
         print("\n".join(f"- `{f}`: {reason}" for f, reason in sorted(probe.tier.gate_only.items())))
+    if probe.tier.quick_on:
+        print("\nRun in the quick tier on a backend of their own choosing (`quick_on`), and why:\n")
+        print("\n".join(f"- `{f}` on {backend}: {reason}"
+                         for f, (backend, reason) in sorted(probe.tier.quick_on.items())))
     return 0
 
 
