@@ -7,6 +7,8 @@ flattened bucket (``FlattenedTensorBucket``) and calls the routes it can call on
 ``get_model_state_keys`` and the three cache resets its trainer calls). The prompts are answered once before the
 push, so on vLLM their prefixes sit in the prefix cache, computed with the old weights: equal answers after the
 push need the reset.
+The checks whose server needs no settings of its own share one server per backend (:class:`WeightServers`), the
+original checkpoint reloaded before each; the under-load check, which kills vLLM's engine core, runs last.
 GPU-only, not run here: the ``nccl`` transport with swift's ``VLLMClient.init_communicator`` and its broadcasts.
 """
 
@@ -52,6 +54,70 @@ def perturbed(tmp_path_factory) -> tuple[str, dict]:
     return str(out), changed
 
 
+SHARED_SERVE = {"port": 0, "weight_sync_join_timeout_s": 10}
+"""The serve settings of the module's shared server per backend (:func:`weight_servers`). The join timeout bounds
+the group a check opens and never joins (``test_pushes_under_load_round_trip_exactly``)."""
+
+
+class WeightServers:
+    """One server per backend on the looper, shared by the checks whose server needs no settings of its own (the
+    session-bounds check sets its bounds and the stranger check its API key: those start their own). Each check
+    gets it with the original checkpoint reloaded from disk (a check that pushed leaves its weights behind; the
+    reload resets the prefix cache too), and a server a check killed (the under-load check kills vLLM's engine core
+    to see ``/health`` say so; it runs last in this file) is started again for the next one."""
+
+    def __init__(self, pool) -> None:
+        self.pool, self.running = pool, {}
+
+    def checkout(self, backend: str):
+        import httpx
+
+        from engine.client import launch_server
+
+        looper = str(fixture_path("tiny-looper"))
+        server = self.running.get(backend)
+        if server is not None and not healthy(server):
+            self.running.pop(backend).stop()
+            server = None
+        if server is None:
+            server = self.running[backend] = launch_server({**self.pool.config(backend, looper),
+                                                            "serve": dict(SHARED_SERVE)})
+        elif backend != "llamacpp":  # llama.cpp loads no learner's weights: nothing to put back
+            reply = httpx.post(f"{server.url}/update_weights_from_disk", json={"model_path": looper}, timeout=120)
+            assert reply.status_code == 200, f"the shared server did not reload the looper: {reply.text[:400]}"
+        return server
+
+    def close(self) -> None:
+        for server in self.running.values():
+            server.stop()
+        self.running.clear()
+
+
+def healthy(server) -> bool:
+    import httpx
+
+    if server.process.poll() is not None:
+        return False
+    try:
+        return httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def weight_servers(pool):
+    servers = WeightServers(pool)
+    yield servers
+    servers.close()
+
+
+@pytest.fixture
+def weight_server(weight_servers, backend):
+    """``weight_server()``: this backend's shared server, once the check has passed its own skips (so a check that
+    skips starts nothing)."""
+    return lambda: weight_servers.checkout(backend)
+
+
 def needs_weight_loading(backend: str) -> None:
     """Skip, with the reason, a backend that cannot run here or loads no learner's weights (llama.cpp: refused by
     name, which test_pushed_weights_answer_like_the_perturbed_checkpoint checks)."""
@@ -72,137 +138,43 @@ def originals(changed: dict) -> dict:
             if name in changed}
 
 
-def test_pushed_weights_answer_like_the_perturbed_checkpoint(pool, backend, perturbed):
+def test_pushed_weights_answer_like_the_perturbed_checkpoint(pool, backend, perturbed, weight_server):
     import httpx
     from swift.rlhf_trainers.utils import FlattenedTensorBucket
     from swift.rlhf_trainers.vllm_client import VLLMClient
 
     from conformance.kit.availability import unavailable_reason
-    from engine.client import RolloutClient, launch_server
+    from engine.client import RolloutClient
     from engine.weights.sync import WeightSyncClient
 
     if unavailable_reason(backend):
         pytest.skip(unavailable_reason(backend))
     path, changed = perturbed
-    looper = str(fixture_path("tiny-looper"))
-    handle = launch_server({**pool.config(backend, looper), "serve": {"port": 0}})
-    try:
-        if backend == "llamacpp":  # no weight loading there: refused by name, nothing joins a group
-            reply = httpx.post(f"{handle.url}/init_communicator/", json={"host": "127.0.0.1", "port": 29999,
-                                                                         "world_size": 2}, timeout=30)
-            assert reply.status_code == 400 and "cannot load a learner's weights" in reply.text
-            return
-        with RolloutClient(handle.url, health_timeout=30) as client:
-            before = client.infer(PROMPTS, GREEDY)
-            with WeightSyncClient(handle.url, transport="tcp") as sync:
-                sync.update_named_param(NAMED, changed[NAMED])
-                bucket = FlattenedTensorBucket(named_tensors=[(name, changed[name]) for name in BUCKET])
-                sync.update_flattened_params(bucket.get_metadata(), bucket.get_flattened_tensor())
-                swift = VLLMClient(base_urls=[handle.url], connection_timeout=30)
-                keys = swift.get_model_state_keys()
-                swift.reset_prefix_cache()
-                swift.reset_encoder_cache()  # what swift's trainer calls after every update, with the mm reset
-                swift.reset_mm_cache()
-            after = client.infer(PROMPTS, GREEDY)
-    finally:
-        handle.stop()
+    handle = weight_server()
+    if backend == "llamacpp":  # no weight loading there: refused by name, nothing joins a group
+        reply = httpx.post(f"{handle.url}/init_communicator/", json={"host": "127.0.0.1", "port": 29999,
+                                                                     "world_size": 2}, timeout=30)
+        assert reply.status_code == 400 and "cannot load a learner's weights" in reply.text
+        return
+    with RolloutClient(handle.url, health_timeout=30) as client:
+        before = client.infer(PROMPTS, GREEDY)
+        with WeightSyncClient(handle.url, transport="tcp") as sync:
+            sync.update_named_param(NAMED, changed[NAMED])
+            bucket = FlattenedTensorBucket(named_tensors=[(name, changed[name]) for name in BUCKET])
+            sync.update_flattened_params(bucket.get_metadata(), bucket.get_flattened_tensor())
+            swift = VLLMClient(base_urls=[handle.url], connection_timeout=30)
+            keys = swift.get_model_state_keys()
+            swift.reset_prefix_cache()
+            swift.reset_encoder_cache()  # what swift's trainer calls after every update, with the mm reset
+            swift.reset_mm_cache()
+        after = client.infer(PROMPTS, GREEDY)
     assert any(name.startswith("model.layers.0.") for name in keys) and "model.norm.weight" in keys
     expected = pool.engine(backend, path).generate(PROMPTS, options={"max_new_tokens": GREEDY["max_tokens"]})
     assert [r.token_ids for r in after] == [r.token_ids for r in expected], "served answers after the push"
     assert [r.token_ids for r in before] != [r.token_ids for r in after], "the push changed no answer"
 
 
-def push(sync, tensors: dict) -> None:
-    """One training step's push as the test's learner sends it: the named tensor, then one swift bucket."""
-    from swift.rlhf_trainers.utils import FlattenedTensorBucket
-
-    sync.update_named_param(NAMED, tensors[NAMED])
-    bucket = FlattenedTensorBucket(named_tensors=[(name, tensors[name]) for name in BUCKET])
-    sync.update_flattened_params(bucket.get_metadata(), bucket.get_flattened_tensor())
-    sync.reset_prefix_cache()  # what swift's trainer calls after every update; the session ends here
-
-
-def test_pushes_under_load_round_trip_exactly(pool, backend, perturbed):
-    """The GRPO loop as trainers run it: rollouts in flight while the learner pushes (this killed vLLM's engine
-    core: its layerwise reload ran under a generating batch), three cycles of perturbed weights and the original ones
-    back. Every in-flight row runs on one set of weights (old or new, never a mix); after each round trip the
-    answers and logprobs equal the ones before, bit for bit in float32; pushing the same weights again changes
-    nothing; ``/health`` still answers ok (and would say ``dead`` otherwise)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import httpx
-
-    from engine.client import RolloutClient, launch_server
-    from engine.weights.sync import WeightSyncClient
-
-    needs_weight_loading(backend)
-    _, changed = perturbed
-    looper = str(fixture_path("tiny-looper"))
-    original = originals(changed)
-    scored = {**GREEDY, "logprobs": True, "top_logprobs": 2}
-    long = {**GREEDY, "max_tokens": 48}
-    handle = launch_server({**pool.config(backend, looper), "serve": {"port": 0, "weight_sync_join_timeout_s": 5}})
-    try:
-        with RolloutClient(handle.url, health_timeout=30) as client:
-            # A learner that opens a group and never joins: generation goes on (it used to wait up to 300 s for the
-            # join, on HF's batcher thread or in vLLM's engine core), and no address but loopback or the server's own
-            # is bound.
-            stranger = httpx.post(f"{handle.url}/init_communicator/", timeout=30,
-                                  json={"host": "203.0.113.9", "port": 29555, "world_size": 2, "transport": "tcp"})
-            assert stranger.status_code == 400 and stranger.json()["error"]["param"] == "host", stranger.text
-            opened = httpx.post(f"{handle.url}/init_communicator/", timeout=30,
-                                json={"host": "0.0.0.0", "port": 29556, "world_size": 2, "transport": "tcp"})
-            assert opened.status_code == 200, opened.text
-            waiting = httpx.post(f"{handle.url}/infer/", timeout=15, json={
-                "infer_requests": [{"messages": PROMPTS[0]}], "request_config": {"max_tokens": 4}})
-            assert waiting.status_code == 200, waiting.text
-            httpx.post(f"{handle.url}/close_communicator/", timeout=30)
-
-            def answers():  # one prompt at a time: bit-exact needs the same batches (vLLM is not batch invariant)
-                return [(r.token_ids, r.logprobs) for p in PROMPTS for r in client.infer([p], scored)]
-
-            def rows(during):
-                return [r.token_ids for r in during]
-
-            before = answers()
-            old_long = rows(client.infer(PROMPTS, long))
-            with WeightSyncClient(handle.url, transport="tcp") as sync:
-                push(sync, changed)
-                new_long = rows(client.infer(PROMPTS, long))
-                push(sync, original)
-                assert answers() == before, "answers after pushing the original weights back"
-                for cycle in range(3):
-                    with ThreadPoolExecutor(len(PROMPTS)) as threads:
-                        flying = [threads.submit(client.infer, [p], long) for p in PROMPTS]
-                        push(sync, changed)
-                        landed = [f.result()[0].token_ids for f in flying]
-                    for i, got in enumerate(landed):
-                        assert got in (old_long[i], new_long[i]), f"cycle {cycle} row {i}: a mix of two weight sets"
-                    assert rows(client.infer(PROMPTS, long)) == new_long, f"cycle {cycle}: the push did not land"
-                    push(sync, original)
-                    assert answers() == before, f"cycle {cycle}: the round trip is not exact"
-                push(sync, original)
-                assert answers() == before, "pushing the weights already loaded changed an answer"
-            health = httpx.get(f"{handle.url}/health", timeout=30)
-            if backend == "vllm":  # an engine core that died: /health must say so (it answered 200 before)
-                import psutil
-
-                for child in psutil.Process(handle.process.pid).children(recursive=True):
-                    child.kill()
-                dead = httpx.get(f"{handle.url}/health", timeout=30)
-                for _ in range(100):
-                    if dead.status_code != 200:
-                        break
-                    time.sleep(0.1)
-                    dead = httpx.get(f"{handle.url}/health", timeout=30)
-                assert dead.status_code == 503 and dead.json()["status"] == "dead", dead.text
-    finally:
-        handle.stop()
-    assert old_long != new_long, "the perturbed weights changed no answer: the check has no teeth"
-    assert health.status_code == 200 and health.json()["status"] == "ok", health.text
-
-
-def test_vllm_routes_and_disk_reload_round_trip_exactly(pool, backend, perturbed):
+def test_vllm_routes_and_disk_reload_round_trip_exactly(pool, backend, perturbed, weight_server):
     """Issue 61: the weight updates RL clients of vLLM's API send. Through vLLM's four routes (the trainer is rank 0
     of the group, tensors listed in one ``/update_weights``), answers equal the perturbed checkpoint's, and the
     original weights pushed back give the first answers bit for bit (tokens and float32 logprobs); the same through a
@@ -212,7 +184,7 @@ def test_vllm_routes_and_disk_reload_round_trip_exactly(pool, backend, perturbed
     import httpx
 
     from conformance.kit.availability import unavailable_reason
-    from engine.client import RolloutClient, launch_server
+    from engine.client import RolloutClient
     from engine.weights.transfer import WeightTransferClient
 
     if unavailable_reason(backend):
@@ -221,67 +193,64 @@ def test_vllm_routes_and_disk_reload_round_trip_exactly(pool, backend, perturbed
     looper = str(fixture_path("tiny-looper"))
     original = originals(changed)
     scored = {**GREEDY, "logprobs": True, "top_logprobs": 2}
-    handle = launch_server({**pool.config(backend, looper), "serve": {"port": 0, "weight_sync_join_timeout_s": 10}})
-    try:
-        info = httpx.get(f"{handle.url}/server_info?config_format=json", timeout=30).json()
-        transfer = info["vllm_config"]["weight_transfer_config"]
-        if backend == "llamacpp":
-            refused = [httpx.post(f"{handle.url}{route}", json=body, timeout=30) for route, body in (
-                ("/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1", "master_port": 29999,
-                                                                "rank_offset": 1, "world_size": 2}}),
-                ("/update_weights_from_disk", {"model_path": path}))]
-            assert transfer is None
-            assert all(r.status_code == 400 and "cannot load a learner's weights" in r.text for r in refused)
-            return
-        assert transfer == {"backend": "tcp"}, info
-        bad = {
-            "init_info.master_address": ("/init_weight_transfer_engine", {"init_info": {
-                "master_address": "203.0.113.9", "master_port": 29557, "rank_offset": 1, "world_size": 2}}),
-            "init_info.world_size": ("/init_weight_transfer_engine", {"init_info": {
-                "master_address": "127.0.0.1", "master_port": 29557, "rank_offset": 1, "world_size": 5}}),
-            "init_info.packed": ("/init_weight_transfer_engine", {"init_info": {
-                "master_address": "127.0.0.1", "master_port": 29557, "rank_offset": 1, "world_size": 2,
-                "transport": "tcp", "packed": True}}),
-            "model_path": ("/update_weights_from_disk", {"model_path": "/nonexistent/checkpoint"}),
-            "load_format": ("/update_weights_from_disk", {"model_path": path, "load_format": "gguf"}),
-        }
-        for param, (route, body) in bad.items():
-            reply = httpx.post(f"{handle.url}{route}", json=body, timeout=30)
-            assert reply.status_code == 400 and reply.json()["error"]["param"] == param, (param, reply.text)
-        early = httpx.post(f"{handle.url}/update_weights", timeout=30, json={"update_info": {
-            "names": [NAMED], "dtype_names": ["float32"], "shapes": [list(changed[NAMED].shape)]}})
-        assert early.status_code == 409 and "init_weight_transfer_engine" in early.text, early.text
-        with RolloutClient(handle.url, health_timeout=30) as client:
-            def answers():  # one prompt at a time: bit-exact needs the same batches (vLLM is not batch invariant)
-                return [(r.token_ids, r.logprobs) for p in PROMPTS for r in client.infer([p], scored)]
+    handle = weight_server()
+    info = httpx.get(f"{handle.url}/server_info?config_format=json", timeout=30).json()
+    transfer = info["vllm_config"]["weight_transfer_config"]
+    if backend == "llamacpp":
+        refused = [httpx.post(f"{handle.url}{route}", json=body, timeout=30) for route, body in (
+            ("/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1", "master_port": 29999,
+                                                            "rank_offset": 1, "world_size": 2}}),
+            ("/update_weights_from_disk", {"model_path": path}))]
+        assert transfer is None
+        assert all(r.status_code == 400 and "cannot load a learner's weights" in r.text for r in refused)
+        return
+    assert transfer == {"backend": "tcp"}, info
+    bad = {
+        "init_info.master_address": ("/init_weight_transfer_engine", {"init_info": {
+            "master_address": "203.0.113.9", "master_port": 29557, "rank_offset": 1, "world_size": 2}}),
+        "init_info.world_size": ("/init_weight_transfer_engine", {"init_info": {
+            "master_address": "127.0.0.1", "master_port": 29557, "rank_offset": 1, "world_size": 5}}),
+        "init_info.packed": ("/init_weight_transfer_engine", {"init_info": {
+            "master_address": "127.0.0.1", "master_port": 29557, "rank_offset": 1, "world_size": 2,
+            "transport": "tcp", "packed": True}}),
+        "model_path": ("/update_weights_from_disk", {"model_path": "/nonexistent/checkpoint"}),
+        "load_format": ("/update_weights_from_disk", {"model_path": path, "load_format": "gguf"}),
+    }
+    for param, (route, body) in bad.items():
+        reply = httpx.post(f"{handle.url}{route}", json=body, timeout=30)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, (param, reply.text)
+    early = httpx.post(f"{handle.url}/update_weights", timeout=30, json={"update_info": {
+        "names": [NAMED], "dtype_names": ["float32"], "shapes": [list(changed[NAMED].shape)]}})
+    assert early.status_code == 409 and "init_weight_transfer_engine" in early.text, early.text
+    with RolloutClient(handle.url, health_timeout=30) as client:
+        def answers():  # one prompt at a time: bit-exact needs the same batches (vLLM is not batch invariant)
+            return [(r.token_ids, r.logprobs) for p in PROMPTS for r in client.infer([p], scored)]
 
-            def update(sync, tensors, version):
-                with sync.weight_update():
-                    sync.update_named_params([(n, "float32", list(t.shape)) for n, t in tensors.items()],
-                                             iter(tensors.items()))
-                httpx.post(f"{handle.url}/finish_weight_update", json={"weight_version": version}, timeout=30)
-                sync.reset_prefix_cache()
+        def update(sync, tensors, version):
+            with sync.weight_update():
+                sync.update_named_params([(n, "float32", list(t.shape)) for n, t in tensors.items()],
+                                         iter(tensors.items()))
+            httpx.post(f"{handle.url}/finish_weight_update", json={"weight_version": version}, timeout=30)
+            sync.reset_prefix_cache()
 
-            before = answers()
-            with WeightTransferClient(handle.url, transport="tcp") as sync:
-                listed = httpx.post(f"{handle.url}/update_weights", timeout=30, json={"update_info": {
-                    "names": [NAMED], "dtype_names": ["float32", "float32"], "shapes": [[1]]}})
-                assert listed.status_code == 400 and listed.json()["error"]["param"] == "update_info.dtype_names"
-                update(sync, changed, "step-1")
-                pushed = answers()
-                version = httpx.get(f"{handle.url}/weight_info", timeout=30).json()
-                update(sync, original, "step-2")
-                back = answers()
-            from_disk = httpx.post(f"{handle.url}/update_weights_from_disk", json={"model_path": path,
-                                                                                   "weight_version": "disk-1"},
-                                   timeout=120)
-            assert from_disk.status_code == 200 and from_disk.json()["success"] is True, from_disk.text
-            disk_answers = answers()
-            restored = httpx.post(f"{handle.url}/update_weights_from_disk", json={"model_path": looper}, timeout=120)
-            assert restored.status_code == 200, restored.text
-            disk_back = answers()
-    finally:
-        handle.stop()
+        before = answers()
+        with WeightTransferClient(handle.url, transport="tcp") as sync:
+            listed = httpx.post(f"{handle.url}/update_weights", timeout=30, json={"update_info": {
+                "names": [NAMED], "dtype_names": ["float32", "float32"], "shapes": [[1]]}})
+            assert listed.status_code == 400 and listed.json()["error"]["param"] == "update_info.dtype_names"
+            update(sync, changed, "step-1")
+            pushed = answers()
+            version = httpx.get(f"{handle.url}/weight_info", timeout=30).json()
+            update(sync, original, "step-2")
+            back = answers()
+        from_disk = httpx.post(f"{handle.url}/update_weights_from_disk", json={"model_path": path,
+                                                                               "weight_version": "disk-1"},
+                               timeout=120)
+        assert from_disk.status_code == 200 and from_disk.json()["success"] is True, from_disk.text
+        disk_answers = answers()
+        restored = httpx.post(f"{handle.url}/update_weights_from_disk", json={"model_path": looper}, timeout=120)
+        assert restored.status_code == 200, restored.text
+        disk_back = answers()
     expected = pool.engine(backend, path).generate(PROMPTS, options={"max_new_tokens": GREEDY["max_tokens"]})
     assert [ids for ids, _ in pushed] == [r.token_ids for r in expected], "answers after vLLM's routes' update"
     assert pushed != before, "the update changed no answer: the check has no teeth"
@@ -291,6 +260,9 @@ def test_vllm_routes_and_disk_reload_round_trip_exactly(pool, backend, perturbed
     assert disk_back == before, "the original checkpoint reloaded from disk does not answer as before"
 
 
+@pytest.mark.quick_on("hf", reason=(
+    "the session bounds are the server's weight-sync layer, one code for HF and vLLM (engine/serve/rollout/), and this "
+    "check's own server starts in 6 s on HF against 25 s on vLLM"))
 def test_a_learner_holds_rollouts_no_longer_than_the_session_bounds(pool, backend):
     """Hostile round 3 (issue 61), on a keyless server: (1) a group nobody joins plus one announced push held every
     generation for 75 s (the join timeout, not the session's 30 s): now the push's deadline is the session timeout and
@@ -395,6 +367,9 @@ print("written", store.num_keys(), flush=True)
 that runs ``touch <marker>`` when read, under every key the old transport's reader took values from."""
 
 
+@pytest.mark.quick_on("hf", reason=(
+    "the group's store and what the server reads from it are the engine's own channel (engine/weights/channel.py), "
+    "one code for HF and vLLM, and this check's keyed server starts in 6 s on HF against 25 s on vLLM"))
 def test_a_stranger_in_the_group_store_runs_nothing(pool, backend, perturbed, tmp_path):
     """Hostile round 4's attack, with ``ENGINE_API_KEY`` set: while a learner's group is open and the server waits
     for a pushed tensor, a keyless local process writes pickles into the group's store. The server reads only keys
@@ -482,41 +457,130 @@ def refused_folders(root, changed: dict) -> dict:
     }
 
 
-def test_a_refused_reload_leaves_the_old_weights_serving(pool, backend, perturbed, tmp_path):
+@pytest.mark.quick_on("vllm", reason=(
+    "vLLM is where these folders killed the engine core or answered garbage ever after (hostile round 4); it shares "
+    "the module's vLLM server"))
+def test_a_refused_reload_leaves_the_old_weights_serving(pool, backend, perturbed, weight_server, tmp_path):
     """``/update_weights_from_disk`` checks a folder by its safetensors headers (names, shapes, whole fused layers,
     floating dtypes, regular files) and its values (finite) before anything is written: each bad folder is a 400
     naming the parameter, answered at once (a FIFO does not hold the server), and after all of them the server
     answers every prompt as before, bit for bit; the original folder then reloads with 200 (the engine is alive)."""
     import httpx
 
-    from engine.client import RolloutClient, launch_server
+    from engine.client import RolloutClient
 
     needs_weight_loading(backend)
     _, changed = perturbed
     looper = str(fixture_path("tiny-looper"))
     cases = refused_folders(tmp_path, changed)
-    handle = launch_server({**pool.config(backend, looper), "serve": {"port": 0}})
-    try:
-        with RolloutClient(handle.url, health_timeout=30) as client:
-            before = [r.token_ids for r in client.infer(PROMPTS, GREEDY)]
-            for case, (path, param, phrase, backends) in cases.items():
-                began = time.monotonic()
-                reply = httpx.post(f"{handle.url}/update_weights_from_disk", json={"model_path": path}, timeout=60)
-                took = time.monotonic() - began
-                if backend not in backends:  # HF loads projections one by one: a lone q_proj is a whole push there
-                    assert reply.status_code == 200, f"{case}: {reply.text[:400]}"
-                    continue
-                assert reply.status_code == 400, f"{case}: {reply.status_code} {reply.text[:400]}"
-                message = reply.json()["error"]["message"]
-                assert phrase in message and (param is None or param in message), f"{case}: {message}"
-                assert took < 10, f"{case}: answered after {took:.1f} s"
-                assert [r.token_ids for r in client.infer(PROMPTS[:1], GREEDY)] == before[:1], f"after {case}"
-            after = [r.token_ids for r in client.infer(PROMPTS, GREEDY)]
-            reload = httpx.post(f"{handle.url}/update_weights_from_disk", json={"model_path": looper}, timeout=120)
-            again = [r.token_ids for r in client.infer(PROMPTS, GREEDY)]
-            health = httpx.get(f"{handle.url}/health", timeout=30)
-    finally:
-        handle.stop()
+    handle = weight_server()
+    with RolloutClient(handle.url, health_timeout=30) as client:
+        before = [r.token_ids for r in client.infer(PROMPTS, GREEDY)]
+        for case, (path, param, phrase, backends) in cases.items():
+            began = time.monotonic()
+            reply = httpx.post(f"{handle.url}/update_weights_from_disk", json={"model_path": path}, timeout=60)
+            took = time.monotonic() - began
+            if backend not in backends:  # HF loads projections one by one: a lone q_proj is a whole push there
+                assert reply.status_code == 200, f"{case}: {reply.text[:400]}"
+                continue
+            assert reply.status_code == 400, f"{case}: {reply.status_code} {reply.text[:400]}"
+            message = reply.json()["error"]["message"]
+            assert phrase in message and (param is None or param in message), f"{case}: {message}"
+            assert took < 10, f"{case}: answered after {took:.1f} s"
+            assert [r.token_ids for r in client.infer(PROMPTS[:1], GREEDY)] == before[:1], f"after {case}"
+        after = [r.token_ids for r in client.infer(PROMPTS, GREEDY)]
+        reload = httpx.post(f"{handle.url}/update_weights_from_disk", json={"model_path": looper}, timeout=120)
+        again = [r.token_ids for r in client.infer(PROMPTS, GREEDY)]
+        health = httpx.get(f"{handle.url}/health", timeout=30)
     assert after == before, "a refused reload changed the served answers"
     assert reload.status_code == 200 and again == before, reload.text[:400]
+    assert health.status_code == 200 and health.json()["status"] == "ok", health.text
+
+
+def push(sync, tensors: dict) -> None:
+    """One training step's push as the test's learner sends it: the named tensor, then one swift bucket."""
+    from swift.rlhf_trainers.utils import FlattenedTensorBucket
+
+    sync.update_named_param(NAMED, tensors[NAMED])
+    bucket = FlattenedTensorBucket(named_tensors=[(name, tensors[name]) for name in BUCKET])
+    sync.update_flattened_params(bucket.get_metadata(), bucket.get_flattened_tensor())
+    sync.reset_prefix_cache()  # what swift's trainer calls after every update; the session ends here
+
+
+@pytest.mark.quick_on("vllm", reason=(
+    "vLLM is where a push under a generating batch killed the engine core, and only there /health must say dead; it "
+    "shares the module's vLLM server, last"))
+def test_pushes_under_load_round_trip_exactly(pool, backend, perturbed, weight_server):
+    """The GRPO loop as trainers run it: rollouts in flight while the learner pushes (this killed vLLM's engine
+    core: its layerwise reload ran under a generating batch), three cycles of perturbed weights and the original ones
+    back. Every in-flight row runs on one set of weights (old or new, never a mix); after each round trip the
+    answers and logprobs equal the ones before, bit for bit in float32; pushing the same weights again changes
+    nothing; ``/health`` still answers ok (and would say ``dead`` otherwise)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from engine.client import RolloutClient
+    from engine.weights.sync import WeightSyncClient
+
+    needs_weight_loading(backend)
+    _, changed = perturbed
+    original = originals(changed)
+    scored = {**GREEDY, "logprobs": True, "top_logprobs": 2}
+    long = {**GREEDY, "max_tokens": 48}
+    handle = weight_server()
+    with RolloutClient(handle.url, health_timeout=30) as client:
+        # A learner that opens a group and never joins: generation goes on (it used to wait up to 300 s for the
+        # join, on HF's batcher thread or in vLLM's engine core), and no address but loopback or the server's own
+        # is bound.
+        stranger = httpx.post(f"{handle.url}/init_communicator/", timeout=30,
+                              json={"host": "203.0.113.9", "port": 29555, "world_size": 2, "transport": "tcp"})
+        assert stranger.status_code == 400 and stranger.json()["error"]["param"] == "host", stranger.text
+        opened = httpx.post(f"{handle.url}/init_communicator/", timeout=30,
+                            json={"host": "0.0.0.0", "port": 29556, "world_size": 2, "transport": "tcp"})
+        assert opened.status_code == 200, opened.text
+        waiting = httpx.post(f"{handle.url}/infer/", timeout=15, json={
+            "infer_requests": [{"messages": PROMPTS[0]}], "request_config": {"max_tokens": 4}})
+        assert waiting.status_code == 200, waiting.text
+        httpx.post(f"{handle.url}/close_communicator/", timeout=30)
+
+        def answers():  # one prompt at a time: bit-exact needs the same batches (vLLM is not batch invariant)
+            return [(r.token_ids, r.logprobs) for p in PROMPTS for r in client.infer([p], scored)]
+
+        def rows(during):
+            return [r.token_ids for r in during]
+
+        before = answers()
+        old_long = rows(client.infer(PROMPTS, long))
+        with WeightSyncClient(handle.url, transport="tcp") as sync:
+            push(sync, changed)
+            new_long = rows(client.infer(PROMPTS, long))
+            push(sync, original)
+            assert answers() == before, "answers after pushing the original weights back"
+            for cycle in range(3):
+                with ThreadPoolExecutor(len(PROMPTS)) as threads:
+                    flying = [threads.submit(client.infer, [p], long) for p in PROMPTS]
+                    push(sync, changed)
+                    landed = [f.result()[0].token_ids for f in flying]
+                for i, got in enumerate(landed):
+                    assert got in (old_long[i], new_long[i]), f"cycle {cycle} row {i}: a mix of two weight sets"
+                assert rows(client.infer(PROMPTS, long)) == new_long, f"cycle {cycle}: the push did not land"
+                push(sync, original)
+                assert answers() == before, f"cycle {cycle}: the round trip is not exact"
+            push(sync, original)
+            assert answers() == before, "pushing the weights already loaded changed an answer"
+        health = httpx.get(f"{handle.url}/health", timeout=30)
+        if backend == "vllm":  # an engine core that died: /health must say so (it answered 200 before)
+            import psutil
+
+            for child in psutil.Process(handle.process.pid).children(recursive=True):
+                child.kill()
+            dead = httpx.get(f"{handle.url}/health", timeout=30)
+            for _ in range(100):
+                if dead.status_code != 200:
+                    break
+                time.sleep(0.1)
+                dead = httpx.get(f"{handle.url}/health", timeout=30)
+            assert dead.status_code == 503 and dead.json()["status"] == "dead", dead.text
+    assert old_long != new_long, "the perturbed weights changed no answer: the check has no teeth"
     assert health.status_code == 200 and health.json()["status"] == "ok", health.text
