@@ -539,9 +539,14 @@ def test_pushes_under_load_round_trip_exactly(pool, backend, perturbed, weight_s
         opened = httpx.post(f"{handle.url}/init_communicator/", timeout=30,
                             json={"host": "0.0.0.0", "port": 29556, "world_size": 2, "transport": "tcp"})
         assert opened.status_code == 200, opened.text
-        waiting = httpx.post(f"{handle.url}/infer/", timeout=15, json={
+        join_s = SHARED_SERVE["weight_sync_join_timeout_s"]
+        began = time.monotonic()
+        waiting = httpx.post(f"{handle.url}/infer/", timeout=join_s + 5, json={
             "infer_requests": [{"messages": PROMPTS[0]}], "request_config": {"max_tokens": 4}})
+        waited = time.monotonic() - began
         assert waiting.status_code == 200, waiting.text
+        # the bound is the join timeout this server was given: a generation that waited for the join would reach it
+        assert waited < join_s / 2, f"a generation waited {waited:.1f} s on a group nobody joined (join {join_s} s)"
         httpx.post(f"{handle.url}/close_communicator/", timeout=30)
 
         def answers():  # one prompt at a time: bit-exact needs the same batches (vLLM is not batch invariant)
