@@ -275,6 +275,10 @@ BAD_BODIES = [
     ({"infer_requests": [{"messages": MIXED[0]}], "engine": {"options": {"min_new_tokens": -1}}},
      "engine.options.min_new_tokens"),
     ({"infer_requests": [{"messages": MIXED[0]}], "engine": {"plugins": [{"name": "nope"}]}}, "engine.plugins[0].name"),
+    ({"infer_requests": [{"messages": MIXED[0]}],
+      "engine": {"repeat_terminate": {"ngram_size": 1, "ngram_repeats": 2}}}, "engine.repeat_terminate.ngram_size"),
+    ({"infer_requests": [{"messages": MIXED[0]}], "engine": {"repeat_terminate": {"ngram_sise": 3}}},
+     "engine.repeat_terminate.ngram_sise"),
 ]
 
 
@@ -291,6 +295,25 @@ def test_bad_requests_are_refused_naming_the_field_and_generate_nothing(server):
     assert generated_sequences(server.url) == before, "a refused request generated something"
     good = post(server.url, {"infer_requests": [{"messages": MIXED[0]}], "request_config": GREEDY})
     assert good.status_code == 200  # refusals did not poison the server
+
+
+def test_a_request_lays_its_own_guard_over_the_servers(server, pool, backend, looper_path, reference):
+    """``engine.repeat_terminate`` sets one request's guard over the server's start-up one, field by field (the vLLM
+    plugin's rule): ``enabled: false`` gives the unguarded engine's rows, a stricter threshold the rows of an engine
+    configured with it; the next request without the field gets the server's guard again."""
+    from engine.client import RolloutClient
+
+    free = pool.reference(backend, looper_path).generate(MIXED, options=BUDGET)
+    stricter = {**LOOP_GUARD, "min_new_tokens": 12}
+    gated = pool.reference(backend, looper_path, repeat_terminate=stricter).generate(MIXED, options=BUDGET)
+    assert [r.token_ids for r in gated] != [r.token_ids for r in free], "the stricter guard must fire on MIXED"
+    with RolloutClient(server.url, repeat_terminate=LOOP_GUARD, namespace=NS, health_timeout=30) as client:
+        off = client.infer(MIXED, engine={"options": BUDGET, "repeat_terminate": {"enabled": False}})
+        later = client.infer(MIXED, engine={"options": BUDGET, "repeat_terminate": {"min_new_tokens": 12}})
+        again = client.infer(MIXED, engine={"options": BUDGET})
+    assert_served_equal(off, free, what=f"{backend}: enabled false over the server's guard vs unguarded")
+    assert_served_equal(later, gated, what=f"{backend}: min_new_tokens 12 over the server's guard vs configured")
+    assert_served_equal(again, reference.generate(MIXED, options=BUDGET), what=f"{backend}: the server's guard")
 
 
 def test_client_refuses_a_server_whose_guard_differs(server):

@@ -29,9 +29,10 @@ from engine.backends.guard import check_guard_can_run
 from engine.completion import PromptLike, check_scored, plain_prompts
 from engine.config import EngineConfig, GenerationOptions, PixelBudget, StopPolicy
 from engine.config.generation import MAX_LOGPROBS
+from engine.config.repeat import RepeatTerminateConfig
 from engine.errors import ConfigError, PluginCompatibilityError, RequestError, UnsupportedCapabilityError
 from engine.loading import load_processor, load_tokenizer
-from engine.planning import plan_options, plan_rules, plan_schema, plan_stop
+from engine.planning import plan_guard, plan_options, plan_rules, plan_schema, plan_stop
 from engine.plugins import POST_DECODE, Plugin, PluginContext, create_plugins
 from engine.results import ResultBuilder
 from engine.rules.min_length import is_sentence_end_token
@@ -48,6 +49,7 @@ VisionRequestLike = VisionRequest | Sequence[Mapping[str, Any]]
 OptionsLike = GenerationOptions | Mapping[str, Any] | None
 StopLike = StopPolicy | Mapping[str, Any] | None
 PluginsLike = Sequence[Plugin | Mapping[str, Any]] | None
+RepeatLike = RepeatTerminateConfig | Mapping[str, Any] | None
 SchemaLike = Mapping[str, Any] | str | None
 
 ProcessingLike = Processing | GenerationOptions | Mapping[str, Any] | None
@@ -268,25 +270,27 @@ class GenerationEngine:
     # -- validation and rendering (nothing generated) --------------------------------------------------
 
     def _plan(self, options: OptionsLike, stop: StopLike, pixels: PixelBudget | Mapping[str, Any] | None,
-              backend: Backend, plugins: Sequence[Plugin] = (), json_schema: SchemaLike = None) -> SamplingPlan:
+              backend: Backend, plugins: Sequence[Plugin] = (), json_schema: SchemaLike = None,
+              repeat_terminate: RepeatLike = None) -> SamplingPlan:
         """The call's plan, every decision made before generation (``engine.planning``: one function each)."""
         schema = plan_schema(json_schema, backend, lambda: self.tokenizer)
         served_mode = self.config.model.logprobs_mode
         opts = plan_options(self.config.generation, options, backend, served_mode)
         policy, exact = plan_stop(self.config.stop, stop, lambda: len(self.tokenizer), self._special_texts())
         budget = self.config.vision.merged(pixels)
-        rules = plan_rules(self.config.repeat_terminate, plugins, opts, backend.name,
+        guard = plan_guard(self.config.repeat_terminate, repeat_terminate, backend)
+        rules = plan_rules(guard, plugins, opts, backend.name,
                            lambda: self._plugin_context(plugins))
         return SamplingPlan(options=opts, stop=policy, eos_token_ids=self.load_info.eos_token_ids, pixels=budget,
                             rules=rules, json_schema=schema, logprobs_mode=served_mode, special_stops=exact)
 
     def prepare(self, requests: Sequence[RequestLike], *, options: OptionsLike = None, stop: StopLike = None,
-                plugins: PluginsLike = None,
-                json_schema: SchemaLike = None) -> tuple[list[RenderedPrompt], SamplingPlan]:
+                plugins: PluginsLike = None, json_schema: SchemaLike = None,
+                repeat_terminate: RepeatLike = None) -> tuple[list[RenderedPrompt], SamplingPlan]:
         """Validate text requests, options and plugins and render prompts; raises before any generation."""
         active = self._plugins(plugins)
         self._check_plugins(active, self.backend.name, self.backend.capabilities.hooks, kinds="text")
-        plan = self._plan(options, stop, None, self.backend, active, json_schema)
+        plan = self._plan(options, stop, None, self.backend, active, json_schema, repeat_terminate)
         checked = [ChatRequest.of(r, index=i) for i, r in enumerate(requests)]
         self._check_size(checked)
         rendered = [dataclasses.replace(render_prompt(self.tokenizer, r.messages, thinking=r.thinking), seed=r.seed)
@@ -319,30 +323,36 @@ class GenerationEngine:
     # -- generation ------------------------------------------------------------------------------------
 
     def generate(self, requests: Sequence[RequestLike], *, options: OptionsLike = None, stop: StopLike = None,
-                 plugins: PluginsLike = None, json_schema: SchemaLike = None) -> list[GenerationResult]:
+                 plugins: PluginsLike = None, json_schema: SchemaLike = None,
+                 repeat_terminate: RepeatLike = None) -> list[GenerationResult]:
         """Generate one result per text request, in order. ``options``/``stop`` override the config's fields;
         ``plugins`` (a list of ``{name: ..., <params>}``) replaces the engine's plugins for this call;
-        ``json_schema`` (a JSON Schema object) constrains every output to it by construction."""
-        rendered, plan = self.prepare(requests, options=options, stop=stop, plugins=plugins, json_schema=json_schema)
+        ``json_schema`` (a JSON Schema object) constrains every output to it by construction;
+        ``repeat_terminate`` (the guard's fields) is laid over the config's guard for this call
+        (:meth:`~engine.config.repeat.RepeatTerminateConfig.overlaid`: a threshold turns it on, ``{"enabled": false}``
+        off)."""
+        rendered, plan = self.prepare(requests, options=options, stop=stop, plugins=plugins, json_schema=json_schema,
+                                      repeat_terminate=repeat_terminate)
         return self._run(self.backend, prompts_of(rendered, plan), rendered, plan, fallback=None,
                          plugins=self._plugins(plugins))
 
     def complete(self, prompts: Sequence[PromptLike], *, options: OptionsLike = None, stop: StopLike = None,
-                 plugins: PluginsLike = None, json_schema: SchemaLike = None) -> list[GenerationResult]:
+                 plugins: PluginsLike = None, json_schema: SchemaLike = None,
+                 repeat_terminate: RepeatLike = None) -> list[GenerationResult]:
         """Continue plain prompts, no chat template: text (tokenized as is, no special tokens added) or token ids.
         Everything else is ``generate``'s pipeline (stops, guards, plugins, ``json_schema``)."""
         rendered, plan = self.prepare_plain(prompts, options=options, stop=stop, plugins=plugins,
-                                            json_schema=json_schema)
+                                            json_schema=json_schema, repeat_terminate=repeat_terminate)
         return self._run(self.backend, prompts_of(rendered, plan), rendered, plan, fallback=None,
                          plugins=self._plugins(plugins))
 
     def prepare_plain(self, prompts: Sequence[PromptLike], *, options: OptionsLike = None, stop: StopLike = None,
-                      plugins: PluginsLike = None,
-                      json_schema: SchemaLike = None) -> tuple[list[RenderedPrompt], SamplingPlan]:
+                      plugins: PluginsLike = None, json_schema: SchemaLike = None,
+                      repeat_terminate: RepeatLike = None) -> tuple[list[RenderedPrompt], SamplingPlan]:
         """``prepare`` for plain prompts (``complete``'s): validate and tokenize; raises before any generation."""
         active = self._plugins(plugins)
         self._check_plugins(active, self.backend.name, self.backend.capabilities.hooks, kinds="text")
-        plan = self._plan(options, stop, None, self.backend, active, json_schema)
+        plan = self._plan(options, stop, None, self.backend, active, json_schema, repeat_terminate)
         return plain_prompts(self.tokenizer, prompts, self.backend.capabilities.max_model_len), plan
 
     def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
@@ -395,22 +405,24 @@ class GenerationEngine:
 
     async def agenerate(self, requests: Sequence[RequestLike], *, options: OptionsLike = None, stop: StopLike = None,
                         plugins: PluginsLike = None, json_schema: SchemaLike = None,
+                        repeat_terminate: RepeatLike = None,
                         prepared: tuple[list[RenderedPrompt], SamplingPlan] | None = None) -> list[GenerationResult]:
         """``generate`` for asyncio callers: concurrent calls share the backend (vLLM's ``AsyncLLM`` with
         ``vllm.async_engine``; otherwise an :class:`~engine.batcher.AsyncBatcher` over the backend's batches).
         Validation happens first, in the caller, and raises before anything is generated; ``prepared`` (what
         :meth:`prepare` gave for these very arguments, e.g. in a worker thread) skips doing it again."""
         rendered, plan = prepared or self.prepare(requests, options=options, stop=stop, plugins=plugins,
-                                                  json_schema=json_schema)
+                                                  json_schema=json_schema, repeat_terminate=repeat_terminate)
         return await self._arun(rendered, plan, plugins)
 
     async def acomplete(self, prompts: Sequence[PromptLike], *, options: OptionsLike = None, stop: StopLike = None,
                         plugins: PluginsLike = None, json_schema: SchemaLike = None,
+                        repeat_terminate: RepeatLike = None,
                         prepared: tuple[list[RenderedPrompt], SamplingPlan] | None = None) -> list[GenerationResult]:
         """``complete`` for asyncio callers, batched as ``agenerate``. Validation raises first, in the caller;
         ``prepared`` (what :meth:`prepare_plain` gave for these very arguments) skips doing it again."""
         rendered, plan = prepared or self.prepare_plain(prompts, options=options, stop=stop, plugins=plugins,
-                                                        json_schema=json_schema)
+                                                        json_schema=json_schema, repeat_terminate=repeat_terminate)
         return await self._arun(rendered, plan, plugins)
 
     async def _arun(self, rendered: list[RenderedPrompt], plan: SamplingPlan,
@@ -426,23 +438,24 @@ class GenerationEngine:
                                    plugins=self._plugins(plugins))
 
     def astream(self, request: RequestLike, *, options: OptionsLike = None, stop: StopLike = None,
-                plugins: PluginsLike = None, json_schema: SchemaLike = None,
+                plugins: PluginsLike = None, json_schema: SchemaLike = None, repeat_terminate: RepeatLike = None,
                 prepared: tuple[list[RenderedPrompt], SamplingPlan] | None = None) -> ResultStream:
         """One text request as a stream of text deltas, the last carrying the ``GenerationResult``
         (see :class:`~engine.streaming.ResultStream`). Validation happens here, before anything is generated;
         the deltas concatenate to the result's ``text`` (the same text ``generate`` gives). ``prepared`` as in
         :meth:`agenerate` (of ``[request]``)."""
         rendered, plan = prepared or self.prepare([request], options=options, stop=stop, plugins=plugins,
-                                                  json_schema=json_schema)
+                                                  json_schema=json_schema, repeat_terminate=repeat_terminate)
         return ResultStream(self.results, self.backend, self.batcher, rendered[0], plan, self._plugins(plugins))
 
     def astream_complete(self, prompt: PromptLike, *, options: OptionsLike = None, stop: StopLike = None,
                          plugins: PluginsLike = None, json_schema: SchemaLike = None,
+                         repeat_terminate: RepeatLike = None,
                          prepared: tuple[list[RenderedPrompt], SamplingPlan] | None = None) -> ResultStream:
         """``astream`` for one plain prompt (``complete``'s): its deltas concatenate to ``complete``'s text;
         ``prepared`` as in :meth:`acomplete` (of ``[prompt]``)."""
         rendered, plan = prepared or self.prepare_plain([prompt], options=options, stop=stop, plugins=plugins,
-                                                        json_schema=json_schema)
+                                                        json_schema=json_schema, repeat_terminate=repeat_terminate)
         return ResultStream(self.results, self.backend, self.batcher, rendered[0], plan, self._plugins(plugins))
 
     def batcher(self) -> Any:
@@ -457,16 +470,16 @@ class GenerationEngine:
 
     def generate_vlm(self, requests: Sequence[VisionRequestLike], *, options: OptionsLike = None,
                      stop: StopLike = None, pixels: PixelBudget | Mapping[str, Any] | None = None,
-                     plugins: PluginsLike = None) -> list[GenerationResult]:
+                     plugins: PluginsLike = None, repeat_terminate: RepeatLike = None) -> list[GenerationResult]:
         """Generate for chat requests that carry exactly one image each (see :class:`VisionRequest`).
 
-        ``pixels`` overrides the configured pixel budget for this call.
+        ``pixels`` overrides the configured pixel budget for this call; the rest as in :meth:`generate`.
         """
         checked = [VisionRequest.of(r, index=i) for i, r in enumerate(requests)]
         backend, fallback = self._vlm_backend()
         active = self._plugins(plugins)
         self._check_plugins(active, backend.name, backend.capabilities.hooks, kinds="vlm")
-        plan = self._plan(options, stop, pixels, backend, active)
+        plan = self._plan(options, stop, pixels, backend, active, repeat_terminate=repeat_terminate)
         if self.processor is None:
             raise UnsupportedCapabilityError(f"model {self.config.model.path!r} is not a vision-language model")
         if not plan.pixels.do_resize:

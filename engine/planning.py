@@ -7,6 +7,7 @@ beside what it decides. ``GenerationEngine._plan`` composes them; each raises a 
 * :func:`plan_stop`: the stop policy, its token ids checked against the vocabulary and stop strings that are a
   special token's text turned into that token's id.
 * :func:`plan_schema`: the JSON Schema, checked buildable and compiled for the model's tokenizer.
+* :func:`plan_guard`: the repeat guard, the call's ``repeat_terminate`` laid over the engine's.
 * :func:`plan_rules`: the row rules (the repeat guard, plugins' rules), refused beside ``ignore_eos``.
 
 >>> from engine.config import GenerationOptions
@@ -107,6 +108,19 @@ def plan_schema(json_schema: Any, backend: Backend, tokenizer: Callable[[], Any]
     if compile_schema is not None:
         compile_schema(schema)  # kept by the backend (KEPT of them); compiled again here if it was dropped
     return schema
+
+
+def plan_guard(configured: RepeatTerminateConfig, asked: Any, backend: Backend) -> RepeatTerminateConfig:
+    """The call's repeat guard: the engine's subtree with the call's ``repeat_terminate`` laid over it
+    (:meth:`~engine.config.repeat.RepeatTerminateConfig.overlaid`: the vLLM plugin's per-request rule), refused on a
+    backend that cannot run it (the engine's own subtree was checked when it started)."""
+    from engine.backends.guard import check_guard_can_run
+
+    if asked is None:
+        return configured
+    guard = configured.overlaid(asked)
+    check_guard_can_run(guard.enabled, backend.name, backend.capabilities.rules_problem)
+    return guard
 
 
 def plan_rules(guard: RepeatTerminateConfig, plugins: Sequence[Plugin], opts: GenerationOptions, backend_name: str,

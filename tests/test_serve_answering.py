@@ -171,3 +171,37 @@ def test_a_request_is_counted_on_its_way_to_the_batcher_while_it_is_checked():
     assert asyncio.run(run()) == [200, 400]
     assert engine.seen == [1, 1]  # the batcher would wait for each while it was prepared
     assert engine._batcher.incoming == 0  # answered or refused, neither is counted after
+
+
+class Recording(Looping):
+    """The stand-in, remembering each call's ``repeat_terminate`` and refusing a bad one as the engine would
+    (``RepeatTerminateConfig.overlaid`` names ``repeat_terminate.<field>``)."""
+
+    def __init__(self):
+        self.guards = []
+
+    def prepare(self, requests, options=None, repeat_terminate=None, **kwargs):
+        if (repeat_terminate or {}).get("ngram_size") == 1:
+            raise ConfigError("repeat_terminate.ngram_size", 1, "must be in [2, 1024]")
+        self.guards.append(repeat_terminate)
+
+
+def test_a_requests_guard_reaches_the_engine_call_and_its_refusal_names_the_extension_field():
+    engine = Recording()
+    app = create_app(ServedEngine(engine, Activation(None, "test")), close_engine=False)
+    guard = {"enabled": False}
+    calls = [("/infer/", {"infer_requests": [{"messages": MESSAGES}], "engine": {"repeat_terminate": guard}}),
+             ("/v1/chat/completions", {"model": "stand-in", "messages": MESSAGES,
+                                       "engine": {"repeat_terminate": guard}}),
+             ("/infer/", {"infer_requests": [{"messages": MESSAGES}]}),
+             ("/infer/", {"infer_requests": [{"messages": MESSAGES}],
+                          "engine": {"repeat_terminate": {"ngram_size": 1, "ngram_repeats": 2}}})]
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine.test") as client:
+            return [await client.post(path, json=body) for path, body in calls]
+
+    replies = asyncio.run(run())
+    assert [r.status_code for r in replies] == [200, 200, 200, 400]
+    assert engine.guards == [guard, guard, None]
+    assert replies[3].json()["error"]["param"] == "engine.repeat_terminate.ngram_size"

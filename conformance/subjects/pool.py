@@ -181,8 +181,14 @@ class EnginePool:
         key = self._key(backend, model, shared, sections)
         if key not in self._twins:
             local = self._local(key, backend, model, shared, sections)
-            served, config = self.servers.served_config(backend, model, **sections)
-            self._twins[key] = ServedTwin(local, lambda: self.servers.server(served, config), self.reach)
+            # The guard travels per request (the engine extension's ``repeat_terminate``): a guarded engine's twin
+            # reaches the server of its unguarded one, and no server is started per guard setting. A server's own
+            # start-up guard keeps its checks (test_served's activation from the environment).
+            guard = local.config.repeat_terminate.as_dict() if "repeat_terminate" in sections else None
+            unguarded = {k: v for k, v in sections.items() if k != "repeat_terminate"}
+            served, config = self.servers.served_config(backend, model, **unguarded)
+            self._twins[key] = ServedTwin(local, lambda: self.servers.server(served, config), self.reach,
+                                          guard=guard)
         return self._twins[key]
 
     def text_server(self, backend: str) -> Any:

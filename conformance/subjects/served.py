@@ -3,7 +3,7 @@ engine.serve`` (the ``served`` variant of its ``reach`` parameter; ``-m served``
 leaves them out).
 
 A :class:`ServedTwin` stands in for the in-process engine: ``generate`` runs the call in-process *and* through the
-server (``/infer/`` with the engine extension for options, stop policy and plugins), asserts the two agree field
+server (``/infer/`` with the engine extension for options, stop policy, plugins and guard), asserts the two agree field
 by field (trigger flags from the envelope against the in-process meta included), and hands the check the served
 results. Everything else (tokenizer, config, backend) is the in-process engine's. A call the engine refuses must
 be refused by the server too (HTTP 400). Plugins given as Python objects cannot travel over HTTP: such calls run
@@ -74,10 +74,14 @@ class ServedTwin:
         twin.generate(requests)  # in-process; under the served reach through the server too, compared
     """
 
-    def __init__(self, local: Any, server: Callable[[], Any] | None, reach: Reach) -> None:
+    def __init__(self, local: Any, server: Callable[[], Any] | None, reach: Reach, *,
+                 guard: dict[str, Any] | None = None) -> None:
         self.local = local
         self._server = server
         """The running server (started on first need); None for a reference, which is never served."""
+        self._guard = guard
+        """The in-process engine's repeat guard, sent with every served call (``engine.repeat_terminate``) to a
+        server started without one; None: the server's own guard is the engine's."""
         self._reach = reach
         """Says the current reach and counts calls that reached a server."""
         self._answers: dict[str, Any] = {}
@@ -108,8 +112,10 @@ class ServedTwin:
             results = self.local.generate(requests, options=options, stop=stop, plugins=plugins)
             self._answers[call] = copy.deepcopy(results)
             return results
-        client = RolloutClient(self._server().url, repeat_terminate=self.local.config.repeat_terminate,
-                               batch_size=10_000, health_timeout=30)
+        learner = None if self._guard is not None else self.local.config.repeat_terminate
+        client = RolloutClient(self._server().url, repeat_terminate=learner, batch_size=10_000, health_timeout=30)
+        if self._guard is not None:
+            extension = {**extension, "repeat_terminate": self._guard}
         with client:
             try:
                 local = self._answers.get(call) or self.local.generate(requests, options=options, stop=stop,

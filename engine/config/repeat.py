@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 from engine.config.validation import check_range, check_type
 from engine.errors import ConfigError
@@ -72,6 +74,40 @@ Fix: set max_consecutive_token_repeats, ngram_size + ngram_repeats, or max_objec
         """
         canonical = json.dumps(self.as_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
+
+    def overlaid(self, fields: Mapping[str, Any] | RepeatTerminateConfig | None,
+                 where: str = "repeat_terminate") -> RepeatTerminateConfig:
+        """The guard of one request on an engine (or server) whose own subtree is this one: a whole
+        ``RepeatTerminateConfig`` replaces it; a mapping's fields are laid over it one by one (over the defaults when
+        this guard is off, so an engine's unused thresholds never leak in). Giving a threshold turns the guard on
+        unless the fields say ``enabled: false``; ``{"enabled": false}`` turns it off. One rule for the engine's
+        per-call ``repeat_terminate`` and the vLLM plugin's per-request keys (``engine.vllm_plugin.settings``).
+
+        >>> server = RepeatTerminateConfig(enabled=True, max_consecutive_token_repeats=8)
+        >>> server.overlaid({"ngram_size": 3, "ngram_repeats": 2}).max_consecutive_token_repeats
+        8
+        >>> RepeatTerminateConfig().overlaid({"max_consecutive_token_repeats": 4}).enabled
+        True
+        >>> server.overlaid({"enabled": False}).enabled, RepeatTerminateConfig().overlaid({"min_new_tokens": 3}).enabled
+        (False, False)
+        >>> server.overlaid({"ngram_size": 1, "ngram_repeats": 2})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        engine.errors.ConfigError: repeat_terminate.ngram_size must be in [2, 1024], got 1. ...
+        """
+        from engine.config.validation import merge
+
+        if fields is None:
+            return self
+        if isinstance(fields, RepeatTerminateConfig):
+            return fields
+        if not isinstance(fields, Mapping):
+            raise ConfigError(where, fields, "must be a mapping of the guard's fields or a RepeatTerminateConfig",
+                              fix='give e.g. {"max_consecutive_token_repeats": 4}')
+        given = dict(fields)
+        if "enabled" not in given:
+            given["enabled"] = self.enabled or bool(set(given) - {"min_new_tokens"})
+        return merge(self if self.enabled else RepeatTerminateConfig(), given, where)
 
     def thresholds(self, generation_min_new_tokens: int = 0) -> RepeatThresholds:
         """The pure rule's thresholds; the gate is the larger of both min_new_tokens."""

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config.repeat import RepeatTerminateConfig
-from engine.config.validation import build, did_you_mean, merge
+from engine.config.validation import build, did_you_mean
 from engine.errors import ConfigError
 from engine.rules.base import RuleSpec
 
@@ -124,9 +124,7 @@ class GuardSettings:
             fields = dict(given[REPEAT])
             if "enabled" in fields:
                 fields["enabled"] = _enabled(fields["enabled"])
-            else:
-                fields["enabled"] = bool(repeat is not None or set(fields) - {"min_new_tokens"})
-            repeat = merge(repeat or OFF, fields, REPEAT)
+            repeat = (server or OFF).overlaid(fields, REPEAT)
             repeat = repeat if repeat.enabled else None
         min_length = None
         if MIN_LENGTH in given:

@@ -54,7 +54,7 @@ class CompletionCall(Sampling):
     def kwargs(self) -> dict[str, Any]:
         """The engine call's keyword arguments."""
         return {"options": self.options or None, "stop": self.stop, "plugins": self.plugins,
-                "json_schema": self.json_schema}
+                "json_schema": self.json_schema, "repeat_terminate": self.repeat_terminate}
 
 
 def prepare(call: CompletionCall, served: Any) -> Any:

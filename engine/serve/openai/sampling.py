@@ -31,8 +31,9 @@ Choices written down (OpenAI's reference leaves them open or this server cannot 
   row at that token on every backend, recorded in the engine's result (``meta["stop_strings_as_token_ids"]``).
 * ``model`` must name the served model: its name, another ``--served-model-name``, or its path (else 404, as vLLM's
   server answers).
-* The engine extension ``engine: {options, stop, plugins}`` (the ``/infer/`` one) reaches every other engine
-  option, the full stop policy and the plugins; it is validated like the in-process call.
+* The engine extension ``engine: {options, stop, plugins, repeat_terminate}`` (the ``/infer/`` one) reaches every
+  other engine option, the full stop policy, the plugins and the repeat guard's fields for this request (laid over
+  the server's guard); it is validated like the in-process call.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class Sampling:
     options: dict[str, Any]
     stop: dict[str, Any] | None
     plugins: list[Any] | None
+    repeat_terminate: dict[str, Any] | None
+    """The repeat guard's fields for this call (``engine.repeat_terminate``), laid over the server's guard."""
     stream: bool
     include_usage: bool
     json_schema: Any
@@ -109,14 +112,15 @@ def parse_sampling(body: OpenAISampling, own: dict[str, Any]) -> Sampling:
         stop = {**(stop or {}), "include_stop_str": True}
     if body.stop_token_ids not in (None, []):
         stop = {**(stop or {}), "token_ids": body.stop_token_ids}  # checked by the engine, named back by the table
-    options, stop, plugins = engine_extension(body.engine, options, stop, options_from="by a top-level field",
-                                              stop_field="stop" if body.stop else "stop_token_ids")
+    options, stop, plugins, guard = engine_extension(body.engine, options, stop, options_from="by a top-level field",
+                                                     stop_field="stop" if body.stop else "stop_token_ids")
     schema = response_schema(body.response_format)
     structured = structured_schema(body.structured_outputs)
     if schema is not None and structured is not None:
         raise RequestError("structured_outputs", body.structured_outputs.model_dump(by_alias=True, exclude_unset=True),
                            "conflicts with response_format", fix="constrain the answer in one of them")
-    return Sampling(model=body.model, options=options, stop=stop, plugins=plugins, stream=stream,
+    return Sampling(model=body.model, options=options, stop=stop, plugins=plugins, repeat_terminate=guard,
+                    stream=stream,
                     include_usage=include_usage, json_schema=structured if schema is None else schema, n=n,
                     return_token_ids=bool(body.return_token_ids), tokens_as_ids=bool(body.return_tokens_as_token_ids))
 

@@ -77,7 +77,8 @@ class TextCompletionCall(Sampling):
         """The engine call's keyword arguments; a scoring-only call (``max_tokens: 0``) checks its options as if it
         generated one token."""
         return {"options": self.options if self.generates else {**self.options, "max_new_tokens": 1},
-                "stop": self.stop, "plugins": self.plugins, "json_schema": self.json_schema}
+                "stop": self.stop, "plugins": self.plugins, "json_schema": self.json_schema,
+                "repeat_terminate": self.repeat_terminate}
 
     @property
     def scored(self) -> list[int]:

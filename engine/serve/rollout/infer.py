@@ -42,6 +42,8 @@ class InferCall:
     options: dict[str, Any] = field(default_factory=dict)
     stop: dict[str, Any] | None = None
     plugins: list[Any] | None = None
+    repeat_terminate: dict[str, Any] | None = None
+    """The repeat guard's fields for this call (``engine.repeat_terminate``), laid over the server's guard."""
     return_details: bool = False
     top_logprobs: int | None = None
     """Top alternatives per token in ``choices[].logprobs`` (None: only the chosen token's)."""
@@ -56,7 +58,8 @@ class InferCall:
     @property
     def kwargs(self) -> dict[str, Any]:
         """The engine call's keyword arguments."""
-        return {"options": self.options or None, "stop": self.stop, "plugins": self.plugins}
+        return {"options": self.options or None, "stop": self.stop, "plugins": self.plugins,
+                "repeat_terminate": self.repeat_terminate}
 
 
 def leave_it_at(name: str, allowed: tuple[Any, ...]) -> str:
@@ -101,10 +104,12 @@ the prompt several times for several samples).
         if logprobs:
             options["logprobs"] = 0 if top is None else top
         details, stop = bool(config.return_details), stop_strings(config.stop)
-    options, stop, plugins = engine_extension(body.engine, options, stop, options_from="through request_config",
-                                              stop_field="request_config.stop")
+    options, stop, plugins, guard = engine_extension(body.engine, options, stop,
+                                                     options_from="through request_config",
+                                                     stop_field="request_config.stop")
     return InferCall(requests=[_messages(i, item) for i, item in enumerate(body.infer_requests)], options=options,
-                     stop=stop, plugins=plugins, return_details=details, top_logprobs=top, logprobs=logprobs)
+                     stop=stop, plugins=plugins, repeat_terminate=guard, return_details=details, top_logprobs=top,
+                     logprobs=logprobs)
 
 
 def _messages(i: int, item: InferItem) -> list[dict[str, Any]]:

@@ -87,11 +87,14 @@ class SamplingOptions(Body):
 
 
 class EngineExtension(Body):
-    """The ``engine`` extension field: any engine option, the full stop policy, the plugins (checked by the engine)."""
+    """The ``engine`` extension field: any engine option, the full stop policy, the plugins, the repeat guard's fields
+    for this request (laid over the server's guard, as the vLLM plugin's ``repeat_terminate.*`` keys are; checked by
+    the engine)."""
 
     options: Annotated[dict[str, Any] | None, Wire("engine options by their engine names")] = None
     stop: Annotated[dict[str, Any] | None, Wire("the engine's stop policy")] = None
     plugins: Annotated[list[dict[str, Any]] | None, Wire("the engine's plugins")] = None
+    repeat_terminate: Annotated[dict[str, Any] | None, Wire("the repeat guard's fields for this request")] = None
 
 
 _EXPECTED = {

@@ -152,6 +152,8 @@ class FieldTable:
     >>> [table.client_field(f) for f in ("generation.max_new_tokens", "requests[0].messages[1]",
     ...                                  "generation.min_new_tokens", "plugins[0].name")]
     ['max_tokens', 'messages[1]', 'engine.options.min_new_tokens', 'engine.plugins[0].name']
+    >>> table.client_field("repeat_terminate.ngram_size")
+    'engine.repeat_terminate.ngram_size'
     >>> FieldTable({"stop_token_ids": "stop.token_ids"}).client_field("stop.token_ids[1]")
     'stop_token_ids[1]'
     """
@@ -163,8 +165,8 @@ class FieldTable:
     """The client's name for the engine's request list (``infer_requests``); None: the body is one request, whose
     fields the client sends at the top level (``requests[0].messages`` -> ``messages``)."""
     extension: bool = True
-    """Whether the surface takes the ``engine: {options, stop, plugins}`` extension field: engine fields no client
-    field names are then named inside it (``generation.x`` -> ``engine.options.x``)."""
+    """Whether the surface takes the ``engine: {options, stop, plugins, repeat_terminate}`` extension field: engine
+    fields no client field names are then named inside it (``generation.x`` -> ``engine.options.x``)."""
 
     @classmethod
     def of(cls, model: type, *, requests: str | None = None, extension: bool | None = None) -> FieldTable:
@@ -200,7 +202,8 @@ class FieldTable:
             if self.requests is not None:
                 return self.requests + engine_field.removeprefix("requests")
             return engine_field.removeprefix("requests[0].")
-        if self.extension and (engine_field == "plugins" or engine_field.startswith("plugins[")):
+        if self.extension and (engine_field in ("plugins", "repeat_terminate")
+                               or engine_field.startswith(("plugins[", "repeat_terminate."))):
             return "engine." + engine_field
         if self.extension and engine_field.startswith(("generation.", "stop.")):
             return "engine." + engine_field.replace("generation.", "options.", 1)

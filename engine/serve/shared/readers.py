@@ -24,12 +24,12 @@ def stop_strings(value: Any) -> dict[str, Any] | None:
 
 
 def engine_extension(extension: Any, options: dict[str, Any], stop: dict[str, Any] | None, *,
-                     options_from: str, stop_field: str) -> tuple[dict[str, Any], Any, Any]:
-    """Merge the additive ``engine: {options, stop, plugins}`` envelope (a validated ``EngineExtension``, or None)
-    into what the wire's own fields set (``options``, ``stop``); a field set in both places is refused. Returns
-    (options, stop, plugins)."""
+                     options_from: str, stop_field: str) -> tuple[dict[str, Any], Any, Any, Any]:
+    """Merge the additive ``engine: {options, stop, plugins, repeat_terminate}`` envelope (a validated
+    ``EngineExtension``, or None) into what the wire's own fields set (``options``, ``stop``); a field set in both
+    places is refused. Returns (options, stop, plugins, repeat_terminate)."""
     if extension is None:
-        return options, stop, None
+        return options, stop, None, None
     extra = extension.options or {}
     clash = sorted(set(extra) & set(options))
     if clash:
@@ -41,7 +41,7 @@ def engine_extension(extension: Any, options: dict[str, Any], stop: dict[str, An
             raise RequestError("engine.stop", extension.stop, f"conflicts with {stop_field}",
                                fix="give stop strings in one place")
         stop = dict(extension.stop)
-    return options, stop, extension.plugins
+    return options, stop, extension.plugins, extension.repeat_terminate
 
 
 def chat_messages(messages: Any) -> list[dict[str, Any]]:
