@@ -174,6 +174,43 @@ def conformance(session: nox.Session) -> None:
                 env={"TOKENIZERS_PARALLELISM": "false", **trl}, external=True)
 
 
+@nox.session(name="conformance-shards", venv_backend="none")
+def conformance_shards(session: nox.Session) -> None:
+    """The release gate as a CI matrix would run it, here one shard after another: ``nox -s conformance`` with
+    ``--engine-shard K/N`` for K = 1..N (``ENGINE_SHARDS``, default 3; each shard's report under
+    ``reports/shard-K``), then the shards' reports merged (``reports/conformance-report.json``, the matrix and the
+    summary beside it). Fails when a shard or the merged report holds a failure; prints each shard's wall time.
+    docs/conformance.md gives the same as a three-runner CI matrix."""
+    import time
+
+    shards = int(os.environ.get("ENGINE_SHARDS", "3"))
+    require = os.environ.get("ENGINE_REQUIRE", "hf,vllm,llamacpp")
+    bin_dir = _stack(session, llamacpp=LLAMACPP in require.split(","))
+    trl = _trl_client(session)
+    REPORTS.mkdir(exist_ok=True)
+    walls, failed = [], []
+    for k in range(1, shards + 1):
+        folder = REPORTS / f"shard-{k}"
+        began = time.monotonic()
+        try:
+            session.run(str(bin_dir / "pytest"), "conformance", *_marks(session), f"--engine-require={require}",
+                        f"--engine-shard={k}/{shards}", f"--engine-reports={folder}",
+                        f"--junitxml={folder / 'conformance-junit.xml'}", *session.posargs,
+                        env={"TOKENIZERS_PARALLELISM": "false", **trl}, external=True)
+        except nox.command.CommandFailed:
+            failed.append(k)  # the other shards still run: the merged report names every failure
+        walls.append(time.monotonic() - began)
+        session.log(f"shard {k}/{shards}: {walls[-1]:.0f} s")
+    session.run(str(bin_dir / "python"), "-m", "conformance.kit.matrix",
+                *(str(REPORTS / f"shard-{k}" / "conformance-report.json") for k in range(1, shards + 1)),
+                "--merged", str(REPORTS / "conformance-report.json"),
+                "--html", str(REPORTS / "conformance-matrix.html"),
+                "--markdown", str(REPORTS / "conformance-summary.md"), external=True)
+    session.log("shard wall times: " + ", ".join(f"{k}/{shards} {w:.0f} s" for k, w in enumerate(walls, 1)))
+    if failed:
+        session.error(f"shards {failed} failed (the merged report names each failure)")
+
+
 @nox.session(name="conformance-bf16", venv_backend="none")
 def conformance_bf16(session: nox.Session) -> None:
     """The checks whose comparisons depend on the dtype (marker ``dtype_dependent``: parity, batch invariance,

@@ -61,8 +61,8 @@ SERVED_ORDER = ("test_parity.py", "test_target.py", "test_divergences.py", "test
                 "test_engine_core_process.py", "test_repeat.py")
 """Served twins run module by module in this order (then any other): the first four compare the text engine
 of each backend, so one server per backend serves them all (the target checks on our own servers too, which
-otherwise run ahead of the served twins); the engine-core check leaves the looper's guarded
-servers running for the repeat checks, which then need one server per guard setting."""
+otherwise run ahead of the served twins); the engine-core check leaves the looper's servers running for the repeat
+checks (a twin sends its engine's guard with each call, so every guard setting shares its model's server)."""
 MARKERS = {
     "quick": "the conformance quick tier (-m quick): every check function at least once on each backend, served "
              "twins where marked (conformance/kit/tiers.py picks it; a parametrization may be marked to represent its "

@@ -171,9 +171,11 @@ class ServerPool:
         return f"{config['model']['path'].rsplit('/', 1)[-1]} {json.dumps(chosen, sort_keys=True) if chosen else ''}"
 
     def close(self) -> None:
-        for key in list(self._ahead):  # started ahead and never needed: stopped with the rest
+        for key in list(self._ahead):  # started ahead and never needed: stopped with the rest, and billed as such
+            config = self._ahead[key][1]
             with contextlib.suppress(Exception):  # no check needed it, so its start error fails nothing
                 self._settle(key)
+            self.bill.starts.append(("ahead, unused", f"{key[0]} {self._chosen(config)}", 0.0))
         if self._executor is not None:
             self._executor.shutdown()
         servers = list(self._servers.values())
