@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from conformance.kit.availability import unavailable_reason
-from conformance.kit.plugin import CALL_PASSED, TARGET_DESCRIBED, pool_of
+from conformance.kit.plugin import CALL_PASSED, LATER_BACKENDS, TARGET_DESCRIBED, pool_of
 from conformance.kit.tiers import Workload
 from conformance.subjects.pool import EnginePool
 from conformance.subjects.served import IN_PROCESS, SERVED
@@ -38,15 +38,28 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture(autouse=True)
 def reach(request: pytest.FixtureRequest, pytestconfig: pytest.Config) -> Iterator[str]:
     """How this check reaches the pool's engines: in-process, or (the served twin of a servable check) through
-    their servers too. A served twin none of whose calls reached a server fails: it would prove nothing."""
+    their servers too. A served twin none of whose calls reached a server fails: it would prove nothing. A served
+    twin starts with its in-process variant's calls sent to their servers at once (``Reach.replay``)."""
     pool = pool_of(pytestconfig)
     how = getattr(request, "param", IN_PROCESS)
     before, pool.reach.how = pool.reach.served_calls, how
+    pool.reach.check = script_key(request.node) if request.node.get_closest_marker("servable") else ""
+    pool.servers.ahead_for = request.node.stash.get(LATER_BACKENDS, None)  # None: a cross-backend check
+    if how == SERVED:
+        pool.reach.replay()  # the in-process variant's calls, sent to their servers at once
     yield how
-    pool.reach.how = IN_PROCESS
+    pool.reach.settle()
+    pool.reach.how, pool.reach.check, pool.servers.ahead_for = IN_PROCESS, "", None
     if how == SERVED and request.node.stash.get(CALL_PASSED, False) and pool.reach.served_calls == before:
         pytest.fail("this served twin never reached a server (its calls ran in-process only): drop its servable "
                     "mark, or make it compare engines through generate()", pytrace=False)
+
+
+def script_key(node: Any) -> str:
+    """A servable check without its reach: its in-process and served variants share it (the served twin's script)."""
+    spec = getattr(node, "callspec", None)
+    params = sorted((k, repr(v)) for k, v in (spec.params if spec else {}).items() if k != "reach")
+    return f"{node.nodeid.split('[', 1)[0]} {params}"
 
 
 @pytest.fixture

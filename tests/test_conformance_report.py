@@ -12,10 +12,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from conformance.kit import census, matrix, record
+from conformance.kit import census, matrix, plugin, record
 from conformance.kit import report as collector_module
 from conformance.kit.report import SummaryCollector
-from conformance.subjects import pool, stock, target
+from conformance.subjects import pool, served, stock, target
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = '''
@@ -175,6 +175,6 @@ def test_reports_readme_documents_every_field():
         assert f"| `{name}` |" in readme, name
 
 
-@pytest.mark.parametrize("module", [record, matrix, collector_module, target, stock, pool, census])
+@pytest.mark.parametrize("module", [record, matrix, collector_module, target, stock, pool, census, plugin, served])
 def test_doctests(module):
     assert doctest.testmod(module).failed == 0

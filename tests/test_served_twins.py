@@ -13,6 +13,8 @@ from conformance.subjects.served import SERVED
 from engine.config.repeat import RepeatTerminateConfig
 
 GUARD = {"enabled": True, "max_consecutive_token_repeats": 4}
+REFUSED = 99
+"""The budget the stand-in engine refuses (as the engine refuses bad input)."""
 
 
 class Engine:
@@ -26,6 +28,10 @@ class Engine:
         return Engine(None, sections.get("repeat_terminate"))
 
     def generate(self, requests, *, options=None, stop=None, plugins=None):
+        from engine.errors import RequestError
+
+        if (options or {}).get("max_new_tokens") == REFUSED:
+            raise RequestError("generation.max_new_tokens", REFUSED, "is refused by the stand-in", fix="ask less")
         return [f"in-process {self.config.repeat_terminate.enabled}"] * len(requests)
 
 
@@ -75,3 +81,143 @@ def test_a_guarded_twin_sends_its_guard_and_asks_the_server_for_none(pool, monke
     assert sent == [("learner", None), ("engine", {"options": {"max_new_tokens": 4},
                                                    "repeat_terminate": RepeatTerminateConfig(**GUARD).as_dict()})]
     assert pool.reach.served_calls == 1
+
+
+class Server:
+    def __init__(self):
+        self.url, self.process = "http://127.0.0.1:1", SimpleNamespace(poll=lambda: None)
+
+
+def replaying_pool(pool, monkeypatch, answer):
+    """``pool`` whose servers are stand-ins and whose client answers with ``answer(requests, engine)``; returns the
+    list of what each call sent, in order, with the thread that sent it."""
+    import threading
+
+    import engine.client
+
+    sent = []
+
+    class Client:
+        def __init__(self, url, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def infer(self, requests, *, engine):
+            sent.append((engine["options"]["max_new_tokens"], threading.current_thread().name))
+            return answer(requests, engine)
+
+    monkeypatch.setattr(engine.client, "RolloutClient", Client)
+    monkeypatch.setattr("conformance.subjects.served.assert_served_equal", lambda served, local, what: None)
+    server = Server()
+    pool.servers.server = lambda key, config: server
+    return sent
+
+
+def test_a_served_variant_gets_its_in_process_calls_replayed_at_once_before_it_asks(pool, monkeypatch):
+    sent = replaying_pool(pool, monkeypatch, lambda requests, engine: ["served"] * len(requests))
+    twin, prompt = pool.engine("hf", "/models/text"), [[{"role": "user", "content": "Hi"}]]
+    pool.reach.check = "m.py::check []"
+    for n in (1, 2, 3):
+        twin.generate(prompt, options={"max_new_tokens": n})
+    assert sent == [] and len(pool.reach.scripts["m.py::check []"]) == 3  # in-process: nothing served yet
+    pool.reach.how = SERVED
+    assert pool.reach.replay() == 3
+    got = [twin.generate(prompt, options={"max_new_tokens": n}) for n in (1, 2, 3)]
+    assert got == [["served"]] * 3 and pool.reach.served_calls == 3
+    assert sorted(n for n, _ in sent) == [1, 2, 3] and all(t.startswith("twin-replay") for _, t in sent)
+    twin.generate(prompt, options={"max_new_tokens": 4})  # not in the script: asked when made
+    assert sent[-1] == (4, "MainThread") and pool.reach.served_calls == 4
+    pool.reach.close()
+
+
+def test_a_replayed_call_whose_server_went_away_is_asked_again_and_a_refusal_stays_one(pool, monkeypatch):
+    from engine.client import RolloutServerError
+    from engine.errors import RequestError
+
+    failures = {"left": 1}
+
+    def answer(requests, engine):
+        budget = engine["options"]["max_new_tokens"]
+        if budget == 1 and failures["left"]:
+            failures["left"] -= 1
+            raise RolloutServerError("http://127.0.0.1:1/infer/ could not be reached")
+        if budget == REFUSED:
+            raise RolloutServerError("/infer/ answered 400: generation.max_new_tokens")
+        return ["served"] * len(requests)
+
+    sent = replaying_pool(pool, monkeypatch, answer)
+    twin, prompt = pool.engine("hf", "/models/text"), [[{"role": "user", "content": "Hi"}]]
+    pool.reach.check = "m.py::check []"
+    twin.generate(prompt, options={"max_new_tokens": 1})
+    with pytest.raises(RequestError):
+        twin.generate(prompt, options={"max_new_tokens": REFUSED})
+    pool.reach.how = SERVED
+    assert pool.reach.replay() == 2
+    assert twin.generate(prompt, options={"max_new_tokens": 1}) == ["served"]
+    assert [n for n, _ in sent].count(1) == 2, "the call whose server did not answer was not asked again"
+    with pytest.raises(RequestError):  # refused in-process, and a 400 from the server: the engine's error
+        twin.generate(prompt, options={"max_new_tokens": REFUSED})
+    assert [n for n, _ in sent].count(REFUSED) == 1 and pool.reach.served_calls == 2
+    pool.reach.close()
+
+
+@pytest.mark.parametrize(("later", "ahead"), [(frozenset({"vllm"}), ["vllm"]), (frozenset(), []),
+                                              (None, ["llamacpp", "vllm"])])
+def test_servers_start_ahead_only_for_the_backends_the_checks_later_variants_run_on(monkeypatch, later, ahead):
+    """A per-backend check's server starts the same server of the backends its later variants run on, in the
+    background (``ahead_for``, set per check by the reach fixture); a cross-backend check's (None) of every one."""
+    import engine
+    import engine.client
+
+    monkeypatch.setattr(engine, "GenerationEngine", Engine)
+    launched = []
+    monkeypatch.setattr(engine.client, "launch_server",
+                        lambda config: launched.append(config["backend"]) or SimpleNamespace(
+                            stop=lambda: None, process=SimpleNamespace(poll=lambda: 0)))
+    pool = EnginePool(PoolOptions(backends=("hf", "llamacpp", "vllm"), model="/models/text", vlm_model="/m/vlm",
+                                  dtype="float32", device="cpu", gguf_models=(("/models/text", "/models/t.gguf"),)))
+    servers = pool.servers
+    servers.ahead_backends, servers.ahead_for = frozenset({"hf", "llamacpp", "vllm"}), later
+    servers.server(*servers.served_config("hf", "/models/text", generation={"max_new_tokens": 4}))
+    servers.close()
+    assert sorted(launched) == sorted(["hf", *ahead])  # the ahead ones start in threads, in any order
+
+
+def test_a_tiny_fixtures_servers_take_turns_among_themselves_two_at_a_time(monkeypatch, tmp_path):
+    """``TINY_SERVERS_PER_BACKEND``: a tiny model's servers (the engine pool's tiny KV cache) stop only each other,
+    beyond two; a full-size model's stop only full-size ones."""
+    import json as json_
+
+    import engine
+    import engine.client
+
+    def folder(name, hidden, layers):
+        path = tmp_path / name
+        path.mkdir()
+        path.joinpath("config.json").write_text(json_.dumps({
+            "hidden_size": hidden, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": layers,
+            "max_position_embeddings": 2048}))
+        return str(path)
+
+    tiny, full = folder("tiny", 128, 2), folder("full", 576, 30)
+    monkeypatch.setattr(engine, "GenerationEngine", Engine)
+    stopped = []
+
+    class FakeServer:
+        def __init__(self, config):
+            self.name = (config["model"]["path"].rsplit("/", 1)[-1], config["generation"]["max_new_tokens"])
+
+        def stop(self):
+            stopped.append(self.name)
+
+    monkeypatch.setattr(engine.client, "launch_server", FakeServer)
+    pool = EnginePool(PoolOptions(backends=("hf",), model=full, vlm_model="/m/vlm", dtype="float32", device="cpu"))
+    servers = pool.servers
+    for model, budget in ((tiny, 1), (tiny, 2), (full, 3), (full, 4), (tiny, 5)):
+        servers.server(*servers.served_config("hf", model, generation={"max_new_tokens": budget}))
+    assert stopped == [("full", 3), ("tiny", 1)]

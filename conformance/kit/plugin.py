@@ -57,6 +57,10 @@ TARGET_DESCRIBED = pytest.StashKey[dict[str, Any]]()
 """The external target as the report's run field ``target`` (set by the ``target`` fixture on first use)."""
 TARGET_MODULE = "test_target.py"
 CALL_PASSED = pytest.StashKey[bool]()
+LATER_BACKENDS = pytest.StashKey[frozenset[str]]()
+"""Per per-backend check: the backends its other variants run on after it (the same function and parameters, another
+backend), whose servers the server pool may start ahead while it runs; a cross-backend check has none (all it
+compares start at once)."""
 SERVED_ORDER = ("test_parity.py", "test_target.py", "test_divergences.py", "test_plugins.py", "test_stop.py",
                 "test_engine_core_process.py", "test_repeat.py")
 """Served twins run module by module in this order (then any other): the first four compare the text engine
@@ -293,11 +297,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return (1, group, module, per_backend, first[variant(item)], backend, order[item])
 
     items.sort(key=rank)
+    ordered = [item for item in items if is_check(item)]
+    runs = [((*variant(item), str(params(item).get("reach", IN_PROCESS))),
+             params(item).get("backend", params(item).get("target"))) for item in ordered]
+    for item, backends in zip(ordered, later_backends(runs), strict=True):
+        if backends is not None:
+            item.stash[LATER_BACKENDS] = backends
     pool = pool_of(config)
     cross = any({"backend_names", "engines"} & set(getattr(item, "fixturenames", ())) for item in checks)
     reached = {params(item)[key] for item in checks for key in ("backend", "target") if key in params(item)}
     pool.servers.ahead_backends = frozenset(b for b in pool.options.backends if (cross or b in reached)
                                             and unavailable_reason(b) is None)
+
+
+def later_backends(runs: list[tuple[Any, Any]]) -> list[frozenset[str] | None]:
+    """For each (variant, backend) in run order, the backends the same variant runs on after it (None where a check
+    has no backend: a cross-backend one).
+
+    >>> later_backends([("f", "hf"), ("f", "vllm"), ("g", None), ("f", "llamacpp"), ("h", "hf")])
+    [frozenset({'llamacpp', 'vllm'}), frozenset({'llamacpp'}), None, frozenset(), frozenset()]
+    """
+    seen: dict[Any, set[str]] = {}
+    out: list[frozenset[str] | None] = []
+    for key, backend in reversed(runs):
+        if backend is None:
+            out.append(None)
+            continue
+        out.append(frozenset(seen.get(key, set())))
+        seen.setdefault(key, set()).add(str(backend))
+    return out[::-1]
 
 
 OWN_ENGINE_REASON = ("needs the engine's own backends or server (its envelope, guards, plugins, weight sync); "

@@ -315,6 +315,7 @@ class EnginePool:
                         f"memory of this process {peak:.1f} GiB"]
 
     def close(self) -> None:
+        self.reach.close()  # replayed requests still in flight end before their servers stop
         self.servers.close()
         self._twins.clear()
         self._references.clear()

@@ -34,11 +34,21 @@ IN_PROCESS, SERVED = "in-process", "served"
 """The two ways a check reaches a pooled engine (the ``reach`` parameter of ``servable`` checks)."""
 
 
+REPLAY_CONCURRENCY = 8
+"""Calls a served twin's replay keeps in flight at once (its servers batch them as they would any clients')."""
+
+
 @dataclasses.dataclass
 class Reach:
     """How the running check reaches the pool's engines (``how``, set per check by the ``reach`` fixture), and the
     calls served twins answered through a server (``served_calls``: the fixture checks that a served twin really
     reached one). The engine pool hands this one object to every twin it makes.
+
+    It also keeps each servable check's script: the calls its in-process variant made on twins that have a server
+    (``check`` names the running check without its reach). When the check's served variant starts, :meth:`replay`
+    sends all of them to their servers at once, in the background; each twin's ``generate`` then takes the answer
+    to its call from there (and asserts it equal to the in-process one, call by call, as before). A call the served
+    variant makes that its in-process one did not is sent when it is made.
 
     >>> reach = Reach()
     >>> reach.how, reach.served
@@ -47,10 +57,53 @@ class Reach:
 
     how: str = IN_PROCESS
     served_calls: int = 0
+    check: str = ""
+    scripts: dict[str, list[tuple[Any, Any, dict[str, Any], str]]] = dataclasses.field(default_factory=dict)
+    """check -> (twin, requests, extension, call key) of each call its in-process variant made, in order."""
+    replayed: dict[tuple[int, str], Any] = dataclasses.field(default_factory=dict)
+    """(id of the twin, call key) -> the future of the served answer, for the running served variant."""
+    _executor: Any = None
 
     @property
     def served(self) -> bool:
         return self.how == SERVED
+
+    def note(self, twin: Any, requests: Any, extension: dict[str, Any], call: str) -> None:
+        """An in-process variant's call on a twin that has a server: the served variant's script (kept for servable
+        checks only, those the ``reach`` fixture names in ``check``)."""
+        if self.check:
+            self.scripts.setdefault(self.check, []).append((twin, requests, extension, call))
+
+    def replay(self) -> int:
+        """Send the running check's script to its servers, all calls at once (each twin's server started here, in
+        this thread, first). Returns how many calls were sent."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.replayed.clear()
+        script = self.scripts.pop(self.check, [])
+        if not script:
+            return 0
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=REPLAY_CONCURRENCY, thread_name_prefix="twin-replay")
+        servers = {id(twin): twin.server() for twin, *_ in script}  # started here, one after another
+        for twin, requests, extension, call in script:
+            server = servers[id(twin)]
+            if (id(twin), call) in self.replayed or server.process.poll() is not None:
+                continue  # asked twice, or its server was stopped by a later one of its backend: asked when made
+            self.replayed[(id(twin), call)] = self._executor.submit(twin.ask_server, server.url, requests, extension)
+        return len(self.replayed)
+
+    def settle(self) -> None:
+        """The end of a served variant: answers nobody took are waited for (so no request outlives its check)."""
+        for future in self.replayed.values():
+            future.exception()
+        self.replayed.clear()
+
+    def close(self) -> None:
+        self.settle()
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
 
 
 def _jsonable(value: Any) -> bool:
@@ -96,7 +149,7 @@ class ServedTwin:
         return self._server()
 
     def generate(self, requests: Any, *, options: Any = None, stop: Any = None, plugins: Any = None) -> Any:
-        from engine.client import RolloutClient, RolloutServerError
+        from engine.client import RolloutServerError
 
         extension = {k: _plain(v) for k, v in (("options", options), ("stop", stop), ("plugins", plugins))
                      if v is not None}
@@ -104,6 +157,8 @@ class ServedTwin:
         if self._server is None and call in self._answers:  # a reference answers each call once per session
             return copy.deepcopy(self._answers[call])
         if not self._reach.served or call is None:
+            if call is not None and self._server is not None:
+                self._reach.note(self, requests, extension, call)
             results = self.local.generate(requests, options=options, stop=stop, plugins=plugins)
             if call is not None:
                 self._answers[call] = copy.deepcopy(results)
@@ -112,26 +167,56 @@ class ServedTwin:
             results = self.local.generate(requests, options=options, stop=stop, plugins=plugins)
             self._answers[call] = copy.deepcopy(results)
             return results
-        learner = None if self._guard is not None else self.local.config.repeat_terminate
-        client = RolloutClient(self._server().url, repeat_terminate=learner, batch_size=10_000, health_timeout=30)
-        if self._guard is not None:
-            extension = {**extension, "repeat_terminate": self._guard}
-        with client:
+        answer = self._served_answer(requests, extension, call)
+        try:
+            local = self._answers.get(call) or self.local.generate(requests, options=options, stop=stop,
+                                                                     plugins=plugins)
+        except EngineError as err:
             try:
-                local = self._answers.get(call) or self.local.generate(requests, options=options, stop=stop,
-                                                                         plugins=plugins)
-            except EngineError as err:
-                try:
-                    client.infer(requests, engine=extension)
-                except RolloutServerError as served_err:
-                    assert "answered 400" in str(served_err), f"served refusal is not a 400: {served_err}"
-                    self._reach.served_calls += 1
-                    raise err from None
-                raise AssertionError(f"in-process refused ({err}) but the server generated") from err
-            served = client.infer(requests, engine=extension)
+                answer.result()
+            except RolloutServerError as served_err:
+                assert "answered 400" in str(served_err), f"served refusal is not a 400: {served_err}"
+                self._reach.served_calls += 1
+                raise err from None
+            raise AssertionError(f"in-process refused ({err}) but the server generated") from err
+        served = answer.result()
         self._reach.served_calls += 1
         assert_served_equal(served, local, what=f"served vs in-process ({self.local.backend.name})")
         return served
+
+    def _served_answer(self, requests: Any, extension: dict[str, Any], call: str) -> Any:
+        """The server's answer to ``call`` as a finished future: the replay's (``Reach.replay``), or asked now when
+        no replay sent it or its request did not get an answer (its server stopped meanwhile: asked again once)."""
+        from engine.client import RolloutServerError
+
+        replayed = self._reach.replayed.pop((id(self), call), None)
+        if replayed is not None:
+            err = replayed.exception()
+            if err is None or (isinstance(err, RolloutServerError) and "answered 4" in str(err)):
+                return replayed
+        return self._ask_now(requests, extension)
+
+    def _ask_now(self, requests: Any, extension: dict[str, Any]) -> Any:
+        """The served answer to a call no replay sent, as a finished future (its error raised by ``result()``)."""
+        from concurrent.futures import Future
+
+        answer: Future[Any] = Future()
+        try:
+            answer.set_result(self.ask_server(self._server().url, requests, extension))
+        except Exception as err:  # handed to the caller through result(), as a replayed one is
+            answer.set_exception(err)
+        return answer
+
+    def ask_server(self, url: str, requests: Any, extension: dict[str, Any]) -> Any:
+        """One call through ``/infer/`` (with the engine's guard where the server was started without it); safe to
+        run from a replay thread (a client of its own)."""
+        from engine.client import RolloutClient
+
+        learner = None if self._guard is not None else self.local.config.repeat_terminate
+        if self._guard is not None:
+            extension = {**extension, "repeat_terminate": self._guard}
+        with RolloutClient(url, repeat_terminate=learner, batch_size=10_000, health_timeout=30) as client:
+            return client.infer(requests, engine=extension)
 
 
 def scrape(url: str, name: str, **labels: str) -> float:

@@ -31,6 +31,12 @@ every other served config of a backend stopped it: HF servers on SmolLM2 with no
 and llama.cpp's 6 (processed-logprobs ones among them: the bill did not print model settings then). vLLM's (about 4
 GB in two processes) still takes its turn."""
 
+TINY_SERVERS_PER_BACKEND = 2
+"""Servers of a tiny fixture (``tiny-looper``: 1 KiB of KV cache per token) one backend keeps alive at once, beside
+its full-size ones: the looper's twins use two configs of it (the queued-batch check sizes its own), which took turns
+with one place (the HF and vLLM looper servers started twice in a module run at 08abad4). A vLLM server of it holds
+about 1.5 GB in two processes, a SmolLM2 one about 4 GB."""
+
 SERVED_TIMEOUTS = {"idle_connection_timeout_s": 3, "body_timeout_s": 5}
 """Shorter than the defaults (10 s, 30 s), so the hostile checks of silent connections and stalled bodies
 (``conformance/test_hostile.py``) see them fire in seconds."""
@@ -54,6 +60,9 @@ class ServerPool:
     ahead_backends: frozenset[str] = frozenset()
     """Backends whose servers may be started ahead (see :meth:`server`): those the collected checks reach (the
     conftest sets it); empty, every server starts when a check first needs it."""
+    ahead_for: frozenset[str] | None = None
+    """The backends the running check's other variants run on after it (the reach fixture sets it per check): only
+    their servers start ahead; None (a cross-backend check, or no check running) leaves ``ahead_backends`` whole."""
     _servers: dict[tuple[str, str], Any] = field(default_factory=dict)
     _ahead: dict[tuple[str, str], Any] = field(default_factory=dict)
     """Servers starting ahead in the background, by key: (future of the running server, its config)."""
@@ -81,8 +90,9 @@ class ServerPool:
 
         Starting one also starts the same server of every other backend in ``ahead_backends`` in the background
         (a cross-backend check needs them now, and served twins run backend after backend on one config, see the
-        conftest's order): a vLLM server spends about 20 s importing in two processes, which then overlaps the
-        other backends' work instead of adding to it."""
+        conftest's order; for a per-backend check, only of the backends its later variants run on, ``ahead_for``): a
+        vLLM server spends about 20 s importing in two processes, which then overlaps the other backends' work instead
+        of adding to it."""
         from engine.client import launch_server
 
         if key in self._servers:
@@ -92,16 +102,29 @@ class ServerPool:
             return self._settle(key)
         for other in [k for k in self._ahead if k[0] == key[0]]:  # this backend's guess was wrong: free its place
             self._settle(other)
-        self._make_server_room(key[0])
+        self._make_server_room(key)
         self._start_ahead(key)
         with self.bill.timed("server", (key[0], self._chosen(config))):
             self._servers[key] = launch_server(config)
         return self._servers[key]
 
-    def _make_server_room(self, backend: str) -> None:
-        while sum(self._takes_turns(k, backend) for k in self._servers) >= self.options.servers_per_backend:
-            # Stopped before the next one starts: two vLLM servers at once would hold ~8 GB.
-            self._servers.pop(next(k for k in self._servers if self._takes_turns(k, backend))).stop()
+    def _make_server_room(self, new: tuple[str, str]) -> None:
+        """Stop the least recently used servers that take turns with ``new`` until it has its place: those of its
+        backend and size (a tiny fixture's server takes turns with the tiny ones, ``TINY_SERVERS_PER_BACKEND`` of
+        them; a full-size one with ``servers_per_backend`` full-size ones)."""
+        tiny = self._tiny(new)
+        budget = TINY_SERVERS_PER_BACKEND if tiny else self.options.servers_per_backend
+        turns = lambda k: self._takes_turns(k, new[0]) and self._tiny(k) == tiny  # noqa: E731
+        while sum(turns(k) for k in self._servers) >= budget:
+            # Stopped before the next one starts: two vLLM servers of SmolLM2 at once would hold ~8 GB.
+            self._servers.pop(next(k for k in self._servers if turns(k))).stop()
+
+    def _tiny(self, key: tuple[str, str]) -> bool:
+        """Whether ``key`` serves a tiny fixture (the engine pool gives its vLLM engines the tiny KV cache)."""
+        from conformance.subjects.pool import TINY_KV_GIB, kv_cache_gib
+
+        model = self._recipes.get(key, ("",))[0]
+        return bool(model) and kv_cache_gib(model) == TINY_KV_GIB
 
     def _takes_turns(self, key: tuple[str, str], backend: str) -> bool:
         """Whether ``key`` is a server of ``backend`` that a new one of that backend may stop (all but a kept text
@@ -125,7 +148,8 @@ class ServerPool:
         if key not in self._recipes:
             return
         model, sections = self._recipes[key]
-        for backend in sorted(self.ahead_backends - {key[0]}):
+        wanted = self.ahead_backends if self.ahead_for is None else self.ahead_backends & self.ahead_for
+        for backend in sorted(wanted - {key[0]}):
             if any(k[0] == backend for k in self._ahead):
                 continue
             try:
@@ -134,7 +158,7 @@ class ServerPool:
                 continue
             if other in self._servers:
                 continue
-            self._make_server_room(backend)
+            self._make_server_room(other)
             self._ahead[other] = (self._background().submit(self._launch_timed, other, config), config)
 
     def _launch_timed(self, key: tuple[str, str], config: dict[str, Any]) -> Any:
@@ -149,7 +173,7 @@ class ServerPool:
         began = time.monotonic()
         server = future.result()  # its own start error, raised where the check needs it
         self.bill.starts.append(("waited for", f"{key[0]} {self._chosen(config)}", time.monotonic() - began))
-        self._make_server_room(key[0])
+        self._make_server_room(key)
         self._servers[key] = server
         return server
 
