@@ -189,8 +189,8 @@ def test_servers_start_ahead_only_for_the_backends_the_checks_later_variants_run
 
 
 def test_a_tiny_fixtures_servers_take_turns_among_themselves_two_at_a_time(monkeypatch, tmp_path):
-    """``TINY_SERVERS_PER_BACKEND``: a tiny model's servers (the engine pool's tiny KV cache) stop only each other,
-    beyond two; a full-size model's stop only full-size ones."""
+    """``TINY_SERVERS_PER_BACKEND``: on HF a tiny model's servers (the engine pool's tiny KV cache) stop only each
+    other, beyond two, and a full-size model's only full-size ones; on vLLM each server takes turns with all others."""
     import json as json_
 
     import engine
@@ -216,8 +216,44 @@ def test_a_tiny_fixtures_servers_take_turns_among_themselves_two_at_a_time(monke
             stopped.append(self.name)
 
     monkeypatch.setattr(engine.client, "launch_server", FakeServer)
-    pool = EnginePool(PoolOptions(backends=("hf",), model=full, vlm_model="/m/vlm", dtype="float32", device="cpu"))
+    pool = EnginePool(PoolOptions(backends=("hf", "vllm"), model=full, vlm_model="/m/vlm", dtype="float32",
+                                  device="cpu"))
     servers = pool.servers
     for model, budget in ((tiny, 1), (tiny, 2), (full, 3), (full, 4), (tiny, 5)):
         servers.server(*servers.served_config("hf", model, generation={"max_new_tokens": budget}))
     assert stopped == [("full", 3), ("tiny", 1)]
+    stopped.clear()  # vLLM's tiny servers take turns with its full-size ones (memory; a card share on CUDA)
+    for model, budget in ((tiny, 6), (full, 7)):
+        servers.server(*servers.served_config("vllm", model, generation={"max_new_tokens": budget}))
+    assert stopped == [("tiny", 6)]
+
+
+def test_a_server_started_ahead_for_nobody_is_not_started_ahead_again(monkeypatch):
+    """A cross-backend check that sizes each backend its own way (the processed-logprobs checks: vLLM's engine with
+    its own context length) makes the guess from another backend's config wrong; after the first round those
+    servers are no longer started ahead, and the servers the checks ask for are the only ones that start."""
+    import engine
+    import engine.client
+
+    monkeypatch.setattr(engine, "GenerationEngine", Engine)
+    launched = []
+    def launch(config):
+        launched.append((config["backend"], config["model"].get("logprobs_mode"), config["model"].get("max_model_len")))
+        return SimpleNamespace(stop=lambda: None, process=SimpleNamespace(poll=lambda: 0))
+
+    monkeypatch.setattr(engine.client, "launch_server", launch)
+    pool = EnginePool(PoolOptions(backends=("hf", "vllm"), model="/models/text", vlm_model="/m/vlm",
+                                  dtype="float32", device="cpu"))
+    servers = pool.servers
+    servers.ahead_backends = frozenset({"hf", "vllm"})
+    processed = {"logprobs_mode": "processed_logprobs"}
+    for _ in range(3):  # three checks, each asking for both backends' processed servers
+        servers.server(*servers.served_config("hf", "/models/text", model=processed))
+        servers.server(*servers.served_config("vllm", "/models/text", model={**processed, "max_model_len": 2048}))
+        servers.server(*servers.served_config("hf", "/models/text"))  # a text check between (hf's kept server)
+    servers.close()
+    mode = processed["logprobs_mode"]
+    wrong = [("hf", mode, 2048), ("vllm", mode, None)]  # each backend's server of the other's config
+    asked = [("hf", mode, None), ("vllm", mode, 2048)]
+    assert {k for k in launched if k[1] == mode} == {*wrong, *asked}
+    assert [launched.count(w) for w in wrong] == [1, 1], launched

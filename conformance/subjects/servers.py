@@ -31,11 +31,13 @@ every other served config of a backend stopped it: HF servers on SmolLM2 with no
 and llama.cpp's 6 (processed-logprobs ones among them: the bill did not print model settings then). vLLM's (about 4
 GB in two processes) still takes its turn."""
 
-TINY_SERVERS_PER_BACKEND = 2
-"""Servers of a tiny fixture (``tiny-looper``: 1 KiB of KV cache per token) one backend keeps alive at once, beside
-its full-size ones: the looper's twins use two configs of it (the queued-batch check sizes its own), which took turns
-with one place (the HF and vLLM looper servers started twice in a module run at 08abad4). A vLLM server of it holds
-about 1.5 GB in two processes, a SmolLM2 one about 4 GB."""
+TINY_SERVERS_PER_BACKEND = {"hf": 2, "llamacpp": 2}
+"""Backends whose servers of a tiny fixture (``tiny-looper``) take turns among themselves, that many at once, beside
+the backend's full-size ones: about 0.6-0.7 GB each, and the looper's twins use two configs of it (the queued-batch
+check sizes its own), which took turns with every other config of the backend (the HF looper server started twice in a
+module run at 08abad4). vLLM's tiny servers keep taking turns with its full-size ones: one holds about 2 GB in two
+processes here (a SmolLM2 one about 4 GB), and on a CUDA host each is a share of the card the engine pool reserved
+for one server (``PoolOptions.gpu_vllm_engines``)."""
 
 SERVED_TIMEOUTS = {"idle_connection_timeout_s": 3, "body_timeout_s": 5}
 """Shorter than the defaults (10 s, 30 s), so the hostile checks of silent connections and stalled bodies
@@ -65,6 +67,12 @@ class ServerPool:
     their servers start ahead; None (a cross-backend check, or no check running) leaves ``ahead_backends`` whole."""
     _servers: dict[tuple[str, str], Any] = field(default_factory=dict)
     _ahead: dict[tuple[str, str], Any] = field(default_factory=dict)
+    _unused: set[tuple[str, str]] = field(default_factory=set)
+    """Servers started ahead that no check has asked for yet."""
+    wrong_guesses: set[tuple[str, str]] = field(default_factory=set)
+    """Servers started ahead and stopped before any check asked for them: never started ahead again (a check that
+    sizes each backend its own way, as the processed-logprobs checks do for vLLM, made every guess from another
+    backend's config wrong: in a module run at 124a183 its servers started 30 times, 889 s of its twins)."""
     """Servers starting ahead in the background, by key: (future of the running server, its config)."""
     _executor: Any = None
     """The threads that start them (made on first need, shut down by :meth:`close`)."""
@@ -95,6 +103,7 @@ class ServerPool:
         of adding to it."""
         from engine.client import launch_server
 
+        self._unused.discard(key)
         if key in self._servers:
             self._servers[key] = self._servers.pop(key)  # most recently used last
             return self._servers[key]
@@ -102,6 +111,7 @@ class ServerPool:
             return self._settle(key)
         for other in [k for k in self._ahead if k[0] == key[0]]:  # this backend's guess was wrong: free its place
             self._settle(other)
+            self.wrong_guesses.add(other)
         self._make_server_room(key)
         self._start_ahead(key)
         with self.bill.timed("server", (key[0], self._chosen(config))):
@@ -110,21 +120,30 @@ class ServerPool:
 
     def _make_server_room(self, new: tuple[str, str]) -> None:
         """Stop the least recently used servers that take turns with ``new`` until it has its place: those of its
-        backend and size (a tiny fixture's server takes turns with the tiny ones, ``TINY_SERVERS_PER_BACKEND`` of
-        them; a full-size one with ``servers_per_backend`` full-size ones)."""
-        tiny = self._tiny(new)
-        budget = TINY_SERVERS_PER_BACKEND if tiny else self.options.servers_per_backend
-        turns = lambda k: self._takes_turns(k, new[0]) and self._tiny(k) == tiny  # noqa: E731
+        backend and, on the backends of ``TINY_SERVERS_PER_BACKEND``, of its size (a tiny fixture's server takes
+        turns with the tiny ones there; every other with ``servers_per_backend`` others)."""
+        place = self._place(new)
+        budget = TINY_SERVERS_PER_BACKEND[new[0]] if place == "tiny" else self.options.servers_per_backend
+
+        def turns(key: tuple[str, str]) -> bool:
+            return self._takes_turns(key, new[0]) and self._place(key) == place
+
         while sum(turns(k) for k in self._servers) >= budget:
             # Stopped before the next one starts: two vLLM servers of SmolLM2 at once would hold ~8 GB.
-            self._servers.pop(next(k for k in self._servers if turns(k))).stop()
+            doomed = next(k for k in self._servers if turns(k))
+            if doomed in self._unused:  # started ahead for nobody
+                self.wrong_guesses.add(doomed)
+                self._unused.discard(doomed)
+            self._servers.pop(doomed).stop()
 
-    def _tiny(self, key: tuple[str, str]) -> bool:
-        """Whether ``key`` serves a tiny fixture (the engine pool gives its vLLM engines the tiny KV cache)."""
+    def _place(self, key: tuple[str, str]) -> str:
+        """The places ``key`` takes turns for: ``tiny`` (a tiny fixture's server, on a backend of
+        ``TINY_SERVERS_PER_BACKEND``: the engine pool gives its vLLM engines the tiny KV cache), else ``full``."""
         from conformance.subjects.pool import TINY_KV_GIB, kv_cache_gib
 
         model = self._recipes.get(key, ("",))[0]
-        return bool(model) and kv_cache_gib(model) == TINY_KV_GIB
+        tiny = key[0] in TINY_SERVERS_PER_BACKEND and bool(model) and kv_cache_gib(model) == TINY_KV_GIB
+        return "tiny" if tiny else "full"
 
     def _takes_turns(self, key: tuple[str, str], backend: str) -> bool:
         """Whether ``key`` is a server of ``backend`` that a new one of that backend may stop (all but a kept text
@@ -156,10 +175,11 @@ class ServerPool:
                 other, config = self.served_config(backend, model, **copy.deepcopy(sections))
             except pytest.skip.Exception:  # no model for it there (e.g. no GGUF twin): nothing to start
                 continue
-            if other in self._servers:
+            if other in self._servers or other in self.wrong_guesses:
                 continue
             self._make_server_room(other)
             self._ahead[other] = (self._background().submit(self._launch_timed, other, config), config)
+            self._unused.add(other)
 
     def _launch_timed(self, key: tuple[str, str], config: dict[str, Any]) -> Any:
         from engine.client import launch_server
