@@ -36,12 +36,6 @@ IN_PROCESS, SERVED = "in-process", "served"
 
 REPLAY_CONCURRENCY = 8
 """Calls a served twin's replay keeps in flight at once (its servers batch them as they would any clients')."""
-ASKED_IN_ORDER = ("llamacpp",)
-"""Backends whose twins are not replayed: their calls reach the server one by one, in the check's order, as before
-the replay. A llama.cpp answer can depend on the requests before it (each of its sequences keeps the prompt prefix
-its next row shares, ``engine/backends/llamacpp/sequences.py``): in a module run at 124a183 the replayed (reordered)
-requests flipped a seeded row of ``test_seeded_group_of_identical_prompts_gives_distinct_reproducible_samples`` at
-step 5 (a near-tie), which passed alone and in every gate before. Kept out until that is understood."""
 
 
 @dataclasses.dataclass
@@ -91,7 +85,6 @@ class Reach:
             return 0
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=REPLAY_CONCURRENCY, thread_name_prefix="twin-replay")
-        script = [entry for entry in script if entry[0].local.backend.name not in ASKED_IN_ORDER]
         servers = {id(twin): twin.server() for twin, *_ in script}  # started here, one after another
         for twin, requests, extension, call in script:
             server = servers[id(twin)]
