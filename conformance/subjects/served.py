@@ -35,7 +35,8 @@ IN_PROCESS, SERVED = "in-process", "served"
 
 
 REPLAY_CONCURRENCY = 8
-"""Calls a served twin's replay keeps in flight at once (its servers batch them as they would any clients')."""
+"""Calls a served twin's replay keeps in flight at once (its servers batch them as they would any clients').
+``ENGINE_TWIN_REPLAY=0`` turns the replay off (every call asked when made), to measure it against the replay."""
 
 
 @dataclasses.dataclass
@@ -77,11 +78,12 @@ class Reach:
     def replay(self) -> int:
         """Send the running check's script to its servers, all calls at once (each twin's server started here, in
         this thread, first). Returns how many calls were sent."""
+        import os
         from concurrent.futures import ThreadPoolExecutor
 
         self.replayed.clear()
         script = self.scripts.pop(self.check, [])
-        if not script:
+        if not script or os.environ.get("ENGINE_TWIN_REPLAY", "1") == "0":
             return 0
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=REPLAY_CONCURRENCY, thread_name_prefix="twin-replay")
