@@ -314,8 +314,9 @@ def later_backends(runs: list[tuple[Any, Any]]) -> list[frozenset[str] | None]:
     """For each (variant, backend) in run order, the backends the same variant runs on after it (None where a check
     has no backend: a cross-backend one).
 
-    >>> later_backends([("f", "hf"), ("f", "vllm"), ("g", None), ("f", "llamacpp"), ("h", "hf")])
-    [frozenset({'llamacpp', 'vllm'}), frozenset({'llamacpp'}), None, frozenset(), frozenset()]
+    >>> [None if b is None else sorted(b) for b in later_backends([("f", "hf"), ("f", "vllm"), ("g", None),
+    ...                                                             ("f", "llamacpp"), ("h", "hf")])]
+    [['llamacpp', 'vllm'], ['llamacpp'], None, [], []]
     """
     seen: dict[Any, set[str]] = {}
     out: list[frozenset[str] | None] = []
