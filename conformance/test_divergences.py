@@ -6,7 +6,8 @@
   ``min_new_tokens``, and adds ``stop.token_ids`` to them.
 - Seeded sampling (vllm#3333 class): row ``i`` of a call seeded ``s`` samples with its own generator
   (``engine.rules.seeding``), so identical prompts give distinct samples, reproducibly, and a row's sample never
-  depends on its batch-mates.
+  depends on its batch-mates, nor on the calls the engine answered before it (llama.cpp's kept prompt prefixes
+  moved a seeded draw, issue 76).
 """
 
 from __future__ import annotations
@@ -99,6 +100,20 @@ def test_seeded_group_of_identical_prompts_gives_distinct_reproducible_samples(p
     assert len({r.token_ids for r in first}) == 4, f"{backend}: {[r.token_ids for r in first]}"
     again = engine.generate(group, options=SAMPLED)
     assert [r.token_ids for r in again] == [r.token_ids for r in first]
+
+
+def test_a_seeded_call_does_not_depend_on_the_calls_before_it(pool, backend):
+    """The seeded GRPO group answers the same after other calls (other prompts, sharing the chat template's prefix,
+    of other lengths, greedy and sampled) as before them: an engine keeps nothing from one call that moves the next
+    (llama.cpp kept prompt prefixes in its unified KV pool, and the same group drew another token after them)."""
+    engine = pool.text_engine(backend)
+    group = [CHAT[0]] * 4
+    first = [r.token_ids for r in engine.generate(group, options=SAMPLED)]
+    for shift in range(2):  # on llama.cpp with kept prefixes, the second round's group differed
+        engine.generate(CHAT[1 + shift:6 + shift], options={"max_new_tokens": 12})
+        engine.generate([CHAT[2 + shift], CHAT[0], CHAT[3 + shift]], options={**SAMPLED, "max_new_tokens": 16})
+        again = [r.token_ids for r in engine.generate(group, options=SAMPLED)]
+        assert again == first, f"{backend}: after {shift + 1} rounds of other calls"
 
 
 @pytest.mark.servable

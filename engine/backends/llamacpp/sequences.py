@@ -9,8 +9,11 @@ sampler (:func:`~engine.backends.llamacpp.row.sampler_chain`, seeded with the ro
 and logprobs stay per row: a row decodes the same tokens whichever rows share its batch.
 
 Rows are taken in groups that fit the pool: at most ``n_seq`` rows whose prompts and budgets add up to at most
-``n_ctx`` cells (:func:`fit_groups`). Between groups, a sequence keeps the cells of the prompt prefix its next row
-shares with what it held (as ``Llama.generate`` reuses a cached prefix); the rest is removed.
+``n_ctx`` cells (:func:`fit_groups`). Every group starts from an empty pool: no prompt prefix is kept from an earlier
+group, so a group's tokens do not depend on what the engine decoded before it. (Kept cells made them depend on it:
+the pool's cells are one unified buffer, and where a kept prefix and the freed holes around it lie changes the order
+in which attention sums a row's cells; a seeded row then drew another token after an unrelated call, 9727 against
+9729 at step 5 on SmolLM2. The prompts cost little to evaluate again.)
 
 Every row, a batch of one included, decodes here: a row's tokens then do not depend on the batch it came in (the
 batcher merges calls).
@@ -67,7 +70,7 @@ class ParallelSequences:
         self.context = _internals.LlamaContext(model=llm._model, params=params, verbose=False)
         self.batch = llama_cpp.llama_batch_init(max(self.n_batch, n_seq), 0, 1)
         self.cached: list[list[int]] = [[] for _ in range(n_seq)]
-        """Per sequence, the ids whose KV cells the pool holds (positions 0..): a next group reuses a shared prefix."""
+        """Per sequence, the ids whose KV cells the pool holds (positions 0..): the next id's position."""
 
     def close(self) -> None:
         import llama_cpp
@@ -107,42 +110,22 @@ class ParallelSequences:
             raise
 
     def forget(self) -> None:
-        """Empty the pool (no prefix is reused by the next group)."""
+        """Empty the pool (done before every group)."""
         import llama_cpp
 
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.context.ctx), True)
         self.cached = [[] for _ in range(self.n_seq)]
-
-    def _keep_prefixes(self, rows: list[LlamaCppRow]) -> list[int]:
-        """Per row, how many of its first prompt ids its sequence already holds from the last group (their cells
-        are kept, the rest of every sequence is removed): the ids ``Llama.generate`` would also not evaluate again."""
-        import llama_cpp
-
-        memory = llama_cpp.llama_get_memory(self.context.ctx)
-        keep = []
-        for seq, held in enumerate(self.cached):
-            ids = rows[seq].prompt.token_ids[:-1] if seq < len(rows) else ()
-            same = 0
-            for a, b in zip(held, ids, strict=False):
-                if a != b:
-                    break
-                same += 1
-            if same < len(held):
-                llama_cpp.llama_memory_seq_rm(memory, seq, same, -1)
-                del held[same:]
-            if seq < len(rows):
-                keep.append(same)
-        return keep
 
     def _decode_rows(self, rows: list[LlamaCppRow], seeds: list[int], closing: Callable[[], bool]) -> None:
         import llama_cpp
         import numpy as np
 
         ctx = self.context.ctx
+        self.forget()  # a group's tokens depend on the group only (the module's docstring says why)
         slot = 0
-        for seq, (row, kept) in enumerate(zip(rows, self._keep_prefixes(rows), strict=True)):
+        for seq, row in enumerate(rows):
             ids = row.prompt.token_ids
-            for position in range(kept, len(ids) - 1):  # the prompt but its last token, no logits, n_batch at a time
+            for position in range(len(ids) - 1):  # the prompt but its last token, no logits, n_batch at a time
                 self._put(slot, ids[position], position, seq, False)
                 self.cached[seq].append(ids[position])
                 slot += 1
