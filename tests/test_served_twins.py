@@ -90,8 +90,10 @@ class Server:
 
 def replaying_pool(pool, monkeypatch, answer):
     """``pool`` whose servers are stand-ins and whose client answers with ``answer(requests, engine)``; returns the
-    list of what each call sent, in order, with the thread that sent it."""
+    list of what each call sent, in order, with the thread that sent it (the replay turned on: it is off by default)."""
     import threading
+
+    monkeypatch.setenv("ENGINE_TWIN_REPLAY", "1")
 
     import engine.client
 

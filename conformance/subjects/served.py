@@ -36,7 +36,8 @@ IN_PROCESS, SERVED = "in-process", "served"
 
 REPLAY_CONCURRENCY = 8
 """Calls a served twin's replay keeps in flight at once (its servers batch them as they would any clients').
-``ENGINE_TWIN_REPLAY=0`` turns the replay off (every call asked when made), to measure it against the replay."""
+The replay is off unless ``ENGINE_TWIN_REPLAY=1``: measured on test_stop.py (all three backends, one run each, the
+machine to itself), its 17 twins took 177 s with it against 134 s without (every call asked when made)."""
 
 
 @dataclasses.dataclass
@@ -83,7 +84,7 @@ class Reach:
 
         self.replayed.clear()
         script = self.scripts.pop(self.check, [])
-        if not script or os.environ.get("ENGINE_TWIN_REPLAY", "1") == "0":
+        if not script or os.environ.get("ENGINE_TWIN_REPLAY", "0") != "1":
             return 0
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=REPLAY_CONCURRENCY, thread_name_prefix="twin-replay")
