@@ -48,9 +48,9 @@ class Reach:
 
     It also keeps each servable check's script: the calls its in-process variant made on twins that have a server
     (``check`` names the running check without its reach). With ``ENGINE_TWIN_REPLAY=1``, when the check's served
-    variant starts, :meth:`replay` sends all of them to their servers at once, in the background; each twin's ``generate`` then takes the answer
-    to its call from there (and asserts it equal to the in-process one, call by call, as before). A call the served
-    variant makes that its in-process one did not is sent when it is made.
+    variant starts, :meth:`replay` sends all of them to their servers at once, in the background; each twin's
+    ``generate`` then takes the answer to its call from there (and asserts it equal to the in-process one, call by
+    call, as before). A call the served variant makes that its in-process one did not is sent when it is made.
 
     >>> reach = Reach()
     >>> reach.how, reach.served
