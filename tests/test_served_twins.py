@@ -137,6 +137,19 @@ def test_a_served_variant_gets_its_in_process_calls_replayed_at_once_before_it_a
     pool.reach.close()
 
 
+
+def test_with_the_replay_off_by_default_no_script_is_kept_and_each_call_is_asked_when_made(pool, monkeypatch):
+    sent = replaying_pool(pool, monkeypatch, lambda requests, engine: ["served"] * len(requests))
+    monkeypatch.delenv("ENGINE_TWIN_REPLAY")
+    twin, prompt = pool.engine("hf", "/models/text"), [[{"role": "user", "content": "Hi"}]]
+    pool.reach.check = "m.py::check []"
+    twin.generate(prompt, options={"max_new_tokens": 1})
+    assert pool.reach.scripts == {}  # the in-process variant's calls are not held for a replay that never comes
+    pool.reach.how = SERVED
+    assert pool.reach.replay() == 0 and sent == []
+    assert twin.generate(prompt, options={"max_new_tokens": 1}) == ["served"] and sent == [(1, "MainThread")]
+    pool.reach.close()
+
 def test_a_replayed_call_whose_server_went_away_is_asked_again_and_a_refusal_stays_one(pool, monkeypatch):
     from engine.client import RolloutServerError
     from engine.errors import RequestError

@@ -40,6 +40,13 @@ The replay is off unless ``ENGINE_TWIN_REPLAY=1``: measured on test_stop.py (all
 machine to itself), its 17 twins took 177 s with it against 134 s without (every call asked when made)."""
 
 
+
+def replay_on() -> bool:
+    """Whether served twins replay their in-process calls (``ENGINE_TWIN_REPLAY=1``; off by default)."""
+    import os
+
+    return os.environ.get("ENGINE_TWIN_REPLAY", "0") == "1"
+
 @dataclasses.dataclass
 class Reach:
     """How the running check reaches the pool's engines (``how``, set per check by the ``reach`` fixture), and the
@@ -72,19 +79,18 @@ class Reach:
 
     def note(self, twin: Any, requests: Any, extension: dict[str, Any], call: str) -> None:
         """An in-process variant's call on a twin that has a server: the served variant's script (kept for servable
-        checks only, those the ``reach`` fixture names in ``check``)."""
-        if self.check:
+        checks only, those the ``reach`` fixture names in ``check``, and only while the replay is on)."""
+        if self.check and replay_on():
             self.scripts.setdefault(self.check, []).append((twin, requests, extension, call))
 
     def replay(self) -> int:
         """Send the running check's script to its servers, all calls at once (each twin's server started here, in
         this thread, first). Returns how many calls were sent."""
-        import os
         from concurrent.futures import ThreadPoolExecutor
 
         self.replayed.clear()
         script = self.scripts.pop(self.check, [])
-        if not script or os.environ.get("ENGINE_TWIN_REPLAY", "0") != "1":
+        if not script or not replay_on():
             return 0
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=REPLAY_CONCURRENCY, thread_name_prefix="twin-replay")

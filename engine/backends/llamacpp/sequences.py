@@ -85,7 +85,7 @@ class ParallelSequences:
         for group in fit_groups([r.context_need for r in rows], self.n_seq, self.n_ctx):
             if closing():
                 return
-            self._decode_group([rows[i] for i in group], [seeds[i] for i in group], closing)
+            self._decode_rows([rows[i] for i in group], [seeds[i] for i in group], closing)
 
     def _put(self, slot: int, token: int, position: int, seq: int, logits: bool) -> None:
         batch = self.batch
@@ -102,15 +102,8 @@ class ParallelSequences:
         if code != 0:
             raise EngineError(f"llama_decode failed with {code} on a batch of {n_tokens} tokens (parallel sequences)")
 
-    def _decode_group(self, rows: list[LlamaCppRow], seeds: list[int], closing: Callable[[], bool]) -> None:
-        try:
-            self._decode_rows(rows, seeds, closing)
-        except BaseException:
-            self.forget()  # the pool may hold cells the bookkeeping does not know of
-            raise
-
     def forget(self) -> None:
-        """Empty the pool (done before every group)."""
+        """Empty the pool (done before every group, so a group that failed leaves nothing behind either)."""
         import llama_cpp
 
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.context.ctx), True)
