@@ -7,14 +7,21 @@ greedy tokens (EOS held back through the engine; the raw loop takes that many to
 * ``hf``, ``vllm`` (references) and ``llamacpp`` (subject): the engine on each backend, same chat prompts, HF and
   vLLM on the SmolLM2 fixture, llama.cpp on its F32 GGUF twin (the same weights);
 * ``llamacpp-raw`` (reference, batch 1): ``Llama.generate`` on the engine's own prompt ids with the same loaded
-  model, no logits processor;
+  model, no logits processor, its state reset first (``Llama.reset``) so it evaluates the whole prompt as the
+  engine does;
+* ``llamacpp-raw-cached`` (reference, batch 1, in no gate): the same call without the reset: llama-cpp-python then
+  keeps the longest prefix its context already holds and, the prompt being the same every round, evaluates one
+  token of it;
 * ``llamacpp-b1`` (reference, batches above 1): the engine on llama.cpp given the same rows one call each (what a
   raw ``Llama.generate`` does with a batch: llama-cpp-python's generation API has none).
 
 Recorded: ``llamacpp_over_hf`` and ``llamacpp_over_vllm`` (speed ratios, above 1: llama.cpp faster),
-``engine_over_raw`` at batch 1 (what the engine's llama.cpp adapter costs; gated like every ``engine_over_raw``)
-and ``batch_over_single`` above (what decoding a batch's rows as parallel sequences of one llama.cpp batch gains
-over one row at a time; gated at 2.0, ``engine.report.gate``).
+``engine_over_raw`` at batch 1 (what the engine's llama.cpp adapter costs on the same work; gated like every
+``engine_over_raw``), ``engine_over_raw_cached`` at batch 1 (against the prefix-keeping call: what the adapter and
+its history independence cost together; not gated: every group of the engine starts from an empty KV pool so a
+row's tokens do not depend on the calls before it, ``engine/backends/llamacpp/sequences.py``, and so it evaluates a
+repeated prompt again where a bare ``Llama`` would not) and ``batch_over_single`` above (what decoding a batch's
+rows as parallel sequences of one llama.cpp batch gains over one row at a time; gated at 2.0, ``engine.report.gate``).
 """
 
 from __future__ import annotations
@@ -46,13 +53,15 @@ def engine_variant(name: str, role: str, engine: Any, messages: list[Any], optio
     return Variant(name, role, run)
 
 
-def raw_llamacpp(engine: Any, messages: list[Any], options: dict[str, Any]) -> Variant:
+def raw_llamacpp(engine: Any, messages: list[Any], options: dict[str, Any], *, keep_prefix: bool) -> Variant:
     rendered, _ = engine.prepare(messages, options=options)
     llm, n = engine.backend.llm, options["max_new_tokens"]
 
     def run() -> int:
         total = 0
         for r in rendered:
+            if not keep_prefix:
+                llm.reset()  # nothing kept: generate evaluates the whole prompt, as the engine's every call does
             generator = llm.generate(list(r.token_ids), temp=0.0, repeat_penalty=1.0)
             for count, _ in enumerate(generator, start=1):
                 if count == n:
@@ -61,7 +70,7 @@ def raw_llamacpp(engine: Any, messages: list[Any], options: dict[str, Any]) -> V
             total += count
         return total
 
-    return Variant("llamacpp-raw", "reference", run)
+    return Variant("llamacpp-raw-cached" if keep_prefix else "llamacpp-raw", "reference", run)
 
 
 def rows_one_by_one(engine: Any, messages: list[Any], options: dict[str, Any]) -> Variant:
@@ -84,11 +93,14 @@ def test_backends(bench, benchmark, backends_batch: int) -> None:
                 engine_variant("vllm", "reference", bench.engine("vllm"), messages, options),
                 engine_variant("llamacpp", "subject", llamacpp, messages, options)]
     if backends_batch == 1:
-        variants.append(raw_llamacpp(llamacpp, messages, options))
+        variants += [raw_llamacpp(llamacpp, messages, options, keep_prefix=False),
+                     raw_llamacpp(llamacpp, messages, options, keep_prefix=True)]
         gates = {"engine_over_raw": ("llamacpp", "llamacpp-raw")}
+        informational = {"engine_over_raw_cached": ("llamacpp", "llamacpp-raw-cached")}
     else:  # a raw Llama.generate runs rows one after another: the same as the engine's rows one call each
         variants.append(rows_one_by_one(llamacpp, messages, options))
         gates = {"batch_over_single": ("llamacpp", "llamacpp-b1")}
+        informational = {}
     label = f"backends[llamacpp-b{backends_batch}-short-o{options['max_new_tokens']}]"
     rounds = bench.measure(benchmark, label, variants, gates=gates)
     expected = backends_batch * options["max_new_tokens"]
@@ -97,7 +109,7 @@ def test_backends(bench, benchmark, backends_batch: int) -> None:
     rendered, _ = llamacpp.prepare(messages, options=options)
     figures = {"llamacpp_over_hf": rounds.speed_ratio("llamacpp", "hf"),
                "llamacpp_over_vllm": rounds.speed_ratio("llamacpp", "vllm"),
-               **{ratio: rounds.speed_ratio(*pair) for ratio, pair in gates.items()}}
+               **{ratio: rounds.speed_ratio(*pair) for ratio, pair in {**gates, **informational}.items()}}
     bench.record({"benchmark": label, "group": "backends", "backend": "llamacpp", "batch": backends_batch,
                   "prompt_len": "short", "prompt_tokens": sum(len(r.token_ids) for r in rendered),
                   "new_tokens": options["max_new_tokens"], "fixed_length": True, "guard_set": "none"},

@@ -11,10 +11,10 @@ Bump :data:`SCHEMA_VERSION` on any change of a column's name, type or meaning, a
 >>> [c.name for c in COLUMNS][:3]
 ['schema_version', 'run_id', 'timestamp']
 >>> sorted(RATIO_COLUMNS)
-['batch_over_single', 'constrained_over_free', 'engine_over_raw', 'fast_over_reference', 'guard_on_over_off', \
-'llamacpp_over_hf', 'llamacpp_over_vllm', 'ours_over_native', 'ours_over_stock', 'pattern_c_over_chat', \
-'plugin_idle_over_without', 'portable_over_native', 'served_over_inprocess', 'streamed_over_plain', \
-'trainer_agreement']
+['batch_over_single', 'constrained_over_free', 'engine_over_raw', 'engine_over_raw_cached', \
+'fast_over_reference', 'guard_on_over_off', 'llamacpp_over_hf', 'llamacpp_over_vllm', 'ours_over_native', \
+'ours_over_stock', 'pattern_c_over_chat', 'plugin_idle_over_without', 'portable_over_native', 'served_over_inprocess', \
+'streamed_over_plain', 'trainer_agreement']
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SCHEMA_VERSION = 13
+SCHEMA_VERSION = 14
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,8 @@ CASE_COLUMNS = (
                                   "json_schema; sampler_cost: none"),
     Column("variant", "string", "what ran: raw, engine, engine+repeat, engine+min_length, raw+native_repetition; "
                                 "rule_cost: decode+rowwise (reference path) or table+vectorized (fast path); "
-                                "backends: hf, vllm, llamacpp (engines) or llamacpp-raw (Llama.generate); "
+                                "backends: hf, vllm, llamacpp (engines), llamacpp-raw (Llama.generate after "
+                                "Llama.reset) or llamacpp-raw-cached (Llama.generate keeping its prefix); "
                                 "sampler_cost: native or portable (generation.sampler)"),
     Column("role", "string", "reference or subject of the case's ratio, or context (measured alongside, in no ratio)"),
     Column("confirm_rounds", "int64", "measured rounds added because a gated ratio missed its minimum after the "
@@ -89,6 +90,9 @@ ROUND_COLUMNS = (
 )
 RATIO_COLUMNS = {
     "engine_over_raw": "engine speed / raw backend call's, same prompt ids and settings",
+    "engine_over_raw_cached": "backends: speed of the engine on llama.cpp / of a raw Llama.generate that keeps the "
+                              "prompt prefix its context holds from the round before (the engine evaluates every "
+                              "call's prompts from an empty KV pool, for history independence); not gated",
     "guard_on_over_off": "speed with the guard / without it, both through the engine",
     "ours_over_native": "speed with our repeat guard (engine) / with vLLM's native repetition_detection (raw LLM)",
     "served_over_inprocess": "served: speed of the engine behind python -m engine.serve (concurrent clients, one "
@@ -171,9 +175,12 @@ ADDED_IN: dict[int, tuple[str, ...]] = {
     11: ("batch_over_single", "ours_over_stock"),
     12: ("plugin_idle_over_without",),
     13: ("portable_over_native", "added_us_per_token"),
+    14: ("engine_over_raw_cached",),
 }
 """The columns each version added (every change so far added columns; none was renamed or retyped), so a report of
-any earlier version reads as this one: what it lacks is absent (NaN, '' or 0 rounds confirmed), never invented."""
+any earlier version reads as this one: what it lacks is absent (NaN, '' or 0 rounds confirmed), never invented.
+One variant changed meaning: before 14 ``llamacpp-raw`` kept the prompt prefix its context held; an older report's
+rows of it read as ``llamacpp-raw-cached``, the name 14 gives that call, so they compare like with like."""
 OLDEST_READABLE = 1
 DEFAULTS = {"float64": float("nan"), "string": "", "int64": 0, "bool": False}
 """What a column an older version did not have holds once read (``confirm_rounds`` 0: none were added then)."""
@@ -192,9 +199,11 @@ def upgrade(frame: Any, *, source: str = "report") -> Any:
     >>> old = pd.DataFrame({"schema_version": [8], "wall_s": [1.0]})
     >>> new = upgrade(old)
     >>> int(new["schema_version"][0]), int(new["confirm_rounds"][0]), new.attrs["read_from_versions"]
-    (13, 0, [8])
+    (14, 0, [8])
     >>> bool(pd.isna(new["trainer_agreement"][0])), "dlogprob_mean" in new  # added in 10; 8 already had it
     (True, False)
+    >>> upgrade(pd.DataFrame({"schema_version": [13], "variant": ["llamacpp-raw"]}))["variant"].tolist()
+    ['llamacpp-raw-cached']
     """
     if "schema_version" not in frame.columns or len(frame) == 0:
         return frame
@@ -214,6 +223,10 @@ def upgrade(frame: Any, *, source: str = "report") -> Any:
             if name not in out.columns:
                 out[name] = DEFAULTS[types[name]]
                 out[name] = out[name].astype(types[name])
+    if versions[0] < 14:  # before 14, llamacpp-raw kept its prefix: the name 14 gives that call
+        old = (out["schema_version"] < 14) & (out["variant"] == "llamacpp-raw") if "variant" in out else None
+        if old is not None and old.any():
+            out.loc[old, "variant"] = "llamacpp-raw-cached"
     out["schema_version"] = SCHEMA_VERSION
     order = [c.name for c in COLUMNS if c.name in out.columns]
     out = out[order + [name for name in out.columns if name not in order]]  # this version's column order

@@ -2,8 +2,9 @@
 
 ``Llama.generate`` decodes one sequence; a batch of rows through it runs one row after another. Here every row is a
 sequence (its own ``seq_id``) of a second llama.cpp context on the loaded model, whose KV cache is one unified pool
-of ``n_ctx`` cells shared by up to ``n_seq`` rows: the rows' prompts are evaluated first (all but their last token,
-in chunks of ``n_batch``), then each step decodes one token of every unfinished row in a single ``llama_decode``.
+of ``n_ctx`` cells shared by up to ``n_seq`` rows: the rows' prompts are evaluated first (in chunks of ``n_batch``,
+logits for each prompt's last token, from which the row's first token is drawn), then each step decodes one token of
+every unfinished row in a single ``llama_decode``.
 For each row the step applies the row's logits processor in place on the row's logits and draws with the row's own
 sampler (:func:`~engine.backends.llamacpp.row.sampler_chain`, seeded with the row's seed), so rules, stops, seeds
 and logprobs stay per row: a row decodes the same tokens whichever rows share its batch.
@@ -110,41 +111,66 @@ class ParallelSequences:
         self.cached = [[] for _ in range(self.n_seq)]
 
     def _decode_rows(self, rows: list[LlamaCppRow], seeds: list[int], closing: Callable[[], bool]) -> None:
-        import llama_cpp
-        import numpy as np
-
-        ctx = self.context.ctx
         self.forget()  # a group's tokens depend on the group only (the module's docstring says why)
-        slot = 0
-        for seq, row in enumerate(rows):
-            ids = row.prompt.token_ids
-            for position in range(len(ids) - 1):  # the prompt but its last token, no logits, n_batch at a time
-                self._put(slot, ids[position], position, seq, False)
-                self.cached[seq].append(ids[position])
-                slot += 1
-                if slot == self.n_batch:
-                    self._run(slot)
-                    slot = 0
-        if slot:
-            self._run(slot)
         samplers = [sampler_chain(self.llm, row.greedy, seed) for row, seed in zip(rows, seeds, strict=True)]
         try:
-            live = list(range(len(rows)))  # sequence ids (= positions in ``rows``) still decoding
-            feed = [row.prompt.token_ids[-1] for row in rows]
+            feed, finished = self._evaluate_prompts(rows, samplers)
+            live = [seq for seq in range(len(rows)) if seq not in finished]  # sequence ids (positions in ``rows``)
             while live and not closing():
                 for slot, seq in enumerate(live):
                     self._put(slot, feed[seq], len(self.cached[seq]), seq, True)
                     self.cached[seq].append(feed[seq])
                 self._run(len(live))
-                finished = []
                 for slot, seq in enumerate(live):
-                    row = rows[seq]
-                    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, slot), shape=(self.n_vocab,))
-                    row.step(row.ids(), logits)  # in place: the sampler reads the same buffer
-                    feed[seq] = int(samplers[seq].sample(self.context, slot))
-                    if row.take(feed[seq]):
-                        finished.append(seq)
+                    feed[seq] = self._draw(rows[seq], samplers[seq], slot)
+                    if rows[seq].take(feed[seq]):
+                        finished.add(seq)
                 live = [seq for seq in live if seq not in finished]
         finally:
             for sampler in samplers:
                 sampler.close()
+
+    def _evaluate_prompts(self, rows: list[LlamaCppRow], samplers: list[Any]) -> tuple[list[int], set[int]]:
+        """Evaluate every row's prompt, ``n_batch`` tokens per decode, logits for its last token only, and draw each
+        row's first token from them right after the decode that holds it (before the next one overwrites them): one
+        decode fewer per group than evaluating the last prompt tokens as a step of their own (about 6 % of a
+        16-token call of one short row). Returns each row's first token (the next step's feed) and the rows it ended."""
+        feed, finished = [0] * len(rows), set()
+        slot, drawn_here = 0, []  # (sequence, slot) of the last prompt tokens in the batch being filled
+        for seq, row in enumerate(rows):
+            ids = row.prompt.token_ids
+            for position, token in enumerate(ids):
+                last = position == len(ids) - 1
+                self._put(slot, token, position, seq, last)
+                self.cached[seq].append(token)
+                if last:
+                    drawn_here.append((seq, slot))
+                slot += 1
+                if slot == self.n_batch:
+                    self._run(slot)
+                    finished |= self._first_tokens(rows, samplers, drawn_here, feed)
+                    slot, drawn_here = 0, []
+        if slot:
+            self._run(slot)
+            finished |= self._first_tokens(rows, samplers, drawn_here, feed)
+        return feed, finished
+
+    def _first_tokens(self, rows: list[LlamaCppRow], samplers: list[Any], drawn: list[tuple[int, int]],
+                      feed: list[int]) -> set[int]:
+        """Draw the first token of each row in ``drawn`` ((sequence, slot) pairs); the rows it ended."""
+        ended = set()
+        for seq, slot in drawn:
+            feed[seq] = self._draw(rows[seq], samplers[seq], slot)
+            if rows[seq].take(feed[seq]):
+                ended.add(seq)
+        return ended
+
+    def _draw(self, row: LlamaCppRow, sampler: Any, slot: int) -> int:
+        """The row's next token from the logits of batch slot ``slot``: the row's step edits them in place, then its
+        own sampler draws from the same buffer."""
+        import llama_cpp
+        import numpy as np
+
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.context.ctx, slot), shape=(self.n_vocab,))
+        row.step(row.ids(), logits)
+        return int(sampler.sample(self.context, slot))
