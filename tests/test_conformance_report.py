@@ -15,7 +15,7 @@ import pytest
 from conformance.kit import census, matrix, plugin, record
 from conformance.kit import report as collector_module
 from conformance.kit.report import SummaryCollector
-from conformance.subjects import pool, served, stock, target
+from conformance.subjects import bill, pool, served, stock, target
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = '''
@@ -168,6 +168,28 @@ def test_older_and_foreign_reports(tmp_path, run):
         record.read(foreign)
 
 
+def test_the_summary_names_the_module_each_process_started_in_and_each_subjects_users(tmp_path):
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK")
+    noted = tmp_path / "census.tsv"
+    noted.write_text(f"11\t{5 * tick}\tpython -m engine.serve --config /tmp/a.json\n"
+                     f"12\t{9 * tick}\tpython -m vllm.entrypoints.openai.api_server /m\n"
+                     f"13\t{1 * tick}\tps -o pid\n")
+    plan = ["subjects and their users (1 subjects, 1 starts):", "  server hf smol: 1 starts, 2 modules: a.py b.py"]
+    collector = SummaryCollector(tmp_path, lambda: {"plan": plan}, census=noted)
+    collector.windows = [(4.0, "test_a.py"), (8.0, "test_b.py")]  # seconds since boot as each check started
+    collector.results = {"conformance/test_a.py::test_x": {"verdict": "passed", "seconds": 1.0, "message": "",
+                                                           "failure": ""}}
+    assert collector.census_lines()[1:] == ["started while each module ran:", "  (before the checks): other: ps 1",
+                                            "  test_a.py: engine.serve server 1", "  test_b.py: stock vllm serve 1"]
+    summary = (tmp_path / "conformance-summary.md")
+    collector.write()
+    text = summary.read_text()
+    assert "## Processes" in text and "  test_b.py: stock vllm serve 1" in text
+    assert "## Subjects" in text and plan[1] in text
+
+
 def test_reports_readme_documents_every_field():
     readme = (ROOT / "reports" / "README.md").read_text()
     assert f"Conformance report schema version: {record.SCHEMA_VERSION}" in readme
@@ -175,6 +197,7 @@ def test_reports_readme_documents_every_field():
         assert f"| `{name}` |" in readme, name
 
 
-@pytest.mark.parametrize("module", [record, matrix, collector_module, target, stock, pool, census, plugin, served])
+@pytest.mark.parametrize("module", [record, matrix, collector_module, target, stock, pool, census, plugin, served,
+                                    bill])
 def test_doctests(module):
     assert doctest.testmod(module).failed == 0

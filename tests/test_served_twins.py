@@ -272,3 +272,16 @@ def test_a_server_started_ahead_for_nobody_is_not_started_ahead_again(monkeypatc
     asked = [("hf", mode, None), ("vllm", mode, 2048)]
     assert {k for k in launched if k[1] == mode} == {*wrong, *asked}
     assert [launched.count(w) for w in wrong] == [1, 1], launched
+
+
+def test_the_bill_counts_each_module_that_reaches_an_engine_directly_or_through_a_fixture(pool):
+    pool.bill.user = "test_a.py"
+    plain = pool.engine("hf", "/models/text")
+    pool.engine("hf", "/models/text", repeat_terminate=GUARD)  # derived: counts for the engine it shares
+    pool.bill.user = "test_b.py"  # reaches the engine through a session fixture built for test_a.py
+    pool.count_fixture_users([{"hf": plain}, "unrelated", 3])
+    pool.bill.user = "test_c.py"
+    pool.count_fixture_users([("no", "twins")])
+    [(subject, users)] = pool.bill.users.items()
+    assert subject == ("engine", "hf /models/text") and users == {"test_a.py", "test_b.py"}
+    assert pool.bill.plan_lines()[1] == "  engine hf /models/text: 1 starts, 2 modules: test_a.py test_b.py"

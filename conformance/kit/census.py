@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 KINDS: tuple[tuple[str, str], ...] = (
@@ -87,3 +87,41 @@ def line(counts: Counter[str]) -> str:
     order = [kind for kind, _ in KINDS] + sorted(k for k in counts if k.startswith("other: "))
     parts = [f"{k} {counts[k]}" for k in order if counts[k]]
     return f"processes this run started ({sum(counts.values())}): " + (", ".join(parts) if parts else "none")
+
+
+def by_module(entries: Mapping[tuple[int, int], str], windows: Sequence[tuple[float, str]],
+              ticks_per_s: float | None = None) -> dict[str, Counter[str]]:
+    """The processes by the module whose check was running when each started: ``windows`` holds (seconds since boot,
+    module) as each check started, in order; a process's start is in clock ticks since boot (``/proc/PID/stat``).
+    Processes started before the first check (collection, the watcher) count as ``(before the checks)``.
+
+    >>> entries = {(1, 150): "python -m engine.serve --config a", (2, 450): "vllm serve /m", (3, 50): "ps"}
+    >>> {m: dict(c) for m, c in by_module(entries, [(1.0, "a.py"), (4.0, "b.py")], ticks_per_s=100).items()}
+    {'(before the checks)': {'other: ps': 1}, 'a.py': {'engine.serve server': 1}, 'b.py': {'stock vllm serve': 1}}
+    """
+    import bisect
+    import os
+
+    tick = ticks_per_s or os.sysconf("SC_CLK_TCK")
+    starts = [at for at, _ in windows]
+    out: dict[str, Counter[str]] = {}
+    for (_, start), command in sorted(entries.items(), key=lambda e: e[0][1]):
+        index = bisect.bisect_right(starts, start / tick) - 1
+        module = windows[index][1] if index >= 0 else "(before the checks)"
+        kind = kind_of(command)
+        out.setdefault(module, Counter())[kind if kind != "other" else f"other: {program_of(command)}"] += 1
+    return out
+
+
+def module_lines(modules: Mapping[str, Counter[str]]) -> list[str]:
+    """One line per module, most processes first (multiprocessing helpers left out: vLLM's, one per engine core).
+
+    >>> module_lines({"a.py": Counter({"engine.serve server": 2, "multiprocessing helper": 1})})
+    ['  a.py: engine.serve server 2']
+    """
+    lines = []
+    for module, counts in sorted(modules.items(), key=lambda m: -sum(m[1].values())):
+        shown = {k: n for k, n in counts.items() if k != "multiprocessing helper"}
+        if shown:
+            lines.append(f"  {module}: " + ", ".join(f"{k} {n}" for k, n in sorted(shown.items(), key=lambda x: -x[1])))
+    return lines

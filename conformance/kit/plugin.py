@@ -204,7 +204,7 @@ def pytest_configure(config: pytest.Config) -> None:
             "served_calls": pool.reach.served_calls}
         return {"model": pool.options.model if pool else "", "dtype": dtype, "backends": backends,
                 "workload": tier.workload.name, "context": context, "shards": [shard] if shard else [],
-                "target": config.stash.get(TARGET_DESCRIBED, {})}
+                "target": config.stash.get(TARGET_DESCRIBED, {}), "plan": pool.bill.plan_lines() if pool else []}
 
     stem = "conformance-summary" + ("" if dtype == "float32" else f"-{dtype}")
     out = Path(config.getoption("--engine-reports") or Path(config.invocation_params.dir) / "reports")
@@ -354,6 +354,23 @@ def keep_shard(config: pytest.Config, items: list[pytest.Item], checks: list[pyt
     return [item for item in kept if is_check(item)]
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before its fixtures (session-scoped ones first built for it included): the check's module is whom the pool's
+    engines, servers and kept objects count as their user (``Bill.used``), for the plan printed at the end."""
+    pool = item.config.stash.get(POOL_KEY, None)
+    if pool is not None and is_check(item):
+        pool.bill.user = module_file(item)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item: pytest.Item) -> None:
+    """The engines the check reaches through fixtures built before it (session- or module-scoped) count it too."""
+    pool = item.config.stash.get(POOL_KEY, None)
+    if pool is not None and is_check(item):
+        pool.count_fixture_users(getattr(item, "funcargs", {}).values())
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     report = yield
@@ -366,7 +383,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     pool = session.config.stash.get(POOL_KEY, None)
     if pool is not None and pool.starts:
         writer = session.config.get_terminal_writer()
-        for line in pool.report():
+        for line in pool.report() + pool.bill.plan_lines():
             writer.line(line)
 
 

@@ -46,9 +46,18 @@ class SummaryCollector:
         self.seconds: Counter[str] = Counter()
         """Wall seconds per check module, setup (the engines and servers it first needed) and teardown included."""
         self.ran: Counter[str] = Counter()
+        self.windows: list[tuple[float, str]] = []
+        """(seconds since boot, module file) as each check starts: which module a process the census noted started
+        in (``census.by_module``)."""
 
     def note(self, check: str, text: str) -> None:
         self.notes.append((check, text))
+
+    def pytest_runtest_logstart(self, nodeid: str, location: tuple[str, int | None, str]) -> None:
+        import time
+
+        if self.checks is None or nodeid in self.checks:
+            self.windows.append((time.clock_gettime(time.CLOCK_BOOTTIME), location[0].rsplit("/", 1)[-1]))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         from conformance.kit.record import result_id
@@ -105,14 +114,21 @@ class SummaryCollector:
             writer.line(f"note ({check}): {text}")
         for line in self.time_table():
             writer.line(line)
-        if self.census_line():
-            writer.line(self.census_line())
+        for line in self.census_lines():
+            writer.line(line)
+        for line in self.describe().get("plan", []):
+            writer.line(line)
 
-    def census_line(self) -> str:
-        """The processes this run started, by kind (empty without a census)."""
+    def census_lines(self) -> list[str]:
+        """The census line, then the processes by the module whose check was running when each started."""
         from conformance.kit import census
 
-        return census.line(census.count(census.read(self.census))) if self.census is not None else ""
+        if self.census is None:
+            return []
+        entries = census.read(self.census)
+        by_module = census.module_lines(census.by_module(entries, self.windows))
+        return [census.line(census.count(entries)), *(["started while each module ran:", *by_module] if by_module
+                                                       else [])]
 
     def time_table(self) -> list[str]:
         """Seconds per check module, slowest first, with its share of the run: where the suite's time goes.
@@ -148,8 +164,10 @@ class SummaryCollector:
             lines += ["## Notes", ""] + [f"- `{check}`: {text}" for check, text in self.notes] + [""]
         if self.time_table():
             lines += ["## Time by module", "", "```", *self.time_table(), "```", ""]
-        if self.census_line():
-            lines += ["## Processes", "", self.census_line(), ""]
+        if self.census_lines():
+            lines += ["## Processes", "", "```", *self.census_lines(), "```", ""]
+        if self.describe().get("plan"):
+            lines += ["## Subjects", "", "```", *self.describe()["plan"], "```", ""]
         md = self.out_dir / f"{self.stem}.md"
         md.write_text("\n".join(lines))
         return [json_path, html_path, md]

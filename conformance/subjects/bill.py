@@ -4,9 +4,13 @@ with its seconds (printed at the session's end with the time by module, ``confor
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+STARTS = {"engine": "engine", "server": "server", "server ahead": "server", "kept": "kept"}
+"""The bill's kinds of start, as the kind of subject they start (a server started ahead is a server)."""
 
 
 @dataclass
@@ -23,12 +27,55 @@ class Bill:
     starts: list[tuple[str, str, float]] = field(default_factory=list)
     announce: Callable[[str], None] | None = None
     """Told ``starting <kind> <key> ...`` as each start begins (the benchmarks' progress lines)."""
+    user: str = ""
+    """The check module running now (the conftest's ``reach`` fixture sets it): whom :meth:`used` counts."""
+    users: dict[tuple[str, str], set[str]] = field(default_factory=dict)
+    """(kind, subject) -> the check modules that asked for it: what a session plan groups its checks by."""
+
+    def used(self, kind: str, key: tuple[str, ...]) -> None:
+        """Count the running check module as a user of ``key`` (an engine's load key, a server, a kept object).
+
+        >>> bill = Bill(user="test_stop.py")
+        >>> bill.used("engine", ("hf", "smol", "[]", ""))
+        >>> bill.users
+        {('engine', 'hf smol'): {'test_stop.py'}}
+        """
+        if self.user:
+            self.users.setdefault((kind, named(key)), set()).add(self.user)
+
+    def plan_lines(self) -> list[str]:
+        """Every subject the run asked for, with its starts and the modules that used it, most used first.
+
+        >>> bill = Bill(user="a.py")
+        >>> with bill.timed("server", ("hf", "smol")):
+        ...     bill.used("server", ("hf", "smol"))
+        >>> bill.user = "b.py"; bill.used("server", ("hf", "smol"))
+        >>> print("\\n".join(bill.plan_lines()))
+        subjects and their users (1 subjects, 1 starts):
+          server hf smol: 1 starts, 2 modules: a.py b.py
+        """
+        started: Counter[tuple[str, str]] = Counter()
+        for kind, key, _ in self.starts:
+            if kind in STARTS:
+                started[(STARTS[kind], key)] += 1
+        subjects = sorted(set(self.users) | set(started), key=lambda s: (-len(self.users.get(s, ())), s))
+        lines = [f"subjects and their users ({len(subjects)} subjects, {sum(started.values())} starts):"]
+        for subject in subjects:
+            modules = sorted(self.users.get(subject, ()))
+            lines.append(f"  {subject[0]} {subject[1]}: {started.get(subject, 0)} starts, {len(modules)} modules: "
+                         + (" ".join(modules) or "(none: started ahead for nobody)"))
+        return lines
 
     @contextmanager
     def timed(self, kind: str, key: tuple[str, ...]) -> Iterator[None]:
-        named = " ".join(k for k in key if k and k != "[]")
+        named_key = named(key)
         if self.announce is not None:
-            self.announce(f"starting {kind} {named} ...")
+            self.announce(f"starting {kind} {named_key} ...")
         began = time.monotonic()
         yield
-        self.starts.append((kind, named, time.monotonic() - began))
+        self.starts.append((kind, named_key, time.monotonic() - began))
+
+
+def named(key: tuple[str, ...]) -> str:
+    """A subject's key in a line: its non-empty parts."""
+    return " ".join(k for k in key if k and k != "[]")

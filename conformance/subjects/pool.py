@@ -225,6 +225,7 @@ class EnginePool:
 
     def _local(self, key: tuple[str, ...], backend: str, model: str, shared: bool, sections: dict[str, Any]) -> Any:
         if key in self._engines:
+            self.bill.used("engine", self._loaded.get(key, key))
             if self.leases is not None and SPECS[backend].shares_card:
                 self.leases.admit(self._loaded.get(key, key))  # used now: the last to be stopped
             return self._engines[key]
@@ -247,6 +248,7 @@ class EnginePool:
             return self._engines[key]
         if SPECS[backend].shares_card:
             self._make_room(key)
+        self.bill.used("engine", key)
         with self.bill.timed("engine", key):
             self._engines[key] = GenerationEngine(self.config(backend, model, **sections))
         runner = self._engines[key].backend.runner
@@ -292,10 +294,23 @@ class EnginePool:
         Destroying an in-process vLLM engine tears down vLLM's process-global parallel state and breaks
         every other live one, so the pool owns all of them and releases them only at session end.
         """
+        self.bill.used("kept", key)
         if key not in self._raw:
             with self.bill.timed("kept", key):
                 self._raw[key] = factory()
         return self._raw[key]
+
+    def count_fixture_users(self, values: Any) -> None:
+        """Count the running check's module as a user of every engine among its fixtures' values (a twin, or a dict
+        or sequence of them, one level down): a session- or module-scoped fixture asks the pool once, for the first
+        check that needs it, and later modules reach the same engines through it."""
+        twins = {id(twin): key for table in (self._twins, self._references) for key, twin in table.items()}
+        for value in values:
+            inner = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else ()
+            for candidate in (value, *inner):
+                key = twins.get(id(candidate))
+                if key is not None:
+                    self.bill.used("engine", self._loaded.get(key, key))
 
     @property
     def vllm_mode(self) -> str:

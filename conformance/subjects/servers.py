@@ -104,6 +104,7 @@ class ServerPool:
         from engine.client import launch_server
 
         self._unused.discard(key)
+        self.bill.used("server", (key[0], self._chosen(config)))
         if key in self._servers:
             self._servers[key] = self._servers.pop(key)  # most recently used last
             return self._servers[key]
