@@ -7,7 +7,10 @@ from __future__ import annotations
 import pytest
 
 from conformance.compare import assert_same_results
+from conformance.subjects.plan import engines, uses
 from engine_fixtures import load_prompts
+
+SUBJECTS = uses(engines("text"))
 
 pytestmark = pytest.mark.dtype_dependent
 

@@ -18,6 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from conformance.subjects.plan import engines, servers, uses
+
+SUBJECTS = uses(engines("text"), servers("text"))
+
 pytestmark = pytest.mark.slow
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPTS = [

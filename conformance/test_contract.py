@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from conformance.subjects.plan import engines, uses
 from engine_fixtures import load_prompts
+
+SUBJECTS = uses(engines("text"))
 
 CHAT = [p["messages"] for p in load_prompts("chat")]
 

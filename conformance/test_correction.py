@@ -11,7 +11,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from conformance.subjects.plan import uses
 from engine.trainer.correction import MODES, correction_metrics, importance_weights, offpolicy_metrics
+
+SUBJECTS = uses()
 
 THRESHOLD = 1.5
 

@@ -17,8 +17,17 @@ from pathlib import Path
 import pytest
 
 from conformance.compare import assert_same_results
+from conformance.subjects.plan import BUILT, engines, servers, uses
 from conformance.subjects.variants import answered_token, model_copy
 from engine_fixtures import fixture_path, load_prompts
+
+SUBJECTS = uses(
+    engines("text"),
+    engines("tiny-looper"),
+    engines(BUILT),
+    engines(BUILT, model={"checkpoint_eos": True}),
+    servers("text"),
+)
 
 LOOPER_PROMPTS = [p["messages"] for p in load_prompts("looper") + load_prompts("lists") + load_prompts("chat")[:1]]
 BUDGET = {"max_new_tokens": 24}

@@ -12,7 +12,10 @@ from __future__ import annotations
 import pytest
 
 from conformance.compare import assert_same_results
+from conformance.subjects.plan import engines, servers, uses
 from conformance.test_repeat import BUDGET, LOOP_GUARD, MIXED
+
+SUBJECTS = uses(engines("tiny-looper"), engines("tiny-looper", vllm={}), servers("tiny-looper"))
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from conformance.subjects.plan import engines, uses
 from engine.errors import ConfigError, RequestError
+
+SUBJECTS = uses(engines("text"))
 
 GOOD = [{"role": "user", "content": "Hi"}]
 

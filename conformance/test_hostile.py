@@ -14,6 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from conformance.subjects.plan import engines, processes, servers, uses
+
+SUBJECTS = uses(engines("text"), servers("text"),
+                processes("engine.serve server", why="SIGTERM during a long stream stops a server of its own "
+                                                     "(serve.drain_timeout_s 1), never the shared one"))
+
 pytestmark = pytest.mark.slow
 HI = [{"role": "user", "content": "Hi"}]
 NORMAL = {"infer_requests": [{"messages": HI}], "request_config": {"max_tokens": 4, "temperature": 0}}

@@ -17,6 +17,14 @@ from typing import Any
 
 import pytest
 
+from conformance.subjects.plan import engines, processes, servers, uses
+
+SUBJECTS = uses(
+    engines("text"),
+    servers("text"),
+    processes("lm_eval CLI", why="the real lm_eval CLI scores the engine model and the server"),
+)
+
 pytest.importorskip("lm_eval", reason="the lm-eval extra is not installed (pip install 'xbackend-engine[lm-eval]')")
 
 

@@ -7,8 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from conformance.subjects.plan import BUILT, engines, uses
 from conformance.subjects.variants import answered_token, model_copy
 from engine_fixtures import load_prompts
+
+SUBJECTS = uses(engines("text"), engines(BUILT))
 
 CHAT = [p["messages"] for p in load_prompts("chat")]
 

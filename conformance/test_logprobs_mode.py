@@ -15,8 +15,17 @@ import math
 import pytest
 
 from conformance.precision import REFERENCE_TOL
+from conformance.subjects.plan import engines, servers, uses
 from engine.errors import ConfigError
 from engine_fixtures import load_prompts
+
+SUBJECTS = uses(
+    engines("text"),
+    engines("text", model={"logprobs_mode": "processed_logprobs"}, vllm={}),
+    servers("text"),
+    servers("text", model={"logprobs_mode": "processed_logprobs"}),
+    servers("text", model={"logprobs_mode": "processed_logprobs"}, vllm={}),
+)
 
 PROMPTS = [p["messages"] for p in load_prompts("chat")[:4]]
 PROCESSING = {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.3}

@@ -24,8 +24,11 @@ import pytest
 
 from conformance.compare import RESULT_FIELDS, first_divergence
 from conformance.precision import REFERENCE_TOL
+from conformance.subjects.plan import engines, servers, uses
 from engine.config.generation import GenerationOptions, StopPolicy
 from engine_fixtures import load_prompts
+
+SUBJECTS = uses(engines("text"), servers("text"))
 
 FIELDS: tuple[str, ...] = (*(f"generation.{f.name}" for f in dataclasses.fields(GenerationOptions)),
                            *(f"stop.{f.name}" for f in dataclasses.fields(StopPolicy)))

@@ -7,7 +7,10 @@ from __future__ import annotations
 import pytest
 
 from conformance.compare import check_logprobs_close, describe, divergence_steps, exact_pair
+from conformance.subjects.plan import engines, servers, uses
 from engine_fixtures import load_prompts
+
+SUBJECTS = uses(engines("text"), servers("text"))
 
 pytestmark = [pytest.mark.servable, pytest.mark.dtype_dependent]
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from conformance.subjects.plan import engines, servers, uses
 from engine.errors import PluginCompatibilityError
 from engine.plugins import Plugin
 from engine.plugins.base import HF_STOPPING_CRITERIA
 from engine_fixtures import load_prompts
+
+SUBJECTS = uses(engines("text"), servers("text"))
 
 CHAT = [p["messages"] for p in load_prompts("chat")]
 JSON = [p["messages"] for p in load_prompts("json") if p["id"] != "json-30-fruits"]

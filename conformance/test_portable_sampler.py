@@ -18,9 +18,16 @@ import pytest
 
 from conformance.compare import first_divergence
 from conformance.precision import REFERENCE_TOL
+from conformance.subjects.plan import engines, servers, uses
 from engine.rules.portable_sampler import gumbel_noise
 from engine.rules.seeding import row_seed
 from engine_fixtures import load_prompts
+
+SUBJECTS = uses(
+    engines("text"),
+    engines("text", model={"logprobs_mode": "processed_logprobs"}, vllm={}),  # test_logprobs_mode.processed
+    servers("text"),
+)
 
 pytestmark = pytest.mark.dtype_dependent
 

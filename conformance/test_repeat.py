@@ -5,9 +5,22 @@ from __future__ import annotations
 import pytest
 
 from conformance.compare import assert_same_results, close_at_divergence, first_divergence
+from conformance.subjects.plan import engines, servers, uses
 from engine.errors import UnsupportedCapabilityError
 from engine.rules.repeat import RepeatThresholds, reference_fire_index
 from engine_fixtures import fixture_path, load_prompts
+
+SUBJECTS = uses(
+    engines("text"),
+    engines("tiny-looper"),
+    engines("tiny-looper", hf={"max_batch_size": 8}),
+    engines("tiny-looper", repeat_terminate={"enabled": True}),
+    engines("tiny-looper", vllm={"max_num_seqs": 4}),
+    servers("text"),
+    servers("tiny-looper"),
+    servers("tiny-looper", hf={"max_batch_size": 8}),
+    servers("tiny-looper", vllm={"max_num_seqs": 4}),
+)
 
 pytestmark = pytest.mark.dtype_dependent
 

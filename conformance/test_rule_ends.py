@@ -13,8 +13,11 @@ import json
 import pytest
 
 from conformance.compare import assert_same_results
+from conformance.subjects.plan import engines, uses
 from engine.trainer.metrics import TRUNCATED_RATE, rollout_metrics
 from engine_fixtures import load_prompts
+
+SUBJECTS = uses(engines("text"))
 
 pytestmark = pytest.mark.dtype_dependent
 

@@ -14,6 +14,11 @@ from pathlib import Path
 import pytest
 
 from conformance.kit.reaper import command_line, descendants, process_table
+from conformance.subjects.plan import processes, uses
+
+SUBJECTS = uses(
+    processes("child pytest", why="a run of the suite killed with SIGKILL once its check started the HF server"),
+)
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

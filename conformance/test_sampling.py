@@ -14,8 +14,11 @@ import pytest
 
 from conformance.compare import assert_same_results, divergence_steps, exact_pair
 from conformance.precision import REFERENCE_TOL, assert_top_k_close, own_error, rescored, value_bound
+from conformance.subjects.plan import engines, uses
 from engine.errors import ConfigError
 from engine_fixtures import load_prompts
+
+SUBJECTS = uses(engines("text"), engines("text", model={"dtype": "float32"}))
 
 pytestmark = pytest.mark.dtype_dependent
 

@@ -20,10 +20,16 @@ from pathlib import Path
 import pytest
 
 from conformance.compare import assert_served_equal
+from conformance.subjects.plan import engines, processes, uses
 from conformance.subjects.served import scrape
 from conformance.test_repeat import BUDGET, LOOP_GUARD, MIXED
 from engine.config import RepeatTerminateConfig
 from engine_fixtures import fixture_path
+
+SUBJECTS = uses(
+    engines("tiny-looper"),
+    processes("engine.serve server", why="servers of its own: the guard from the environment, an API key, SIGTERM"),
+)
 
 pytestmark = pytest.mark.slow
 NS = "coordexp"

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 
 from conformance.compare import describe
+from conformance.subjects.plan import engines, uses
 from engine_fixtures import fixture_path, load_prompts
+
+SUBJECTS = uses(engines("text"), engines("tiny-looper"))
 
 GREEDY = {"max_new_tokens": 16}
 

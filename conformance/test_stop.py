@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 
 from conformance.compare import assert_same_results, close_at_divergence, first_divergence
+from conformance.subjects.plan import engines, servers, uses
 from engine_fixtures import load_prompts
+
+SUBJECTS = uses(engines("text"), servers("text"))
 
 pytestmark = [pytest.mark.servable, pytest.mark.dtype_dependent]
 

@@ -16,7 +16,10 @@ import json
 import pytest
 
 from conformance.compare import assert_same_results
+from conformance.subjects.plan import engines, uses
 from engine.backends.registry import SPECS
+
+SUBJECTS = uses(engines("text"))
 
 pytestmark = pytest.mark.dtype_dependent
 

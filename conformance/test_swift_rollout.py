@@ -28,8 +28,11 @@ from pathlib import Path
 
 import pytest
 
+from conformance.subjects.plan import engines, processes, uses
 from conformance.test_repeat import BUDGET, LOOP_GUARD, MIXED
 from engine_fixtures import fixture_path
+
+SUBJECTS = uses(engines("tiny-looper"), processes("swift rollout", why="ms-swift's own rollout server with the plugin"))
 
 pytestmark = pytest.mark.slow
 SEEDS_ON = {"COORDEXP_ENABLE_VLLM_REPEAT_TERMINATE_INJECTION": "1",

@@ -15,7 +15,10 @@ import pytest
 
 from conformance.compare import exact_pair
 from conformance.precision import REFERENCE_TOL
+from conformance.subjects.plan import engines, servers, uses
 from conformance.subjects.target import TARGET, Findings, error_shape_problem
+
+SUBJECTS = uses(engines("text"), servers("text"))
 
 PROMPTS = ("The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,",
            "1, 2, 3, 4,")

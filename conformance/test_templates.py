@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from conformance.subjects.plan import engines, uses
 from engine_fixtures import load_prompts
+
+SUBJECTS = uses(engines("text"))
 
 MSGS = load_prompts("chat")[0]["messages"]
 

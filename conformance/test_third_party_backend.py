@@ -20,6 +20,9 @@ from pathlib import Path
 import pytest
 
 from conformance.kit import matrix, record
+from conformance.subjects.plan import processes, uses
+
+SUBJECTS = uses(processes("child pytest", why="the kit run in a user's folder with a backend from another package"))
 
 EXAMPLE = Path(__file__).resolve().parent / "subjects" / "example_backend"
 SELECTION = ["--pyargs", "conformance.test_contract", "conformance.test_parity", "-m", "not served", "-k",

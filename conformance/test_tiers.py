@@ -6,6 +6,9 @@ modules only the conformance venv can import (vLLM's own)."""
 from __future__ import annotations
 
 from conformance.kit.tiers import missing_from_quick
+from conformance.subjects.plan import uses
+
+SUBJECTS = uses()
 
 
 def test_every_collected_check_function_runs_in_the_quick_tier(pytestconfig, summary_note):

@@ -20,11 +20,14 @@ from typing import Any
 
 import pytest
 
+from conformance.subjects.plan import engines, processes, uses
 from conformance.test_repeat import REAL_LOOP_GUARD
 from conformance.test_vllm_plugin import MIN_CHARS, chat_rows, xargs
 from engine.vllm_plugin import PROCESSOR
 from engine.vllm_plugin.replay import guard_report
 from engine_fixtures import load_prompts
+
+SUBJECTS = uses(engines("text"), processes("trl vllm-serve", why="TRL 1.16's own server with the guard"))
 
 pytestmark = pytest.mark.slow
 TRL_VERSION = "1.16"

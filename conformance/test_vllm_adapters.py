@@ -20,9 +20,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conformance.rule_sim import EOS, VOCAB, Req, run_hf, run_v1, run_v2
+from conformance.subjects.plan import uses
 from engine.backends.vllm.rules import PROCESSORS, V1, V2, request_args
 from engine.rules.base import RuleSpec
 from engine.rules.repeat import RepeatRule, RepeatThresholds
+
+SUBJECTS = uses()  # nothing from the pool: the engines built here stop before vLLM starts (a stand-in vllm.LLM)
 
 
 def repeat_spec(**thresholds) -> RuleSpec:

@@ -13,10 +13,17 @@ from typing import Any
 
 import pytest
 
+from conformance.subjects.plan import engines, processes, uses
 from conformance.test_repeat import BUDGET, LOOP_GUARD, MIXED, REAL_LOOP_GUARD, mixes
 from engine.vllm_plugin import PROCESSOR
 from engine.vllm_plugin.replay import guard_report
 from engine_fixtures import fixture_path, load_prompts
+
+SUBJECTS = uses(
+    engines("text"),
+    engines("tiny-looper"),
+    processes("stock vllm serve", why="the guard as a plugin inside stock vllm serve"),
+)
 
 pytestmark = pytest.mark.slow
 ACTIVATION = {"COORDEXP_ENABLE_VLLM_REPEAT_TERMINATE_INJECTION": "1",

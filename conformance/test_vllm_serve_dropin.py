@@ -11,7 +11,10 @@ import json
 import httpx
 import pytest
 
+from conformance.subjects.plan import engines, servers, uses
 from conformance.test_chat import FRANCE, PROMPTS, model_id, streamed
+
+SUBJECTS = uses(engines("text"), servers("text"))
 
 pytestmark = pytest.mark.slow
 CITY = {"type": "object", "required": ["city", "population"], "additionalProperties": False,

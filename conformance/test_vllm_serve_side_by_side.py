@@ -12,7 +12,10 @@ from typing import Any
 
 import pytest
 
+from conformance.subjects.plan import processes, servers, uses
 from conformance.test_chat import FRANCE, PROMPTS
+
+SUBJECTS = uses(servers("text"), processes("stock vllm serve", why="the other side of the side-by-side comparison"))
 
 pytestmark = pytest.mark.slow
 SHORT = [{"role": "user", "content": "Say hello in one short sentence."}]

@@ -6,9 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from conformance.subjects.plan import BUILT, engines, kept, uses
 from conformance.subjects.variants import model_copy
 from engine.errors import RequestError, UnsupportedCapabilityError
 from engine_fixtures.data.images import IMAGE_SIZES, make_image
+
+SUBJECTS = uses(engines("text"), engines("vlm"), engines(BUILT), kept("vllm-text-only-with-fallback"))
 
 BUDGETS = (786432, 100352, 50176)  # the original runtime's, a mid one, one that downscales every image
 # Measured independently (PLATFORM.md): 300x500 gives grid [1, 28, 16] -> 112 tokens at 100352, [1, 20, 12] -> 60

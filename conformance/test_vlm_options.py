@@ -9,9 +9,12 @@ from __future__ import annotations
 import pytest
 
 from conformance.compare import assert_same_results
+from conformance.subjects.plan import engines, uses
 from conformance.test_vlm import image_tokens, vlm_request
 from engine.errors import PluginCompatibilityError, RequestError
 from engine.plugins import Plugin
+
+SUBJECTS = uses(engines("vlm"))
 
 OPTS = {"max_new_tokens": 12}
 

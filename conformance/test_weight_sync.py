@@ -19,8 +19,14 @@ import time
 
 import pytest
 
+from conformance.subjects.plan import BUILT, engines, processes, uses
 from conformance.test_repeat import MIXED
 from engine_fixtures import fixture_path
+
+SUBJECTS = uses(
+    engines(BUILT),
+    processes("engine.serve server", why="servers of its own whose weights the checks change"),
+)
 
 pytestmark = pytest.mark.slow
 PREAMBLE = " ".join(f"Note {i}: the shelf holds {i * 7} jars." for i in range(40))

@@ -15,7 +15,7 @@ import pytest
 from conformance.kit import census, matrix, plugin, record
 from conformance.kit import report as collector_module
 from conformance.kit.report import SummaryCollector
-from conformance.subjects import bill, pool, served, stock, target
+from conformance.subjects import bill, plan, pool, served, stock, target
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = '''
@@ -177,12 +177,17 @@ def test_the_summary_names_the_module_each_process_started_in_and_each_subjects_
                      f"12\t{9 * tick}\tpython -m vllm.entrypoints.openai.api_server /m\n"
                      f"13\t{1 * tick}\tps -o pid\n")
     plan = ["subjects and their users (1 subjects, 1 starts):", "  server hf smol: 1 starts, 2 modules: a.py b.py"]
-    collector = SummaryCollector(tmp_path, lambda: {"plan": plan}, census=noted)
+    declared = {"test_a.py": [], "test_b.py": []}  # test_b.py starts stock vllm serve without declaring it
+    collector = SummaryCollector(tmp_path, lambda: {"plan": plan, "declared_processes": declared}, census=noted)
     collector.windows = [(4.0, "test_a.py"), (8.0, "test_b.py")]  # seconds since boot as each check started
     collector.results = {"conformance/test_a.py::test_x": {"verdict": "passed", "seconds": 1.0, "message": "",
                                                            "failure": ""}}
     assert collector.census_lines()[1:] == ["started while each module ran:", "  (before the checks): other: ps 1",
-                                            "  test_a.py: engine.serve server 1", "  test_b.py: stock vllm serve 1"]
+                                            "  test_a.py: engine.serve server 1", "  test_b.py: stock vllm serve 1",
+                                            "started without a declaration (processes(...) in the module's SUBJECTS):",
+                                            "  test_b.py: stock vllm serve 1"]
+    declared["test_b.py"] = ["stock vllm serve"]
+    assert "started without a declaration" not in "\n".join(collector.census_lines())
     summary = (tmp_path / "conformance-summary.md")
     collector.write()
     text = summary.read_text()
@@ -198,6 +203,6 @@ def test_reports_readme_documents_every_field():
 
 
 @pytest.mark.parametrize("module", [record, matrix, collector_module, target, stock, pool, census, plugin, served,
-                                    bill])
+                                    bill, plan])
 def test_doctests(module):
     assert doctest.testmod(module).failed == 0

@@ -285,3 +285,23 @@ def test_the_bill_counts_each_module_that_reaches_an_engine_directly_or_through_
     [(subject, users)] = pool.bill.users.items()
     assert subject == ("engine", "hf /models/text") and users == {"test_a.py", "test_b.py"}
     assert pool.bill.plan_lines()[1] == "  engine hf /models/text: 1 starts, 2 modules: test_a.py test_b.py"
+
+
+def test_an_engine_or_server_its_module_did_not_declare_fails_the_check_by_name(pool, monkeypatch):
+    from conformance.subjects.plan import Roles, engines, servers, uses
+
+    pool.bill.roles = Roles(text="/models/text", vlm="/models/vlm", fixtures="/fixtures")
+    pool.bill.user, pool.bill.declared = "test_a.py", uses(engines("text"))
+    pool.engine("hf", "/models/text", repeat_terminate=GUARD)  # a guard is per request: the text engine's load
+    with pytest.raises(pytest.fail.Exception, match=r'test_a.py asks for engine hf /fixtures/tiny-looper, which its '
+                                                    r'SUBJECTS do not declare; fix: add engines\("tiny-looper"\)'):
+        pool.engine("hf", "/fixtures/tiny-looper")
+    with pytest.raises(pytest.fail.Exception, match=r"fix: add engines\(\"text\", hf=\{'max_batch_size': 2\}\)"):
+        pool.engine("hf", "/models/text", hf={"max_batch_size": 2})
+    twin = pool.engine("hf", "/models/text")
+    with pytest.raises(pytest.fail.Exception, match=r'fix: add servers\("text"\)'):
+        pool.servers.server(*pool.servers.served_config("hf", "/models/text"))
+    pool.bill.declared = uses(engines("text"), servers("text"))
+    launched = []
+    monkeypatch.setattr("engine.client.launch_server", lambda config: launched.append(config) or 1)
+    assert twin.server() == 1 and len(launched) == 1  # declared: started

@@ -26,7 +26,7 @@ KINDS: tuple[tuple[str, str], ...] = (
     ("swift rollout", r"\bswift\b.*\brollout\b"),
     ("trl vllm-serve", r"\btrl\b.*vllm-serve"),
     ("lm_eval CLI", r"\blm_eval\b|\blm-eval\b"),
-    ("child pytest", r"-m pytest\b|/pytest\b"),
+    ("child pytest", r"-m pytest\b|(?:^|/)pytest(?:\s|$)"),  # the program, not a path under /tmp/pytest-of-...
     ("multiprocessing helper", r"multiprocessing\.(resource_tracker|spawn|forkserver)"),
 )
 """(kind, pattern of its command line), first match wins; anything else is ``other``."""
@@ -39,6 +39,8 @@ def kind_of(command: str) -> str:
     'stock vllm serve'
     >>> kind_of("/v/bin/python -c from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5)")
     'multiprocessing helper'
+    >>> kind_of("/v/bin/pytest conformance -q"), kind_of("/usr/bin/sh -c ls /tmp/pytest-of-root/pytest-6/x")
+    ('child pytest', 'other')
     """
     for kind, pattern in KINDS:
         if re.search(pattern, command):
@@ -76,21 +78,39 @@ def program_of(command: str) -> str:
     return name
 
 
-def count(entries: Mapping[tuple[int, int], str]) -> Counter[str]:
-    """Processes by kind; those of no kind as ``other: <program>`` (:func:`program_of`)."""
-    return Counter(kind if (kind := kind_of(command)) != "other" else f"other: {program_of(command)}"
-                   for command in entries.values())
+FORK = "fork of the run"
+"""A process with the run's own command line: forked by it (a multiprocessing or tokenizer worker), not started."""
+
+
+def labelled(command: str, run: str = "") -> str:
+    """A noted process's kind in a count: :data:`FORK` for the run's own command line, ``other: <program>`` for a
+    process of no kind.
+
+    >>> labelled("/v/bin/python /v/bin/pytest conformance -q", run="/v/bin/python /v/bin/pytest conformance -q")
+    'fork of the run'
+    >>> labelled("/usr/bin/curl -s x")
+    'other: curl'
+    """
+    if run and command == run:
+        return FORK
+    kind = kind_of(command)
+    return kind if kind != "other" else f"other: {program_of(command)}"
+
+
+def count(entries: Mapping[tuple[int, int], str], run: str = "") -> Counter[str]:
+    """Processes by kind (:func:`labelled`; ``run``: the run's own command line)."""
+    return Counter(labelled(command, run) for command in entries.values())
 
 
 def line(counts: Counter[str]) -> str:
     """One line of the counts, in :data:`KINDS`' order, then the others by program."""
-    order = [kind for kind, _ in KINDS] + sorted(k for k in counts if k.startswith("other: "))
+    order = [kind for kind, _ in KINDS] + [FORK] + sorted(k for k in counts if k.startswith("other: "))
     parts = [f"{k} {counts[k]}" for k in order if counts[k]]
     return f"processes this run started ({sum(counts.values())}): " + (", ".join(parts) if parts else "none")
 
 
 def by_module(entries: Mapping[tuple[int, int], str], windows: Sequence[tuple[float, str]],
-              ticks_per_s: float | None = None) -> dict[str, Counter[str]]:
+              ticks_per_s: float | None = None, run: str = "") -> dict[str, Counter[str]]:
     """The processes by the module whose check was running when each started: ``windows`` holds (seconds since boot,
     module) as each check started, in order; a process's start is in clock ticks since boot (``/proc/PID/stat``).
     Processes started before the first check (collection, the watcher) count as ``(before the checks)``.
@@ -108,20 +128,39 @@ def by_module(entries: Mapping[tuple[int, int], str], windows: Sequence[tuple[fl
     for (_, start), command in sorted(entries.items(), key=lambda e: e[0][1]):
         index = bisect.bisect_right(starts, start / tick) - 1
         module = windows[index][1] if index >= 0 else "(before the checks)"
-        kind = kind_of(command)
-        out.setdefault(module, Counter())[kind if kind != "other" else f"other: {program_of(command)}"] += 1
+        out.setdefault(module, Counter())[labelled(command, run)] += 1
     return out
 
 
 def module_lines(modules: Mapping[str, Counter[str]]) -> list[str]:
-    """One line per module, most processes first (multiprocessing helpers left out: vLLM's, one per engine core).
+    """One line per module, most processes first (multiprocessing helpers and forks of the run left out).
 
     >>> module_lines({"a.py": Counter({"engine.serve server": 2, "multiprocessing helper": 1})})
     ['  a.py: engine.serve server 2']
     """
     lines = []
     for module, counts in sorted(modules.items(), key=lambda m: -sum(m[1].values())):
-        shown = {k: n for k, n in counts.items() if k != "multiprocessing helper"}
+        shown = {k: n for k, n in counts.items() if k not in ("multiprocessing helper", FORK)}
         if shown:
             lines.append(f"  {module}: " + ", ".join(f"{k} {n}" for k, n in sorted(shown.items(), key=lambda x: -x[1])))
+    return lines
+
+
+FOREIGN = ("stock vllm serve", "llama.cpp server", "swift rollout", "trl vllm-serve", "lm_eval CLI", "child pytest")
+"""Kinds only a check starts (the pool starts servers, engines and their helpers): a module that starts one declares
+it (``processes(kind, why=...)``, ``conformance/subjects/plan.py``)."""
+
+
+def undeclared_lines(modules: Mapping[str, Counter[str]], declared: Mapping[str, Sequence[str]]) -> list[str]:
+    """The foreign processes a module started without declaring their kind, one line per module.
+
+    >>> undeclared_lines({"a.py": Counter({"stock vllm serve": 2, "child pytest": 1}), "b.py": Counter({"ps": 1})},
+    ...                  {"a.py": ["child pytest"]})
+    ['  a.py: stock vllm serve 2']
+    """
+    lines = []
+    for module, counts in modules.items():
+        missing = {k: n for k, n in counts.items() if k in FOREIGN and k not in declared.get(module, ())}
+        if missing:
+            lines.append(f"  {module}: " + ", ".join(f"{k} {n}" for k, n in missing.items()))
     return lines

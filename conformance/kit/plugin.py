@@ -41,6 +41,7 @@ from conformance.kit.report import SummaryCollector
 from conformance.kit.shards import parse as parse_shard
 from conformance.kit.shards import split as split_shards
 from conformance.kit.tiers import QuickTier
+from conformance.subjects.plan import Roles, module_subjects, plan_lines
 from conformance.subjects.pool import EnginePool, PoolOptions
 from conformance.subjects.served import IN_PROCESS, SERVED
 from conformance.subjects.target import TargetOptions
@@ -50,6 +51,8 @@ from engine.config import BACKENDS, DTYPES
 PACKAGE = "conformance"
 POOL_KEY = pytest.StashKey[EnginePool]()
 CHECKS_KEY = pytest.StashKey[set[str]]()
+DECLARED_PROCESSES = pytest.StashKey[dict[str, list[str]]]()
+"""Check module -> the foreign process kinds its SUBJECTS declare (compared with the census at the end)."""
 """Node ids of the collected conformance checks: the collection and report hooks act on these only."""
 FORCED_PROBES = pytest.StashKey[list[str]]()
 TARGET_KEY = pytest.StashKey[TargetOptions]()
@@ -204,7 +207,8 @@ def pytest_configure(config: pytest.Config) -> None:
             "served_calls": pool.reach.served_calls}
         return {"model": pool.options.model if pool else "", "dtype": dtype, "backends": backends,
                 "workload": tier.workload.name, "context": context, "shards": [shard] if shard else [],
-                "target": config.stash.get(TARGET_DESCRIBED, {}), "plan": pool.bill.plan_lines() if pool else []}
+                "target": config.stash.get(TARGET_DESCRIBED, {}), "plan": pool.bill.plan_lines() if pool else [],
+                "declared_processes": config.stash.get(DECLARED_PROCESSES, {})}
 
     stem = "conformance-summary" + ("" if dtype == "float32" else f"-{dtype}")
     out = Path(config.getoption("--engine-reports") or Path(config.invocation_params.dir) / "reports")
@@ -248,6 +252,8 @@ def pool_of(config: pytest.Config) -> EnginePool:
         target=config.stash[TARGET_KEY],
     )
     pool = EnginePool(options)
+    pool.bill.roles = Roles(text=options.model, vlm=options.vlm_model,
+                            fixtures=str(Path(built_fixture("smollm2-135m-instruct")).parent))
     config.stash[POOL_KEY] = pool
     if not _cuda_host():  # CPU hosts: eager engines (CPU_VLLM), and vLLM's compiled sampler helpers run as plain ops
         from engine.backends.host import turn_torch_compile_off
@@ -263,6 +269,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     starts once, and the pool can start the other backends' twin of a server ahead while one backend works (a
     cross-backend check compares all of them at once). Other tests of the session keep their order, ahead."""
     checks = [item for item in items if is_check(item)]
+    require_declarations(checks)
+    config.stash[DECLARED_PROCESSES] = {module_file(item): [s.model for s in module_subjects(item.module) or ()
+                                                            if s.kind == "process"] for item in checks}
     if config.getoption("--engine-shard") and checks:
         checks = keep_shard(config, items, checks)
     config.stash[CHECKS_KEY].update(item.nodeid for item in checks)
@@ -308,6 +317,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     reached = {params(item)[key] for item in checks for key in ("backend", "target") if key in params(item)}
     pool.servers.ahead_backends = frozenset(b for b in pool.options.backends if (cross or b in reached)
                                             and unavailable_reason(b) is None)
+
+
+def require_declarations(checks: list[pytest.Item]) -> None:
+    """Every collected check module declares what it uses (``SUBJECTS``, ``conformance/subjects/plan.py``); one that
+    does not fails collection, by name."""
+    missing = sorted({module_file(item) for item in checks if module_subjects(item.module) is None})
+    if missing:
+        raise pytest.UsageError(f"{', '.join(missing)}: no SUBJECTS; fix: declare what its checks start or reach at "
+                                "module level, SUBJECTS = uses(engines(...), servers(...), ...) "
+                                "(conformance/subjects/plan.py)")
 
 
 def later_backends(runs: list[tuple[Any, Any]]) -> list[frozenset[str] | None]:
@@ -360,7 +379,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     engines, servers and kept objects count as their user (``Bill.used``), for the plan printed at the end."""
     pool = item.config.stash.get(POOL_KEY, None)
     if pool is not None and is_check(item):
-        pool.bill.user = module_file(item)
+        pool.bill.user, pool.bill.declared = module_file(item), module_subjects(item.module)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -395,7 +414,14 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """vLLM's own model-runner decision for ``--engine-model``, once conformance checks are collected."""
+    """``--collect-only``: the session plan (what each subject serves, ``conformance/subjects/plan.py``); then vLLM's
+    own model-runner decision for ``--engine-model``, once conformance checks are collected."""
+    if session.config.option.collectonly:
+        checks = [item for item in session.items if is_check(item)]
+        if checks:
+            writer = session.config.get_terminal_writer()
+            for line in plan_lines((module_file(item), module_subjects(item.module) or ()) for item in checks):
+                writer.line(line)
     pool = session.config.stash.get(POOL_KEY, None)
     if pool is None or "vllm" not in pool.options.backends or unavailable_reason("vllm"):
         return

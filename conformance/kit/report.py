@@ -125,10 +125,18 @@ class SummaryCollector:
 
         if self.census is None:
             return []
-        entries = census.read(self.census)
-        by_module = census.module_lines(census.by_module(entries, self.windows))
-        return [census.line(census.count(entries)), *(["started while each module ran:", *by_module] if by_module
-                                                       else [])]
+        import os
+
+        from conformance.kit.reaper import command_line
+
+        entries, run = census.read(self.census), command_line(os.getpid())
+        modules = census.by_module(entries, self.windows, run=run)
+        by_module = census.module_lines(modules)
+        undeclared = census.undeclared_lines(modules, self.describe().get("declared_processes", {}))
+        return [census.line(census.count(entries, run)),
+                *(["started while each module ran:", *by_module] if by_module else []),
+                *(["started without a declaration (processes(...) in the module's SUBJECTS):", *undeclared]
+                  if undeclared else [])]
 
     def time_table(self) -> list[str]:
         """Seconds per check module, slowest first, with its share of the run: where the suite's time goes.

@@ -8,6 +8,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 STARTS = {"engine": "engine", "server": "server", "server ahead": "server", "kept": "kept"}
 """The bill's kinds of start, as the kind of subject they start (a server started ahead is a server)."""
@@ -31,17 +32,36 @@ class Bill:
     """The check module running now (the conftest's ``reach`` fixture sets it): whom :meth:`used` counts."""
     users: dict[tuple[str, str], set[str]] = field(default_factory=dict)
     """(kind, subject) -> the check modules that asked for it: what a session plan groups its checks by."""
+    declared: tuple[Any, ...] | None = None
+    """The running module's ``SUBJECTS`` (``conformance/subjects/plan.py``); None: nothing is checked (no module
+    running, or a pool outside the suite's plugin)."""
+    roles: Any = None
+    """How a model folder is named in a declaration (``plan.Roles``), set with ``declared``."""
 
-    def used(self, kind: str, key: tuple[str, ...]) -> None:
-        """Count the running check module as a user of ``key`` (an engine's load key, a server, a kept object).
+    def used(self, kind: str, key: tuple[str, ...], *, model: str = "", sections: dict[str, Any] | None = None) -> None:
+        """Count the running check module as a user of ``key`` (an engine's load key, a server, a kept object); with
+        a declaration to check (``declared``), one that does not declare it fails the check, naming what to add.
+        ``model``: the model folder (engine, server) or the kept object's name; ``sections``: what it was loaded with
+        (an engine's load sections; a server's config beyond the pool's defaults for its model).
 
         >>> bill = Bill(user="test_stop.py")
         >>> bill.used("engine", ("hf", "smol", "[]", ""))
         >>> bill.users
         {('engine', 'hf smol'): {'test_stop.py'}}
         """
-        if self.user:
-            self.users.setdefault((kind, named(key)), set()).add(self.user)
+        if not self.user:
+            return
+        if self.declared is not None and model:
+            from conformance.subjects.plan import undeclared
+
+            role = self.roles.of(model) if kind in ("engine", "server") and self.roles is not None else model
+            missing = undeclared(self.declared, kind, role, sections or {})
+            if missing:
+                import pytest
+
+                pytest.fail(f"{self.user} asks for {kind} {named(key)}, which its SUBJECTS do not declare; fix: add "
+                            f"{missing} to its SUBJECTS (conformance/subjects/plan.py)", pytrace=False)
+        self.users.setdefault((kind, named(key)), set()).add(self.user)
 
     def plan_lines(self) -> list[str]:
         """Every subject the run asked for, with its starts and the modules that used it, most used first.

@@ -21,6 +21,7 @@ from typing import Any
 
 from conformance.compare import LOW_PRECISION_TOPK
 from conformance.subjects.bill import Bill
+from conformance.subjects.plan import sections_key
 from conformance.subjects.served import Reach
 from conformance.subjects.servers import ServerPool
 from conformance.subjects.target import TargetOptions
@@ -112,6 +113,8 @@ class EnginePool:
     _references: dict[tuple[str, ...], Any] = field(default_factory=dict)
     _raw: dict[tuple[str, ...], Any] = field(default_factory=dict)
     _loaded: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)
+    _sections: dict[tuple[str, ...], dict[str, Any]] = field(default_factory=dict)
+    """Loaded engine key -> the sections it was loaded with (what a module's declaration is matched against)."""
     """Derived engine key -> the key of the engine whose loaded backend it shares."""
     twins: dict[str, str] = field(default_factory=dict)
     """HF model folder -> its GGUF twin (from ``options.gguf_models``; checks may register more)."""
@@ -189,6 +192,8 @@ class EnginePool:
             served, config = self.servers.served_config(backend, model, **unguarded)
             self._twins[key] = ServedTwin(local, lambda: self.servers.server(served, config), self.reach,
                                           guard=guard)
+        else:
+            self._count_user(self._loaded.get(key, key))  # a later module asking for the same engine uses it too
         return self._twins[key]
 
     def text_server(self, backend: str) -> Any:
@@ -204,6 +209,8 @@ class EnginePool:
         key = self._key(backend, model, True, sections)
         if key not in self._references:
             self._references[key] = ServedTwin(self._local(key, backend, model, True, sections), None, self.reach)
+        else:
+            self._count_user(self._loaded.get(key, key))
         return self._references[key]
 
     def loaded(self, backend: str, model: str, /, **sections: Any) -> Any:
@@ -221,11 +228,11 @@ class EnginePool:
 
     @staticmethod
     def _key(backend: str, model: str, shared: bool, sections: dict[str, Any]) -> tuple[str, ...]:
-        return (backend, model, repr(sorted(read_by(backend, sections).items())), "" if shared else "own backend")
+        return (backend, model, sections_key(read_by(backend, sections)), "" if shared else "own backend")
 
     def _local(self, key: tuple[str, ...], backend: str, model: str, shared: bool, sections: dict[str, Any]) -> Any:
         if key in self._engines:
-            self.bill.used("engine", self._loaded.get(key, key))
+            self._count_user(self._loaded.get(key, key))
             if self.leases is not None and SPECS[backend].shares_card:
                 self.leases.admit(self._loaded.get(key, key))  # used now: the last to be stopped
             return self._engines[key]
@@ -248,7 +255,8 @@ class EnginePool:
             return self._engines[key]
         if SPECS[backend].shares_card:
             self._make_room(key)
-        self.bill.used("engine", key)
+        self._sections[key] = sections
+        self._count_user(key)
         with self.bill.timed("engine", key):
             self._engines[key] = GenerationEngine(self.config(backend, model, **sections))
         runner = self._engines[key].backend.runner
@@ -294,7 +302,7 @@ class EnginePool:
         Destroying an in-process vLLM engine tears down vLLM's process-global parallel state and breaks
         every other live one, so the pool owns all of them and releases them only at session end.
         """
-        self.bill.used("kept", key)
+        self.bill.used("kept", key, model=str(key[0]), sections={})
         if key not in self._raw:
             with self.bill.timed("kept", key):
                 self._raw[key] = factory()
@@ -310,7 +318,11 @@ class EnginePool:
             for candidate in (value, *inner):
                 key = twins.get(id(candidate))
                 if key is not None:
-                    self.bill.used("engine", self._loaded.get(key, key))
+                    self._count_user(self._loaded.get(key, key))
+
+    def _count_user(self, loaded: tuple[str, ...]) -> None:
+        """The running check's module uses the engine loaded under ``loaded`` (backend, model, load sections, own)."""
+        self.bill.used("engine", loaded, model=loaded[1], sections=self._sections.get(loaded, {}))
 
     @property
     def vllm_mode(self) -> str:

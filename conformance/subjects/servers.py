@@ -104,7 +104,9 @@ class ServerPool:
         from engine.client import launch_server
 
         self._unused.discard(key)
-        self.bill.used("server", (key[0], self._chosen(config)))
+        model = self._recipes.get(key, ("",))[0]
+        self.bill.used("server", (key[0], self._chosen(config)), model=model,
+                       sections=self.beyond_defaults(config, model) if model else {})
         if key in self._servers:
             self._servers[key] = self._servers.pop(key)  # most recently used last
             return self._servers[key]
@@ -118,6 +120,25 @@ class ServerPool:
         with self.bill.timed("server", (key[0], self._chosen(config))):
             self._servers[key] = launch_server(config)
         return self._servers[key]
+
+    def beyond_defaults(self, config: dict[str, Any], model: str) -> dict[str, Any]:
+        """The sections of a served ``config`` that differ from the pool's default server of ``model`` on its backend
+        (the model section: its settings but the path): what a module declares a server by.
+
+        >>> def configure(backend, path, /, model=None, vllm=None):
+        ...     return {"backend": backend, "model": {"path": path, **(model or {})},
+        ...             "vllm": vllm or {"max_num_seqs": 16}}
+        >>> servers = ServerPool(None, configure=configure, bill=Bill())
+        >>> _, config = servers.served_config("vllm", "/m", vllm={"max_num_seqs": 4}, model={"logprobs_mode": "x"})
+        >>> servers.beyond_defaults(config, "/m")
+        {'model': {'logprobs_mode': 'x'}, 'vllm': {'max_num_seqs': 4, 'multiprocessing': False}}
+        """
+        _, default = self.served_config(config["backend"], model)
+        out = {k: v for k, v in config.items() if k not in ("backend", "model") and v != default.get(k)}
+        settings = {k: v for k, v in config["model"].items() if k != "path" and v != default["model"].get(k)}
+        if settings:
+            out["model"] = settings
+        return dict(sorted(out.items()))
 
     def _make_server_room(self, new: tuple[str, str]) -> None:
         """Stop the least recently used servers that take turns with ``new`` until it has its place: those of its

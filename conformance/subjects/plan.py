@@ -1,0 +1,225 @@
+"""What each check module uses, declared beside its checks, and the session's plan built from those declarations.
+
+A check module names, at module level, every engine, server, kept object and foreign process its checks start or
+reach, with the configuration it loads them with::
+
+    from conformance.subjects.plan import engines, processes, servers, uses
+
+    SUBJECTS = uses(engines("text"), engines("tiny-looper", model={"checkpoint_eos": True}),
+                    servers("text"), processes("stock vllm serve", why="the drop-in's other side"))
+
+A model is ``"text"`` (``--engine-model``), ``"vlm"`` (``--engine-vlm-model``), a fixture's name (``tiny-looper``), or
+:data:`BUILT` (a model a check builds at test time, ``conformance/subjects/variants.py``). The keyword sections are
+those the engine is loaded with (what ``pool.engine(backend, model, **sections)`` passes, less what is only per
+request: the repeat guard, generation defaults, and the sections of the other backends), or for a server those its
+config holds beyond the pool's defaults for that model; a section declared as a dict names the settings that matter
+and matches any load that has them (``vllm={}``: some vLLM settings, whichever the host needs), so a declaration holds
+on a CPU and a CUDA host alike. ``any_config="why"`` accepts every load of that model (a check that sweeps
+configurations). An engine or server stands for every backend of the session.
+
+At collection every collected check module must hold ``SUBJECTS`` (one that does not fails collection, by name);
+``--collect-only`` prints the plan: each subject, the modules that use it and their checks, in run order. While the
+suite runs, every engine, server and kept object a check asks the pool for is matched against its module's
+declaration (``Bill.used``): one it did not declare fails the check by name, with the declaration to add.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TEXT, VLM, BUILT = "text", "vlm", "built"
+"""Model roles: ``--engine-model``, ``--engine-vlm-model``, and any model a check builds at test time."""
+KINDS = ("engine", "server", "kept", "process")
+
+
+@dataclass(frozen=True)
+class Subject:
+    """One thing a module's checks start or reach.
+
+    >>> engines("tiny-looper", model={"checkpoint_eos": True}).name
+    "engine tiny-looper [('model', {'checkpoint_eos': True})]"
+    """
+
+    kind: str
+    model: str
+    """engine, server: a model role or fixture name; kept: the kept object's name; process: a census kind."""
+    config: str = "[]"
+    """engine, server: the declared sections as the pool keys them (``repr(sorted(sections.items()))``); ``*``:
+    any."""
+    why: str = field(default="", compare=False)
+    """Why the module needs it (a process's, or an engine's ``any_config``); not part of what it is."""
+    sections: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
+    """The declared sections themselves (what :meth:`matches` compares; ``config`` is their key)."""
+
+    @property
+    def name(self) -> str:
+        if self.kind in ("kept", "process") or self.config == "[]":
+            return f"{self.kind} {self.model}"
+        config = "(any config)" if self.config == ANY else self.config
+        return f"{self.kind} {self.model} {config}"
+
+    def matches(self, kind: str, model: str, sections: Mapping[str, Any]) -> bool:
+        """Whether a load of ``model`` with ``sections`` is this subject: the same section names, each declared
+        dict's settings held with the same values (a declared dict names what matters), other values equal.
+
+        >>> s = engines("text", model={"logprobs_mode": "processed_logprobs"}, vllm={})
+        >>> s.matches("engine", "text", {"model": {"logprobs_mode": "processed_logprobs", "max_model_len": 2048},
+        ...                              "vllm": {"max_num_seqs": 16}})
+        True
+        >>> s.matches("engine", "text", {"model": {"logprobs_mode": "processed_logprobs"}})  # no vllm section
+        False
+        """
+        if kind != self.kind or model != self.model:
+            return False
+        if self.config == ANY:
+            return True
+        declared = dict(self.sections)
+        if set(declared) != set(sections):
+            return False
+        for name, want in declared.items():
+            got = sections[name]
+            if isinstance(want, dict) and isinstance(got, dict):
+                if any(key not in got or got[key] != value for key, value in want.items()):
+                    return False
+            elif want != got:
+                return False
+        return True
+
+
+ANY = "*"
+
+
+def sections_key(sections: Mapping[str, Any]) -> str:
+    """Load sections as the pool keys them.
+
+    >>> sections_key({"vllm": {"max_num_seqs": 4}, "model": {"dtype": "float32"}})
+    "[('model', {'dtype': 'float32'}), ('vllm', {'max_num_seqs': 4})]"
+    """
+    return repr(sorted(sections.items()))
+
+
+def engines(model: str = TEXT, /, *, any_config: str = "", **sections: Any) -> Subject:
+    """The session's engine of ``model`` on every backend, loaded with ``sections`` (none: the pool's defaults)."""
+    return _loaded("engine", model, any_config, sections)
+
+
+def servers(model: str = TEXT, /, *, any_config: str = "", **sections: Any) -> Subject:
+    """The pool's server (``python -m engine.serve``) of ``model``'s engine on every backend, with ``sections``."""
+    return _loaded("server", model, any_config, sections)
+
+
+def kept(name: str, *, why: str = "") -> Subject:
+    """A session-lived object the pool keeps (``pool.keep((name, ...), factory)``), by its key's first part."""
+    return Subject("kept", name, ANY, why)
+
+
+def processes(kind: str, *, why: str) -> Subject:
+    """A foreign process the module's checks start themselves, by its census kind (``conformance/kit/census.py``)."""
+    from conformance.kit.census import KINDS as CENSUS_KINDS
+
+    known = [k for k, _ in CENSUS_KINDS]
+    if kind not in known:
+        raise ValueError(f"processes({kind!r}): not a census kind; fix: one of {known}")
+    return Subject("process", kind, ANY, why)
+
+
+def _loaded(kind: str, model: str, any_config: str, sections: Mapping[str, Any]) -> Subject:
+    if any_config and sections:
+        raise ValueError(f"{kind}s({model!r}): any_config accepts every load already; fix: drop {sorted(sections)}")
+    return Subject(kind, model, ANY if any_config else sections_key(sections), any_config,
+                   tuple(sorted(sections.items())))
+
+
+def uses(*subjects: Subject) -> tuple[Subject, ...]:
+    """A module's declaration (``SUBJECTS = uses(...)``); each subject once.
+
+    >>> uses(engines(), engines())
+    Traceback (most recent call last):
+    ...
+    ValueError: SUBJECTS: engine text is declared twice
+    """
+    seen: set[Subject] = set()
+    for subject in subjects:
+        if not isinstance(subject, Subject):
+            raise TypeError(f"SUBJECTS: {subject!r} is not a subject; fix: engines(...), servers(...), kept(...) or "
+                            "processes(...)")
+        if subject in seen:
+            raise ValueError(f"SUBJECTS: {subject.name} is declared twice")
+        seen.add(subject)
+    return tuple(subjects)
+
+
+@dataclass(frozen=True)
+class Roles:
+    """How a model folder is named in a declaration: the session's text and VLM models, a fixture by its name, any
+    other folder as :data:`BUILT`.
+
+    >>> roles = Roles(text="/c/smollm2", vlm="/c/vl", fixtures="/c")
+    >>> roles.of("/c/smollm2"), roles.of("/c/tiny-looper"), roles.of("/tmp/pytest-1/bos0/looper")
+    ('text', 'tiny-looper', 'built')
+    """
+
+    text: str
+    vlm: str
+    fixtures: str
+
+    def of(self, path: str) -> str:
+        if path == self.text:
+            return TEXT
+        if path == self.vlm:
+            return VLM
+        folder = Path(path)
+        return folder.name if str(folder.parent) == self.fixtures else BUILT
+
+
+def undeclared(subjects: Sequence[Subject], kind: str, model: str, sections: Mapping[str, Any]) -> str:
+    """Empty when ``subjects`` declare (kind, model role, sections); else what to add to the module's ``SUBJECTS``.
+
+    >>> undeclared(uses(engines("text")), "engine", "text", {})
+    ''
+    >>> undeclared(uses(engines("text")), "engine", "tiny-looper", {})
+    'engines("tiny-looper")'
+    >>> print(undeclared((), "server", "text", {"hf": {"max_batch_size": 2}}))
+    servers("text", hf={'max_batch_size': 2})
+    """
+    if any(s.matches(kind, model, sections) for s in subjects):
+        return ""
+    call = {"engine": "engines", "server": "servers", "kept": "kept"}.get(kind, kind)
+    return f'{call}("{model}"' + "".join(f", {k}={v!r}" for k, v in sorted(sections.items())) + ")"
+
+
+def module_subjects(module: Any) -> tuple[Subject, ...] | None:
+    """The module's ``SUBJECTS``, or None when it declares none."""
+    subjects = getattr(module, "SUBJECTS", None)
+    return None if subjects is None else tuple(subjects)
+
+
+def plan_lines(order: Iterable[tuple[str, tuple[Subject, ...]]]) -> list[str]:
+    """The plan: each subject with the modules that use it and their checks, in run order; ``order`` holds (module,
+    its subjects) once per collected check, in run order.
+
+    >>> a, b = uses(engines(), servers()), uses(engines(), processes("lm_eval CLI", why="the CLI's own run"))
+    >>> print("\\n".join(plan_lines([("test_a.py", a), ("test_a.py", a), ("test_b.py", b)])))
+    session plan: 3 subjects for 3 checks in 2 modules
+      engine text: 3 checks in 2 modules: test_a.py (2), test_b.py (1)
+      server text: 2 checks in 1 modules: test_a.py (2)
+      process lm_eval CLI: 1 checks in 1 modules: test_b.py (1)
+    """
+    users: dict[Subject, dict[str, int]] = {}
+    modules: list[str] = []
+    checks = 0
+    for module, subjects in order:
+        checks += 1
+        if module not in modules:
+            modules.append(module)
+        for subject in subjects:
+            users.setdefault(subject, {}).setdefault(module, 0)
+            users[subject][module] += 1
+    lines = [f"session plan: {len(users)} subjects for {checks} checks in {len(modules)} modules"]
+    for subject, by_module in users.items():
+        listed = ", ".join(f"{m} ({n})" for m, n in by_module.items())
+        lines.append(f"  {subject.name}: {sum(by_module.values())} checks in {len(by_module)} modules: {listed}")
+    return lines

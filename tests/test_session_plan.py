@@ -1,0 +1,73 @@
+"""The session plan's declarations (``conformance/subjects/plan.py``): a check module without ``SUBJECTS`` fails
+collection by name, every module of the suite declares one, and the plan counts each subject's users."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import pytest
+
+from conformance.kit.plugin import require_declarations
+from conformance.subjects.plan import BUILT, Roles, Subject, engines, plan_lines, processes, servers, uses
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def item(name: str, subjects: object) -> SimpleNamespace:
+    module = ModuleType(f"conformance.{name}")
+    if subjects is not None:
+        module.SUBJECTS = subjects
+    return SimpleNamespace(module=module, path=Path(f"conformance/{name}.py"))
+
+
+def test_a_module_without_subjects_fails_collection_naming_it():
+    require_declarations([item("test_a", uses(engines()))])
+    with pytest.raises(pytest.UsageError, match=r"^test_b.py, test_c.py: no SUBJECTS; fix: declare"):
+        require_declarations([item("test_a", uses()), item("test_c", None), item("test_b", None)])
+
+
+def test_every_check_module_of_the_suite_declares_its_subjects():
+    """Read, not imported (some need vLLM, absent from the tests' venv): each holds ``SUBJECTS = uses(...)`` at
+    module level; the conformance run builds them at collection."""
+    lacking = []
+    modules = sorted((ROOT / "conformance").glob("test_*.py"))
+    for path in modules:
+        tree = ast.parse(path.read_text())
+        declared = [node for node in tree.body if isinstance(node, ast.Assign)
+                    and any(isinstance(t, ast.Name) and t.id == "SUBJECTS" for t in node.targets)
+                    and isinstance(node.value, ast.Call) and getattr(node.value.func, "id", "") == "uses"]
+        if not declared:
+            lacking.append(path.name)
+    assert len(modules) > 30 and lacking == []
+
+
+def test_declarations_refuse_what_cannot_be_planned():
+    with pytest.raises(ValueError, match=r"processes\('curl'\): not a census kind; fix: one of \["):
+        processes("curl", why="a client")
+    with pytest.raises(ValueError, match=r"any_config accepts every load already; fix: drop \['hf'\]"):
+        engines("text", any_config="sweeps", hf={"max_batch_size": 2})
+    with pytest.raises(TypeError, match="is not a subject"):
+        uses("text")  # type: ignore[arg-type]
+
+
+def test_a_subject_matches_its_model_and_the_settings_it_names():
+    declared = engines("tiny-looper", model={"checkpoint_eos": True})
+    assert declared.matches("engine", "tiny-looper", {"model": {"checkpoint_eos": True}})
+    assert declared.matches("engine", "tiny-looper", {"model": {"checkpoint_eos": True, "dtype": "float32"}})
+    assert not declared.matches("engine", "tiny-looper", {})  # the section it names is missing
+    assert not declared.matches("engine", "tiny-looper", {"model": {"checkpoint_eos": False}})
+    assert not declared.matches("engine", "tiny-looper", {"model": {"checkpoint_eos": True}, "hf": {}})  # one more
+    assert not declared.matches("server", "tiny-looper", {"model": {"checkpoint_eos": True}})
+    assert servers(BUILT, any_config="each check builds its own").matches("server", BUILT, {"hf": {"x": 1}})
+    assert Roles(text="/f/smol", vlm="/f/vl", fixtures="/f").of("/f/smol-gguf") == "smol-gguf"
+    assert isinstance(declared, Subject)
+
+
+def test_the_plan_lists_each_subject_once_with_its_users_in_run_order():
+    a, b = uses(engines(), servers()), uses(servers())
+    lines = plan_lines([("test_b.py", b), ("test_a.py", a), ("test_b.py", b)])
+    assert lines == ["session plan: 2 subjects for 3 checks in 2 modules",
+                     "  server text: 3 checks in 2 modules: test_b.py (2), test_a.py (1)",
+                     "  engine text: 1 checks in 1 modules: test_a.py (1)"]
