@@ -51,9 +51,9 @@ from engine.config import BACKENDS, DTYPES
 PACKAGE = "conformance"
 POOL_KEY = pytest.StashKey[EnginePool]()
 CHECKS_KEY = pytest.StashKey[set[str]]()
+"""Node ids of the collected conformance checks: the collection and report hooks act on these only."""
 DECLARED_PROCESSES = pytest.StashKey[dict[str, list[str]]]()
 """Check module -> the foreign process kinds its SUBJECTS declare (compared with the census at the end)."""
-"""Node ids of the collected conformance checks: the collection and report hooks act on these only."""
 FORCED_PROBES = pytest.StashKey[list[str]]()
 TARGET_KEY = pytest.StashKey[TargetOptions]()
 TARGET_DESCRIBED = pytest.StashKey[dict[str, Any]]()
@@ -402,7 +402,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     pool = session.config.stash.get(POOL_KEY, None)
     if pool is not None and pool.starts:
         writer = session.config.get_terminal_writer()
-        for line in pool.report() + pool.bill.plan_lines():
+        for line in pool.report():  # the subjects and their users follow with the summary (describe()["plan"])
             writer.line(line)
 
 

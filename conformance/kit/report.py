@@ -172,10 +172,11 @@ class SummaryCollector:
             lines += ["## Notes", ""] + [f"- `{check}`: {text}" for check, text in self.notes] + [""]
         if self.time_table():
             lines += ["## Time by module", "", "```", *self.time_table(), "```", ""]
-        if self.census_lines():
-            lines += ["## Processes", "", "```", *self.census_lines(), "```", ""]
-        if self.describe().get("plan"):
-            lines += ["## Subjects", "", "```", *self.describe()["plan"], "```", ""]
+        processes, plan = self.census_lines(), self.describe().get("plan", [])
+        if processes:
+            lines += ["## Processes", "", "```", *processes, "```", ""]
+        if plan:
+            lines += ["## Subjects", "", "```", *plan, "```", ""]
         md = self.out_dir / f"{self.stem}.md"
         md.write_text("\n".join(lines))
         return [json_path, html_path, md]

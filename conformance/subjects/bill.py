@@ -29,14 +29,14 @@ class Bill:
     announce: Callable[[str], None] | None = None
     """Told ``starting <kind> <key> ...`` as each start begins (the benchmarks' progress lines)."""
     user: str = ""
-    """The check module running now (the conftest's ``reach`` fixture sets it): whom :meth:`used` counts."""
+    """The check module running now (the plugin's ``pytest_runtest_setup`` sets it): whom :meth:`used` counts."""
     users: dict[tuple[str, str], set[str]] = field(default_factory=dict)
     """(kind, subject) -> the check modules that asked for it: what a session plan groups its checks by."""
     declared: tuple[Any, ...] | None = None
     """The running module's ``SUBJECTS`` (``conformance/subjects/plan.py``); None: nothing is checked (no module
     running, or a pool outside the suite's plugin)."""
     roles: Any = None
-    """How a model folder is named in a declaration (``plan.Roles``), set with ``declared``."""
+    """How a model folder is named in a declaration (``plan.Roles``; the plugin sets it with the pool)."""
 
     def used(self, kind: str, key: tuple[str, ...], *, model: str = "", sections: dict[str, Any] | None = None) -> None:
         """Count the running check module as a user of ``key`` (an engine's load key, a server, a kept object); with
