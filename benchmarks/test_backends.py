@@ -21,7 +21,7 @@ Recorded: ``llamacpp_over_hf`` and ``llamacpp_over_vllm`` (speed ratios, above 1
 its history independence cost together; not gated: every group of the engine starts from an empty KV pool so a
 row's tokens do not depend on the calls before it, ``engine/backends/llamacpp/sequences.py``, and so it evaluates a
 repeated prompt again where a bare ``Llama`` would not) and ``batch_over_single`` above (what decoding a batch's
-rows as parallel sequences of one llama.cpp batch gains over one row at a time; gated at 2.0, ``engine.report.gate``).
+rows as parallel sequences of one llama.cpp batch gains over one row at a time; gated at 1.5, ``engine.report.gate``).
 """
 
 from __future__ import annotations
