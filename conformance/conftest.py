@@ -108,19 +108,28 @@ def backend_names(pool: EnginePool) -> tuple[str, ...]:
     return runnable
 
 
-@pytest.fixture(scope="session")
-def engine(pool: EnginePool, backend: str) -> Any:
-    """The shared text engine of ``backend`` on ``--engine-model``."""
+@pytest.fixture(scope="module")
+def text_model(pool: EnginePool, request: pytest.FixtureRequest) -> str:
+    """The model folder the module's checks run on: its model tier's (``pytest.mark.model_tier("tiny")``: the tiny
+    tier's payload model, ``--engine-tiny-model``), else ``--engine-model`` (``conformance.subjects.plan``)."""
+    from conformance.subjects.plan import model_tier
+
+    return pool.tier_model(model_tier(request.module))
+
+
+@pytest.fixture(scope="module")
+def engine(pool: EnginePool, backend: str, text_model: str) -> Any:
+    """The shared engine of ``backend`` on the module's model (``text_model``)."""
     reason = unavailable_reason(backend)
     if reason:
         pytest.skip(reason)
-    return pool.text_engine(backend)
+    return pool.engine(backend, text_model)
 
 
-@pytest.fixture(scope="session")
-def engines(pool: EnginePool, backend_names: tuple[str, ...]) -> dict[str, Any]:
-    """The shared text engine of every runnable backend, by name."""
-    return {b: pool.text_engine(b) for b in backend_names}
+@pytest.fixture(scope="module")
+def engines(pool: EnginePool, backend_names: tuple[str, ...], text_model: str) -> dict[str, Any]:
+    """The shared engine of every runnable backend on the module's model (``text_model``), by name."""
+    return {b: pool.engine(b, text_model) for b in backend_names}
 
 
 @pytest.fixture(scope="session")
@@ -132,9 +141,9 @@ def vlm_engines(pool: EnginePool, backend_names: tuple[str, ...]) -> dict[str, A
     return {b: pool.engine(b, pool.options.vlm_model) for b in serving}
 
 
-@pytest.fixture(scope="session")
-def model_path(pool: EnginePool) -> Path:
-    return Path(pool.options.model)
+@pytest.fixture(scope="module")
+def model_path(text_model: str) -> Path:
+    return Path(text_model)
 
 
 @pytest.fixture

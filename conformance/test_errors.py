@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.subjects.plan import engines, uses
+from conformance.subjects.plan import TINY, engines, uses
 from engine.errors import ConfigError, RequestError
 
-SUBJECTS = uses(engines("text"))
+pytestmark = pytest.mark.model_tier(TINY)  # the errors come before any generation: the model is only a payload
+SUBJECTS = uses(engines(TINY))
 
 GOOD = [{"role": "user", "content": "Hi"}]
 

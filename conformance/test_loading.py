@@ -7,11 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from conformance.subjects.plan import BUILT, engines, uses
+from conformance.subjects.plan import BUILT, TINY, engines, uses
 from conformance.subjects.variants import answered_token, model_copy
 from engine_fixtures import load_prompts
 
-SUBJECTS = uses(engines("text"), engines(BUILT))
+# A tokenizer without a pad token and a poisoned generation_config.json against the same model without them: the rows
+# must be equal whatever the model says, so the tiny tier's payload model proves it (its copy and loads are cheap).
+pytestmark = pytest.mark.model_tier(TINY)
+SUBJECTS = uses(engines(TINY), engines(BUILT))
 
 CHAT = [p["messages"] for p in load_prompts("chat")]
 
@@ -22,9 +25,9 @@ POISONED_GENERATION_CONFIG = {"do_sample": True, "temperature": 1.7, "top_k": 3,
 BUDGET = {"max_new_tokens": 24}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def variant_model(pool, model_path, tmp_path_factory):
-    """The text model's variant (and its GGUF twin's, for llamacpp, registered in the pool as the variant's twin)."""
+    """The module's model's variant (and its GGUF twin's, for llamacpp, registered in the pool as its twin)."""
     reference = pool.reference(pool.options.backends[0], str(model_path))
     produced = answered_token(reference.generate(CHAT, options=BUDGET))
     poisoned = {**POISONED_GENERATION_CONFIG, "eos_token_id": [reference.tokenizer.eos_token_id, produced]}

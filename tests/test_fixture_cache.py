@@ -47,7 +47,8 @@ def test_large_fixtures_are_built_only_on_demand():
     from engine_fixtures.build import FIXTURES, default_fixtures
 
     assert "qwen2-0.5b-random" in FIXTURES and "qwen2-0.5b-random" not in default_fixtures()
-    assert {"smollm2-135m-instruct", "tiny-looper", "tiny-qwen2-vl"} <= set(default_fixtures())
+    defaults = set(default_fixtures())
+    assert {"smollm2-135m-instruct", "tiny-looper", "tiny-chat", "tiny-chat-gguf", "tiny-qwen2-vl"} <= defaults
 
 
 def test_fixture_key_covers_the_shared_builder_module(monkeypatch):

@@ -28,6 +28,22 @@ def test_a_module_without_subjects_fails_collection_naming_it():
         require_declarations([item("test_a", uses()), item("test_c", None), item("test_b", None)])
 
 
+def test_a_model_tier_marks_a_module_never_a_check_and_names_a_known_tier():
+    """The ``engine``/``engines`` fixtures are module-scoped: a check-level ``model_tier`` mark, or an unknown tier,
+    fails collection by name."""
+    on_check = item("test_a", uses(engines()))
+    on_check.nodeid, on_check.own_markers = "conformance/test_a.py::test_x[hf]", [pytest.mark.model_tier("tiny").mark]
+    with pytest.raises(pytest.UsageError, match=r"^conformance/test_a.py::test_x: model_tier marks a check; fix: "):
+        require_declarations([on_check])
+    unknown = item("test_b", uses(engines()))
+    unknown.module.pytestmark = [pytest.mark.model_tier("huge")]
+    with pytest.raises(pytest.UsageError, match=r"^conformance.test_b: model_tier\('huge'\).*\['text', 'tiny'\]"):
+        require_declarations([unknown])
+    tiny = item("test_c", uses(engines("tiny")))
+    tiny.module.pytestmark = [pytest.mark.model_tier("tiny")]
+    require_declarations([tiny])
+
+
 def test_every_check_module_of_the_suite_declares_its_subjects():
     """Read, not imported (some need vLLM, absent from the tests' venv): each holds ``SUBJECTS = uses(...)`` at
     module level; the conformance run builds them at collection."""

@@ -41,7 +41,7 @@ from conformance.kit.report import SummaryCollector
 from conformance.kit.shards import parse as parse_shard
 from conformance.kit.shards import split as split_shards
 from conformance.kit.tiers import QuickTier
-from conformance.subjects.plan import Roles, module_subjects, plan_lines
+from conformance.subjects.plan import Roles, model_tier, module_subjects, plan_lines
 from conformance.subjects.pool import EnginePool, PoolOptions
 from conformance.subjects.served import IN_PROCESS, SERVED
 from conformance.subjects.target import TargetOptions
@@ -82,6 +82,9 @@ MARKERS = {
     "servable": "a conformance check that also runs as its served twin (reach=served), every engine it compares "
                 "reached through python -m engine.serve too",
     "served": "the served twin of a servable check (-m 'not served' skips them)",
+    "model_tier": "model_tier('tiny'), at module level: a conformance check module where the model is only a payload; "
+                  "its engine, engines and text_model fixtures give the tiny tier's model (--engine-tiny-model) "
+                  "instead of --engine-model (docs/conformance.md, 'Model tiers')",
     "slow": "takes more than a few seconds (deselect with -m 'not slow')",
     "dtype_dependent": "a conformance check that compares backends or batches by the dtype's rule (exact in "
                        "float32, vLLM's rule below it); nox -s conformance-bf16 runs them",
@@ -128,6 +131,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "(default: the smollm2-135m-instruct-gguf fixture, the twin of the default model)")
     group.addoption("--engine-vlm-model", default=None,
                     help="vision-language model folder (default: the tiny-qwen2-vl fixture)")
+    group.addoption("--engine-tiny-model", default=None,
+                    help="the tiny tier's payload model folder, what modules marked model_tier('tiny') run on "
+                         "(default: the tiny-chat fixture, with its GGUF twin for llama.cpp)")
     group.addoption("--engine-dtype", default="float32", choices=DTYPES,
                     help="model dtype; float32 gives exact greedy parity on CPU (default: float32)")
     group.addoption("--engine-device", default="auto",
@@ -244,6 +250,7 @@ def pool_of(config: pytest.Config) -> EnginePool:
         backends=backends,
         model=model,
         vlm_model=config.getoption("--engine-vlm-model") or built_fixture("tiny-qwen2-vl"),
+        tiny_model=config.getoption("--engine-tiny-model") or built_fixture("tiny-chat"),
         dtype=config.getoption("--engine-dtype"),
         device=config.getoption("--engine-device"),
         vllm_multiprocessing=config.getoption("--engine-vllm-multiprocessing") or _cuda_host(),
@@ -252,7 +259,7 @@ def pool_of(config: pytest.Config) -> EnginePool:
         target=config.stash[TARGET_KEY],
     )
     pool = EnginePool(options)
-    pool.bill.roles = Roles(text=options.model, vlm=options.vlm_model,
+    pool.bill.roles = Roles(text=options.model, vlm=options.vlm_model, tiny=options.tiny_model,
                             fixtures=str(Path(built_fixture("smollm2-135m-instruct")).parent))
     config.stash[POOL_KEY] = pool
     if not _cuda_host():  # CPU hosts: eager engines (CPU_VLLM), and vLLM's compiled sampler helpers run as plain ops
@@ -327,6 +334,17 @@ def require_declarations(checks: list[pytest.Item]) -> None:
         raise pytest.UsageError(f"{', '.join(missing)}: no SUBJECTS; fix: declare what its checks start or reach at "
                                 "module level, SUBJECTS = uses(engines(...), servers(...), ...) "
                                 "(conformance/subjects/plan.py)")
+    # A module's checks share its engines (module-scoped fixtures): its model tier is the module's, never a check's.
+    on_checks = sorted({item.nodeid.split("[")[0] for item in checks
+                        if any(m.name == "model_tier" for m in getattr(item, "own_markers", ()))})
+    if on_checks:
+        raise pytest.UsageError(f"{', '.join(on_checks)}: model_tier marks a check; fix: mark its module "
+                                "(pytestmark = pytest.mark.model_tier(...)), whose checks share its engines")
+    for module in {item.module for item in checks}:
+        try:
+            model_tier(module)
+        except ValueError as err:
+            raise pytest.UsageError(f"{module.__name__}: {err}") from None
 
 
 def later_backends(runs: list[tuple[Any, Any]]) -> list[frozenset[str] | None]:

@@ -8,8 +8,10 @@ reach, with the configuration it loads them with::
     SUBJECTS = uses(engines("text"), engines("tiny-looper", model={"checkpoint_eos": True}),
                     servers("text"), processes("stock vllm serve", why="the drop-in's other side"))
 
-A model is ``"text"`` (``--engine-model``), ``"vlm"`` (``--engine-vlm-model``), a fixture's name (``tiny-looper``), or
-:data:`BUILT` (a model a check builds at test time, ``conformance/subjects/variants.py``). The keyword sections are
+A model is ``"text"`` (``--engine-model``), ``"tiny"`` (``--engine-tiny-model``: the tiny tier's payload model, what
+the ``engine`` and ``engines`` fixtures give a module marked ``pytest.mark.model_tier("tiny")``), ``"vlm"``
+(``--engine-vlm-model``), a fixture's name (``tiny-looper``), or :data:`BUILT` (a model a check builds at test time,
+``conformance/subjects/variants.py``). The keyword sections are
 those the engine is loaded with (what ``pool.engine(backend, model, **sections)`` passes, less what is only per
 request: the repeat guard, generation defaults, and the sections of the other backends), or for a server those its
 config holds beyond the pool's defaults for that model; a section declared as a dict names the settings that matter
@@ -30,8 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-TEXT, VLM, BUILT = "text", "vlm", "built"
-"""Model roles: ``--engine-model``, ``--engine-vlm-model``, and any model a check builds at test time."""
+TEXT, TINY, VLM, BUILT = "text", "tiny", "vlm", "built"
+"""Model roles: ``--engine-model``, ``--engine-tiny-model``, ``--engine-vlm-model``, and any model a check builds at
+test time."""
 KINDS = ("engine", "server", "kept", "process")
 
 
@@ -154,21 +157,24 @@ def uses(*subjects: Subject) -> tuple[Subject, ...]:
 
 @dataclass(frozen=True)
 class Roles:
-    """How a model folder is named in a declaration: the session's text and VLM models, a fixture by its name, any
-    other folder as :data:`BUILT`.
+    """How a model folder is named in a declaration: the session's text, tiny and VLM models, a fixture by its name,
+    any other folder as :data:`BUILT`.
 
-    >>> roles = Roles(text="/c/smollm2", vlm="/c/vl", fixtures="/c")
-    >>> roles.of("/c/smollm2"), roles.of("/c/tiny-looper"), roles.of("/tmp/pytest-1/bos0/looper")
-    ('text', 'tiny-looper', 'built')
+    >>> roles = Roles(text="/c/smollm2", vlm="/c/vl", fixtures="/c", tiny="/c/tiny-chat")
+    >>> roles.of("/c/smollm2"), roles.of("/c/tiny-chat"), roles.of("/c/tiny-looper"), roles.of("/tmp/p/bos0/looper")
+    ('text', 'tiny', 'tiny-looper', 'built')
     """
 
     text: str
     vlm: str
     fixtures: str
+    tiny: str = ""
 
     def of(self, path: str) -> str:
         if path == self.text:
             return TEXT
+        if path == self.tiny:
+            return TINY
         if path == self.vlm:
             return VLM
         folder = Path(path)
@@ -189,6 +195,34 @@ def undeclared(subjects: Sequence[Subject], kind: str, model: str, sections: Map
         return ""
     call = {"engine": "engines", "server": "servers", "kept": "kept"}.get(kind, kind)
     return f'{call}("{model}"' + "".join(f", {k}={v!r}" for k, v in sorted(sections.items())) + ")"
+
+
+MODEL_TIERS = {TEXT: "every check about numerics or real language (the default)",
+               TINY: "checks where the model is only a payload: transport, refusals, wire formats, lifecycle, errors"}
+"""A check module's model tier (``pytestmark = pytest.mark.model_tier("tiny")``) and what it is for."""
+
+
+def model_tier(module: Any) -> str:
+    """The module's model tier: its ``model_tier`` marker's, else ``text``; an unknown tier fails by name.
+
+    >>> import types, pytest
+    >>> model_tier(types.SimpleNamespace(pytestmark=[pytest.mark.model_tier("tiny")]))
+    'tiny'
+    >>> model_tier(types.SimpleNamespace(pytestmark=pytest.mark.model_tier("huge")))
+    Traceback (most recent call last):
+    ...
+    ValueError: model_tier('huge') in its pytestmark: not a model tier; fix: one of ['text', 'tiny']
+    """
+    marks = getattr(module, "pytestmark", [])
+    marks = marks if isinstance(marks, list) else [marks]
+    for mark in marks:
+        if getattr(mark, "name", "") == "model_tier":
+            tier = mark.args[0] if mark.args else ""
+            if tier not in MODEL_TIERS:
+                raise ValueError(f"model_tier({tier!r}) in its pytestmark: not a model tier; fix: one of "
+                                 f"{sorted(MODEL_TIERS)}")
+            return tier
+    return TEXT
 
 
 def module_subjects(module: Any) -> tuple[Subject, ...] | None:

@@ -87,6 +87,9 @@ class PoolOptions:
     a vLLM server holds about 4 GB in two processes here, and a cross-backend check needs one of each backend."""
     gguf_models: tuple[tuple[str, str], ...] = ()
     """(HF model folder, its GGUF twin) pairs: what the llamacpp backend loads for a model the suite names."""
+    tiny_model: str = ""
+    """The tiny tier's payload model (``--engine-tiny-model``; default the ``tiny-chat`` fixture): the model of the
+    ``engine``, ``engines`` and ``text_model`` fixtures in a module marked ``model_tier("tiny")``."""
     target: TargetOptions = field(default_factory=TargetOptions)
     """``--engine-target-*``: an external server to check against the HF reference
     (``conformance/subjects/target.py``)."""
@@ -199,7 +202,12 @@ class EnginePool:
     def text_server(self, backend: str) -> Any:
         """The running server of ``backend``'s text engine: the one its served twins reach, and the chat checks'
         (``/v1/chat/completions`` and Pattern C ``/chat``)."""
-        return self.servers.server(*self.servers.served_config(backend, self.options.model))
+        return self.server_of(backend, self.options.model)
+
+    def server_of(self, backend: str, model: str) -> Any:
+        """The running server of ``backend``'s engine on ``model`` with the pool's defaults (a module's
+        ``text_model``): the one the served twins of that engine reach."""
+        return self.servers.server(*self.servers.served_config(backend, model))
 
     def reference(self, backend: str, model: str, /, **sections: Any) -> Any:
         """The engine for expectations a check derives, not for what it compares: in-process whatever the reach
@@ -220,6 +228,16 @@ class EnginePool:
 
     def text_engine(self, backend: str) -> Any:
         return self.engine(backend, self.options.model)
+
+    def tier_model(self, tier: str) -> str:
+        """The model folder of a module's model tier (``conformance.subjects.plan.model_tier``): ``text``
+        (``--engine-model``) or ``tiny`` (``--engine-tiny-model``).
+
+        >>> options = PoolOptions(("hf",), "/m/smol", "/m/vl", "float32", "cpu", tiny_model="/m/tiny")
+        >>> EnginePool(options).tier_model("tiny")
+        '/m/tiny'
+        """
+        return {"text": self.options.model, "tiny": self.options.tiny_model}[tier]
 
     def float32_reference(self, backend: str) -> Any:
         """``backend`` on ``--engine-model`` in float32 whatever the session's dtype: what a low-precision check
