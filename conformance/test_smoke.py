@@ -1,14 +1,15 @@
-"""Smoke: every backend loads every fixture model and generates greedily; SmolLM2 parity holds."""
+"""Smoke: every backend loads every fixture model and generates greedily; SmolLM2 parity holds; the tiny tier's
+payload model keeps the mix of rows its checks rely on."""
 
 from __future__ import annotations
 
 import pytest
 
 from conformance.compare import describe
-from conformance.subjects.plan import engines, uses
+from conformance.subjects.plan import TINY, engines, uses
 from engine_fixtures import fixture_path, load_prompts
 
-SUBJECTS = uses(engines("text"), engines("tiny-looper"))
+SUBJECTS = uses(engines("text"), engines("tiny-looper"), engines(TINY))
 
 GREEDY = {"max_new_tokens": 16}
 
@@ -43,3 +44,29 @@ def test_smollm2_greedy_parity_at_least_5_of_6(engines, pool):
         detail = describe(outs[names[0]], outs[other], name_0=names[0], name_1=other,
                           labels=[p["id"] for p in prompts], tokenizer=engines[names[0]].tokenizer)
         assert same >= 5, "\n".join(detail)
+
+
+def row_kind(result) -> str:
+    """``eos`` (ended by EOS), ``loop`` (ran to its budget, its last 12 tokens 3 ids or fewer) or ``wander``."""
+    if result.finish_reason == "stop":
+        return "eos"
+    return "loop" if len(set(result.token_ids[-12:])) <= 3 else "wander"
+
+
+def test_the_tiny_tier_model_mixes_eos_loops_and_wandering_rows_alike_on_every_backend(pool, backend_names):
+    """What the tiny tier's checks lean on (``fixtures/tiny_chat.py``): greedy rows of every prompt set that end at
+    EOS after a few tokens, rows that loop and rows that wander to the budget, the same on every backend (the same
+    ids in float32)."""
+    prompts = [p["messages"] for name in ("chat", "looper", "lists", "json") for p in load_prompts(name)]
+    got = {b: pool.engine(b, pool.tier_model(TINY)).generate(prompts, options={"max_new_tokens": 48})
+           for b in backend_names}
+    for b, results in got.items():
+        kinds = [row_kind(r) for r in results]
+        assert {"eos", "loop", "wander"} <= set(kinds), f"{b}: rows {kinds}"
+        assert all(len(r.token_ids) >= 2 for r in results if r.finish_reason == "stop"), \
+            f"{b}: a row ends at EOS at once: {[len(r.token_ids) for r in results]}"
+    first, *others = backend_names
+    for other in others:
+        assert [row_kind(r) for r in got[other]] == [row_kind(r) for r in got[first]], (first, other)
+        if pool.options.dtype == "float32":
+            assert [r.token_ids for r in got[other]] == [r.token_ids for r in got[first]], (first, other)
