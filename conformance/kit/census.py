@@ -113,11 +113,15 @@ def by_module(entries: Mapping[tuple[int, int], str], windows: Sequence[tuple[fl
               ticks_per_s: float | None = None, run: str = "") -> dict[str, Counter[str]]:
     """The processes by the module whose check was running when each started: ``windows`` holds (seconds since boot,
     module) as each check started, in order; a process's start is in clock ticks since boot (``/proc/PID/stat``).
-    Processes started before the first check (collection, the watcher) count as ``(before the checks)``.
+    Processes started before the first check (collection, the watcher) count as ``(before the checks)``. A start is
+    whole clock ticks, rounded down: a process started in the tick a check started in is that check's (a module's
+    first check that starts a child at once, in its fixture's setup, had it counted for the module before).
 
     >>> entries = {(1, 150): "python -m engine.serve --config a", (2, 450): "vllm serve /m", (3, 50): "ps"}
     >>> {m: dict(c) for m, c in by_module(entries, [(1.0, "a.py"), (4.0, "b.py")], ticks_per_s=100).items()}
     {'(before the checks)': {'other: ps': 1}, 'a.py': {'engine.serve server': 1}, 'b.py': {'stock vllm serve': 1}}
+    >>> dict(by_module({(4, 413): "pytest -q"}, [(1.0, "a.py"), (4.132, "b.py")], ticks_per_s=100))
+    {'b.py': Counter({'child pytest': 1})}
     """
     import bisect
     import os
@@ -126,7 +130,7 @@ def by_module(entries: Mapping[tuple[int, int], str], windows: Sequence[tuple[fl
     starts = [at for at, _ in windows]
     out: dict[str, Counter[str]] = {}
     for (_, start), command in sorted(entries.items(), key=lambda e: e[0][1]):
-        index = bisect.bisect_right(starts, start / tick) - 1
+        index = bisect.bisect_right(starts, (start + 1) / tick) - 1  # somewhere in [start, start + 1) ticks
         module = windows[index][1] if index >= 0 else "(before the checks)"
         out.setdefault(module, Counter())[labelled(command, run)] += 1
     return out
