@@ -61,6 +61,29 @@ def server(pool, backend, served_config):
     handle.stop()
 
 
+KEY = "conformance-key-7"
+
+
+@pytest.fixture(scope="module")
+def keyed_hf_server(served_config):
+    """HF's looper server started with an API key (``launch_server(api_key=...)`` sets ``ENGINE_API_KEY``), a callable
+    that gives it running: the key check asks it, then the graceful-shutdown check drains it with SIGTERM and kills
+    the next one (destructive, so they run after the key check; one found dead is started again). One HF start fewer
+    than a server per check."""
+    from engine.client import launch_server
+
+    started = []
+
+    def running():
+        if not started or started[-1].process.poll() is not None:
+            started.append(launch_server(served_config("hf"), repeat_terminate=LOOP_GUARD, api_key=KEY))
+        return started[-1]
+
+    yield running
+    for handle in started:
+        handle.stop()
+
+
 @pytest.fixture(scope="session")
 def reference(pool, backend, looper_path):
     """The in-process engine with the same config: what every served answer must equal."""
@@ -196,47 +219,43 @@ def test_curl_sees_the_raw_wire_format(server):
     assert code == "400" and json.loads(text)["error"]["param"] == "body"
 
 
-def test_an_api_key_guards_every_route_but_health(pool, served_config, looper_path):
+def test_an_api_key_guards_every_route_but_health(pool, keyed_hf_server, looper_path):
     """A server started with a key (``launch_server(api_key=...)`` sets ``ENGINE_API_KEY``): our client and the
     official openai client get answers with it and a 401 without or with another; curl sees the probe open but no
     path in it. The key is the HTTP layer's, so one backend (HF, the quickest to start) carries the check."""
     import httpx
     import openai
 
-    from engine.client import RolloutClient, RolloutServerError, launch_server
+    from engine.client import RolloutClient, RolloutServerError
 
-    key = "conformance-key-7"
-    handle = launch_server(served_config("hf"), repeat_terminate=LOOP_GUARD, api_key=key)
-    try:
-        with RolloutClient(handle.url, repeat_terminate=LOOP_GUARD, api_key=key, health_timeout=30) as client:
-            [got] = client.infer([MIXED[0]], GREEDY)
-        reference = pool.reference("hf", looper_path, repeat_terminate=LOOP_GUARD)
-        expected = reference.generate([MIXED[0]], options={"max_new_tokens": GREEDY["max_tokens"], "temperature": 0})
-        assert got.token_ids == expected[0].token_ids
-        with RolloutClient(handle.url, repeat_terminate=LOOP_GUARD, api_key="wrong", health_timeout=30) as client, \
-                pytest.raises(RolloutServerError, match="401"):
-            client.infer([MIXED[0]], GREEDY)
-        model = httpx.get(f"{handle.url}/health", timeout=10).json()["model"]
-        chat = {"model": model, "messages": MIXED[0], "max_tokens": 8, "temperature": 0}
-        answer = openai.OpenAI(base_url=f"{handle.url}/v1", api_key=key).chat.completions.create(**chat)
-        assert answer.choices[0].message.content
-        with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=f"{handle.url}/v1", api_key="wrong", max_retries=0).chat.completions.create(**chat)
-        curl = shutil.which("curl")
-        if curl is None:
-            pytest.fail("curl is not installed; the check needs it (apt-get install curl)")
-        probe = subprocess.run([curl, "-sS", "--max-time", "10", f"{handle.url}/health"], capture_output=True,
-                               text=True, check=True)
-        assert json.loads(probe.stdout)["status"] == "ok" and "model_path" not in probe.stdout
-        assert str(fixture_path("tiny-looper")) not in probe.stdout
-        metrics = subprocess.run([curl, "-sS", "--max-time", "10", "-o", "/dev/null", "-w", "%{http_code}",
-                                  f"{handle.url}/metrics"], capture_output=True, text=True, check=True)
-        assert metrics.stdout == "401"
-        keyed = subprocess.run([curl, "-sS", "--max-time", "10", "-H", f"Authorization: Bearer {key}",
-                                f"{handle.url}/health"], capture_output=True, text=True, check=True)
-        assert json.loads(keyed.stdout)["model_path"] == str(fixture_path("tiny-looper"))
-    finally:
-        handle.stop()
+    key, handle = KEY, keyed_hf_server()
+    with RolloutClient(handle.url, repeat_terminate=LOOP_GUARD, api_key=key, health_timeout=30) as client:
+        [got] = client.infer([MIXED[0]], GREEDY)
+    reference = pool.reference("hf", looper_path, repeat_terminate=LOOP_GUARD)
+    expected = reference.generate([MIXED[0]], options={"max_new_tokens": GREEDY["max_tokens"], "temperature": 0})
+    assert got.token_ids == expected[0].token_ids
+    with RolloutClient(handle.url, repeat_terminate=LOOP_GUARD, api_key="wrong", health_timeout=30) as client, \
+            pytest.raises(RolloutServerError, match="401"):
+        client.infer([MIXED[0]], GREEDY)
+    model = httpx.get(f"{handle.url}/health", timeout=10).json()["model"]
+    chat = {"model": model, "messages": MIXED[0], "max_tokens": 8, "temperature": 0}
+    answer = openai.OpenAI(base_url=f"{handle.url}/v1", api_key=key).chat.completions.create(**chat)
+    assert answer.choices[0].message.content
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{handle.url}/v1", api_key="wrong", max_retries=0).chat.completions.create(**chat)
+    curl = shutil.which("curl")
+    if curl is None:
+        pytest.fail("curl is not installed; the check needs it (apt-get install curl)")
+    probe = subprocess.run([curl, "-sS", "--max-time", "10", f"{handle.url}/health"], capture_output=True,
+                           text=True, check=True)
+    assert json.loads(probe.stdout)["status"] == "ok" and "model_path" not in probe.stdout
+    assert str(fixture_path("tiny-looper")) not in probe.stdout
+    metrics = subprocess.run([curl, "-sS", "--max-time", "10", "-o", "/dev/null", "-w", "%{http_code}",
+                              f"{handle.url}/metrics"], capture_output=True, text=True, check=True)
+    assert metrics.stdout == "401"
+    keyed = subprocess.run([curl, "-sS", "--max-time", "10", "-H", f"Authorization: Bearer {key}",
+                            f"{handle.url}/health"], capture_output=True, text=True, check=True)
+    assert json.loads(keyed.stdout)["model_path"] == str(fixture_path("tiny-looper"))
 
 
 def test_envelope_is_additive(pool, looper_path):
@@ -401,15 +420,14 @@ def test_client_disconnect_cancels_only_its_request(server):
     assert r.status_code == 200
 
 
-def test_graceful_shutdown_drains_then_a_killed_server_fails_the_client_fast(served_config):
+def test_graceful_shutdown_drains_then_a_killed_server_fails_the_client_fast(keyed_hf_server):
     """SIGTERM: the in-flight request still gets its answer. SIGKILL mid-batch: the client raises within 5 s."""
-    from engine.client import RolloutClient, RolloutServerError, launch_server
+    from engine.client import RolloutClient, RolloutServerError
 
-    config = served_config("hf")
     slow = {"max_tokens": 400, "temperature": 0}
     held = {"options": {"min_new_tokens": 399}}  # rows surely still run at the signal
-    handle = launch_server(config, repeat_terminate=LOOP_GUARD)
-    with RolloutClient(handle.url, repeat_terminate=LOOP_GUARD, timeout=120, health_timeout=30) as client:
+    handle = keyed_hf_server()
+    with RolloutClient(handle.url, repeat_terminate=LOOP_GUARD, api_key=KEY, timeout=120, health_timeout=30) as client:
         box: dict[str, object] = {}
         t = threading.Thread(target=lambda: box.update(r=client.infer([MIXED[0]] * 4, slow, engine=held)))
         t.start()
@@ -419,8 +437,8 @@ def test_graceful_shutdown_drains_then_a_killed_server_fails_the_client_fast(ser
         assert handle.process.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
     assert len(box.get("r", [])) == 4, "SIGTERM dropped an in-flight request instead of draining it"
 
-    handle = launch_server(config, repeat_terminate=LOOP_GUARD)
-    with RolloutClient(handle.url, repeat_terminate=LOOP_GUARD, timeout=120, health_timeout=30) as client:
+    handle = keyed_hf_server()  # the drained one exited: another
+    with RolloutClient(handle.url, repeat_terminate=LOOP_GUARD, api_key=KEY, timeout=120, health_timeout=30) as client:
         box = {}
 
         def run() -> None:
@@ -437,7 +455,6 @@ def test_graceful_shutdown_drains_then_a_killed_server_fails_the_client_fast(ser
         t.join(30)
         assert "error" in box, "the client did not raise after the server was killed"
         assert box["at"] - killed < 5, f"the client raised {box['at'] - killed:.1f}s after the kill"
-    handle.stop()
 
 
 def free_port() -> int:
