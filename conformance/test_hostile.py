@@ -342,6 +342,9 @@ prompt's logprobs per prefill chunk of its own (``max_num_batched_tokens``), the
 measured here, bounded by that chunk whatever the prompt (``serve.max_scored_tokens`` bounds the tokens per call)."""
 
 
+@pytest.mark.quick_on("hf", reason=(
+    "the memory bound is a scoring server's: llama.cpp's variant only sees the refusal (it cannot score), and HF's "
+    "text server scores 4000 echoed tokens within the context its SmolLM2 holds"))
 def test_echo_scoring_of_a_long_prompt_stays_within_bounded_memory(server, backend, summary_note):
     """``/v1/completions`` with ``echo``, ``logprobs: 20`` and ``max_tokens: 0`` on a 4000-token prompt (lm-eval's
     scoring of a long document): answered on the backends that score, with every prompt token's logprob, while the

@@ -199,6 +199,9 @@ def trl_environment() -> dict[str, str] | None:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
 
 
+@pytest.mark.quick_on("hf", reason=(
+    "TRL's client is the same on every server; its processed-logprobs server starts in 6 s on HF, and on vLLM it "
+    "would be one more vLLM server (about 25 s on CI)"))
 def test_trl_vllm_client_rollouts_rescore_to_the_logprobs_it_returned(pool, backend, workload):
     """TRL 1.16's own ``VLLMClient`` against the served engine in processed mode (what TRL's GRPO trainer requires):
     it reads ``/server_info`` and ``/get_world_size``, sends its completions body (token-id prompts, ``n``,

@@ -170,6 +170,9 @@ def test_text_completions_equal_the_engines_complete(client, pool, backend):
     assert default.usage.completion_tokens == 16 or default.choices[0].finish_reason == "stop"  # OpenAI's default
 
 
+@pytest.mark.quick_on("hf", reason=(
+    "the claim is the scores a scoring backend echoes: llama.cpp's variant only sees the refusal (it cannot score); "
+    "HF's text server is up for the module's other checks"))
 def test_echoed_prompt_logprobs_are_the_engines_scores(client, pool, backend):
     """``echo`` with ``logprobs`` (lm-eval's ``local-completions`` log-likelihood call): each prompt token's logprob
     equals ``GenerationEngine.score``'s, its alternatives hold the argmax, the first token has none, and the one

@@ -25,6 +25,13 @@ def test_each_function_runs_once_and_a_modules_backends_take_turns():
                               ("m::h", "llamacpp", "in-process", 1)]
 
 
+def test_after_a_first_turn_each_the_turns_go_where_they_cost_least():
+    """HF costs 2.6 turns of the others (``TURN_COST``): seven functions give HF one, vLLM and llama.cpp three each."""
+    checks = [Check(f"m::{f}", {"backend": b}) for f in "abcdefg" for b in ("hf", "vllm", "llamacpp")]
+    backends = [b for _, b, _, _ in picked(checks)]
+    assert backends == ["hf", "vllm", "llamacpp", "vllm", "llamacpp", "vllm", "llamacpp"]
+
+
 def test_a_backend_the_turns_leave_out_of_a_module_gets_its_first_check_there():
     checks = [Check("m::f", {"backend": b}) for b in ("hf", "vllm", "llamacpp")] + [Check("n::g", {"backend": "hf"})]
     assert picked(checks) == [("m::f", "hf", None, None), ("m::f", "vllm", None, None),
