@@ -142,13 +142,13 @@ def _next_backend(variant: list[Check], order: list[str], spent: dict[str, float
     have = [(order.index(c.spread()[0]), c) for c in variant if c.spread()[0] in order]
     if not have:
         return variant[0]
-    cost = lambda check: TURN_COST.get(check.spread()[0], 1.0)  # noqa: E731
     fresh = [(i, c) for i, c in have if c.spread()[0] not in spent]
     if fresh:
         _, pick = min(fresh, key=lambda ic: ic[0])
     else:
-        _, pick = min(have, key=lambda ic: (spent[ic[1].spread()[0]] + cost(ic[1]), ic[0]))
-    spent[pick.spread()[0]] = spent.get(pick.spread()[0], 0.0) + cost(pick)
+        _, pick = min(have, key=lambda ic: (spent[ic[1].spread()[0]] + TURN_COST.get(ic[1].spread()[0], 1.0), ic[0]))
+    backend = pick.spread()[0]
+    spent[backend] = spent.get(backend, 0.0) + TURN_COST.get(backend, 1.0)
     return pick
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from conformance.compare import LOW_PRECISION_TOPK
 from conformance.subjects.bill import Bill
-from conformance.subjects.plan import sections_key
+from conformance.subjects.plan import TEXT, TINY, sections_key
 from conformance.subjects.served import Reach
 from conformance.subjects.servers import ServerPool
 from conformance.subjects.target import TargetOptions
@@ -202,12 +202,7 @@ class EnginePool:
     def text_server(self, backend: str) -> Any:
         """The running server of ``backend``'s text engine: the one its served twins reach, and the chat checks'
         (``/v1/chat/completions`` and Pattern C ``/chat``)."""
-        return self.server_of(backend, self.options.model)
-
-    def server_of(self, backend: str, model: str) -> Any:
-        """The running server of ``backend``'s engine on ``model`` with the pool's defaults (a module's
-        ``text_model``): the one the served twins of that engine reach."""
-        return self.servers.server(*self.servers.served_config(backend, model))
+        return self.servers.server(*self.servers.served_config(backend, self.options.model))
 
     def reference(self, backend: str, model: str, /, **sections: Any) -> Any:
         """The engine for expectations a check derives, not for what it compares: in-process whatever the reach
@@ -237,7 +232,7 @@ class EnginePool:
         >>> EnginePool(options).tier_model("tiny")
         '/m/tiny'
         """
-        return {"text": self.options.model, "tiny": self.options.tiny_model}[tier]
+        return {TEXT: self.options.model, TINY: self.options.tiny_model}[tier]
 
     def float32_reference(self, backend: str) -> Any:
         """``backend`` on ``--engine-model`` in float32 whatever the session's dtype: what a low-precision check
