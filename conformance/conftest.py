@@ -16,6 +16,7 @@ import pytest
 from conformance.kit.availability import unavailable_reason
 from conformance.kit.plugin import CALL_PASSED, LATER_BACKENDS, TARGET_DESCRIBED, pool_of
 from conformance.kit.tiers import Workload
+from conformance.subjects.looper import LooperServers
 from conformance.subjects.pool import EnginePool
 from conformance.subjects.served import IN_PROCESS, SERVED
 from conformance.subjects.target import TARGET, Target
@@ -96,6 +97,20 @@ def pool(pytestconfig: pytest.Config) -> Iterator[EnginePool]:
     p = pool_of(pytestconfig)
     yield p
     p.close()
+
+
+@pytest.fixture(scope="session")
+def looper_servers(pool: EnginePool) -> Iterator[LooperServers]:
+    """The looper's server per backend that test_served.py and test_weight_sync.py share
+    (``conformance/subjects/looper.py``), its guard ``LOOP_GUARD`` from the environment."""
+    from conformance.test_repeat import LOOP_GUARD
+    from engine_fixtures import fixture_path
+
+    looper = str(fixture_path("tiny-looper"))
+    servers = LooperServers(configure=lambda backend: pool.config(backend, looper), guard=LOOP_GUARD,
+                            checkpoint=looper, bill=pool.bill)
+    yield servers
+    servers.close()
 
 
 @pytest.fixture(scope="session")

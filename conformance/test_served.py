@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 
 from conformance.compare import assert_served_equal
-from conformance.subjects.plan import engines, processes, uses
+from conformance.subjects.looper import LOOPER_SERVE
+from conformance.subjects.looper import NAME as LOOPER
+from conformance.subjects.plan import engines, kept, processes, uses
 from conformance.subjects.served import scrape
 from conformance.test_repeat import BUDGET, LOOP_GUARD, MIXED
 from engine.config import RepeatTerminateConfig
@@ -28,11 +30,12 @@ from engine_fixtures import fixture_path
 
 SUBJECTS = uses(
     engines("tiny-looper"),
-    processes("engine.serve server", why="servers of its own: the guard from the environment, an API key, SIGTERM"),
+    kept(LOOPER, why="the looper's server per backend, its guard from the environment; test_weight_sync.py's too"),
+    processes("engine.serve server", why="those servers, and HF's of its own with an API key (SIGTERM drains it)"),
 )
 
 pytestmark = pytest.mark.slow
-NS = "coordexp"
+NS = LOOPER_SERVE["namespace"]
 GREEDY = {"max_tokens": BUDGET["max_new_tokens"], "temperature": 0, "return_details": True}
 
 
@@ -48,17 +51,15 @@ def served_config(pool, looper_path):
     return make
 
 
-@pytest.fixture(scope="session")
-def server(pool, backend, served_config):
-    """One server per backend on the looper fixture, its guard activated from the environment at startup."""
+@pytest.fixture
+def server(looper_servers, backend):
+    """The looper's server of this backend (``conformance/subjects/looper.py``), its guard ``LOOP_GUARD`` activated
+    from the environment at startup."""
     from conformance.kit.availability import unavailable_reason
-    from engine.client import launch_server
 
     if unavailable_reason(backend):
         pytest.skip(unavailable_reason(backend))
-    handle = launch_server(served_config(backend), repeat_terminate=LOOP_GUARD)
-    yield handle
-    handle.stop()
+    return looper_servers.checkout(backend)
 
 
 KEY = "conformance-key-7"

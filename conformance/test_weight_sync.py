@@ -7,8 +7,9 @@ flattened bucket (``FlattenedTensorBucket``) and calls the routes it can call on
 ``get_model_state_keys`` and the three cache resets its trainer calls). The prompts are answered once before the
 push, so on vLLM their prefixes sit in the prefix cache, computed with the old weights: equal answers after the
 push need the reset.
-The checks whose server needs no settings of its own share one server per backend (:class:`WeightServers`), the
-original checkpoint reloaded before each; the under-load check, which kills vLLM's engine core, runs last.
+The checks whose server needs no settings of its own share the looper's server per backend with test_served.py
+(``conformance/subjects/looper.py``), asking with its start-up guard off, the original checkpoint reloaded after a
+check pushed; the under-load check, which kills vLLM's engine core, runs last.
 GPU-only, not run here: the ``nccl`` transport with swift's ``VLLMClient.init_communicator`` and its broadcasts.
 """
 
@@ -19,13 +20,16 @@ import time
 
 import pytest
 
-from conformance.subjects.plan import BUILT, engines, processes, uses
+from conformance.subjects.looper import LOOPER_SERVE
+from conformance.subjects.looper import NAME as LOOPER
+from conformance.subjects.plan import BUILT, engines, kept, processes, uses
 from conformance.test_repeat import MIXED
 from engine_fixtures import fixture_path
 
 SUBJECTS = uses(
     engines(BUILT),
-    processes("engine.serve server", why="servers of its own whose weights the checks change"),
+    kept(LOOPER, why="the looper's server per backend, test_served.py's, whose weights the checks change"),
+    processes("engine.serve server", why="those, and servers of its own: session bounds, an API key"),
 )
 
 pytestmark = pytest.mark.slow
@@ -60,68 +64,28 @@ def perturbed(tmp_path_factory) -> tuple[str, dict]:
     return str(out), changed
 
 
-SHARED_SERVE = {"port": 0, "weight_sync_join_timeout_s": 10}
-"""The serve settings of the module's shared server per backend (:func:`weight_servers`). The join timeout bounds
-the group a check opens and never joins (``test_pushes_under_load_round_trip_exactly``)."""
+UNGUARDED = {"repeat_terminate": {"enabled": False}}
+"""The engine extension of every weight check's request: the shared server's start-up guard (test_served's) off, as
+the in-process engines they are compared with run unguarded."""
 
 
-class WeightServers:
-    """One server per backend on the looper, shared by the checks whose server needs no settings of its own (the
-    session-bounds check sets its bounds and the stranger check its API key: those start their own). Each check
-    gets it with the original checkpoint reloaded from disk (a check that pushed leaves its weights behind; the
-    reload resets the prefix cache too), and a server a check killed (the under-load check kills vLLM's engine core
-    to see ``/health`` say so; it runs last in this file) is started again for the next one."""
-
-    def __init__(self, pool) -> None:
-        self.pool, self.running = pool, {}
-
-    def checkout(self, backend: str):
-        import httpx
-
-        from engine.client import launch_server
-
-        looper = str(fixture_path("tiny-looper"))
-        server = self.running.get(backend)
-        if server is not None and not healthy(server):
-            self.running.pop(backend).stop()
-            server = None
-        if server is None:
-            server = self.running[backend] = launch_server({**self.pool.config(backend, looper),
-                                                            "serve": dict(SHARED_SERVE)})
-        elif backend != "llamacpp":  # llama.cpp loads no learner's weights: nothing to put back
-            reply = httpx.post(f"{server.url}/update_weights_from_disk", json={"model_path": looper}, timeout=120)
-            assert reply.status_code == 200, f"the shared server did not reload the looper: {reply.text[:400]}"
-        return server
-
-    def close(self) -> None:
-        for server in self.running.values():
-            server.stop()
-        self.running.clear()
-
-
-def healthy(server) -> bool:
-    import httpx
-
-    if server.process.poll() is not None:
-        return False
-    try:
-        return httpx.get(f"{server.url}/health", timeout=10).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-@pytest.fixture(scope="module")
-def weight_servers(pool):
-    servers = WeightServers(pool)
-    yield servers
-    servers.close()
+@pytest.fixture(scope="module", autouse=True)
+def last_user_of_the_looper_servers(looper_servers):
+    """This module is the looper servers' last user: pytest runs each backend's checks of both modules together,
+    test_served.py's first, so the servers stop when this module's checks of a backend are done (a later user
+    starts them again)."""
+    yield
+    looper_servers.close()
 
 
 @pytest.fixture
-def weight_server(weight_servers, backend):
-    """``weight_server()``: this backend's shared server, once the check has passed its own skips (so a check that
-    skips starts nothing)."""
-    return lambda: weight_servers.checkout(backend)
+def weight_server(looper_servers, backend):
+    """``weight_server()``: this backend's looper server (``conformance/subjects/looper.py``, shared with
+    test_served.py), once the check has passed its own skips (so a check that skips starts nothing). A check that
+    pushed leaves its weights behind: the next checkout reloads the looper's checkpoint (which resets vLLM's prefix
+    cache too); a server a check killed (the under-load check kills vLLM's engine core to see ``/health`` say so; it
+    runs last in this file) is started again for the next one."""
+    return lambda: looper_servers.checkout(backend, changes_weights=backend != "llamacpp")
 
 
 def needs_weight_loading(backend: str) -> None:
@@ -163,7 +127,7 @@ def test_pushed_weights_answer_like_the_perturbed_checkpoint(pool, backend, pert
         assert reply.status_code == 400 and "cannot load a learner's weights" in reply.text
         return
     with RolloutClient(handle.url, health_timeout=30) as client:
-        before = client.infer(PROMPTS, GREEDY)
+        before = client.infer(PROMPTS, GREEDY, engine=UNGUARDED)
         with WeightSyncClient(handle.url, transport="tcp") as sync:
             sync.update_named_param(NAMED, changed[NAMED])
             bucket = FlattenedTensorBucket(named_tensors=[(name, changed[name]) for name in BUCKET])
@@ -173,7 +137,7 @@ def test_pushed_weights_answer_like_the_perturbed_checkpoint(pool, backend, pert
             swift.reset_prefix_cache()
             swift.reset_encoder_cache()  # what swift's trainer calls after every update, with the mm reset
             swift.reset_mm_cache()
-        after = client.infer(PROMPTS, GREEDY)
+        after = client.infer(PROMPTS, GREEDY, engine=UNGUARDED)
     assert any(name.startswith("model.layers.0.") for name in keys) and "model.norm.weight" in keys
     expected = pool.engine(backend, path).generate(PROMPTS, options={"max_new_tokens": GREEDY["max_tokens"]})
     assert [r.token_ids for r in after] == [r.token_ids for r in expected], "served answers after the push"
@@ -230,7 +194,8 @@ def test_vllm_routes_and_disk_reload_round_trip_exactly(pool, backend, perturbed
     assert early.status_code == 409 and "init_weight_transfer_engine" in early.text, early.text
     with RolloutClient(handle.url, health_timeout=30) as client:
         def answers():  # one prompt at a time: bit-exact needs the same batches (vLLM is not batch invariant)
-            return [(r.token_ids, r.logprobs) for p in PROMPTS for r in client.infer([p], scored)]
+            return [(r.token_ids, r.logprobs) for p in PROMPTS
+                    for r in client.infer([p], scored, engine=UNGUARDED)]
 
         def update(sync, tensors, version):
             with sync.weight_update():
@@ -481,7 +446,7 @@ def test_a_refused_reload_leaves_the_old_weights_serving(pool, backend, perturbe
     cases = refused_folders(tmp_path, changed)
     handle = weight_server()
     with RolloutClient(handle.url, health_timeout=30) as client:
-        before = [r.token_ids for r in client.infer(PROMPTS, GREEDY)]
+        before = [r.token_ids for r in client.infer(PROMPTS, GREEDY, engine=UNGUARDED)]
         for case, (path, param, phrase, backends) in cases.items():
             began = time.monotonic()
             reply = httpx.post(f"{handle.url}/update_weights_from_disk", json={"model_path": path}, timeout=60)
@@ -493,10 +458,11 @@ def test_a_refused_reload_leaves_the_old_weights_serving(pool, backend, perturbe
             message = reply.json()["error"]["message"]
             assert phrase in message and (param is None or param in message), f"{case}: {message}"
             assert took < 10, f"{case}: answered after {took:.1f} s"
-            assert [r.token_ids for r in client.infer(PROMPTS[:1], GREEDY)] == before[:1], f"after {case}"
-        after = [r.token_ids for r in client.infer(PROMPTS, GREEDY)]
+            again_one = client.infer(PROMPTS[:1], GREEDY, engine=UNGUARDED)
+            assert [r.token_ids for r in again_one] == before[:1], f"after {case}"
+        after = [r.token_ids for r in client.infer(PROMPTS, GREEDY, engine=UNGUARDED)]
         reload = httpx.post(f"{handle.url}/update_weights_from_disk", json={"model_path": looper}, timeout=120)
-        again = [r.token_ids for r in client.infer(PROMPTS, GREEDY)]
+        again = [r.token_ids for r in client.infer(PROMPTS, GREEDY, engine=UNGUARDED)]
         health = httpx.get(f"{handle.url}/health", timeout=30)
     assert after == before, "a refused reload changed the served answers"
     assert reload.status_code == 200 and again == before, reload.text[:400]
@@ -545,7 +511,7 @@ def test_pushes_under_load_round_trip_exactly(pool, backend, perturbed, weight_s
         opened = httpx.post(f"{handle.url}/init_communicator/", timeout=30,
                             json={"host": "0.0.0.0", "port": 29556, "world_size": 2, "transport": "tcp"})
         assert opened.status_code == 200, opened.text
-        join_s = SHARED_SERVE["weight_sync_join_timeout_s"]
+        join_s = LOOPER_SERVE["weight_sync_join_timeout_s"]
         began = time.monotonic()
         waiting = httpx.post(f"{handle.url}/infer/", timeout=join_s + 5, json={
             "infer_requests": [{"messages": PROMPTS[0]}], "request_config": {"max_tokens": 4}})
@@ -556,26 +522,28 @@ def test_pushes_under_load_round_trip_exactly(pool, backend, perturbed, weight_s
         httpx.post(f"{handle.url}/close_communicator/", timeout=30)
 
         def answers():  # one prompt at a time: bit-exact needs the same batches (vLLM is not batch invariant)
-            return [(r.token_ids, r.logprobs) for p in PROMPTS for r in client.infer([p], scored)]
+            return [(r.token_ids, r.logprobs) for p in PROMPTS
+                    for r in client.infer([p], scored, engine=UNGUARDED)]
 
         def rows(during):
             return [r.token_ids for r in during]
 
         before = answers()
-        old_long = rows(client.infer(PROMPTS, long))
+        old_long = rows(client.infer(PROMPTS, long, engine=UNGUARDED))
         with WeightSyncClient(handle.url, transport="tcp") as sync:
             push(sync, changed)
-            new_long = rows(client.infer(PROMPTS, long))
+            new_long = rows(client.infer(PROMPTS, long, engine=UNGUARDED))
             push(sync, original)
             assert answers() == before, "answers after pushing the original weights back"
             for cycle in range(3):
                 with ThreadPoolExecutor(len(PROMPTS)) as threads:
-                    flying = [threads.submit(client.infer, [p], long) for p in PROMPTS]
+                    flying = [threads.submit(client.infer, [p], long, engine=UNGUARDED) for p in PROMPTS]
                     push(sync, changed)
                     landed = [f.result()[0].token_ids for f in flying]
                 for i, got in enumerate(landed):
                     assert got in (old_long[i], new_long[i]), f"cycle {cycle} row {i}: a mix of two weight sets"
-                assert rows(client.infer(PROMPTS, long)) == new_long, f"cycle {cycle}: the push did not land"
+                landed_after = rows(client.infer(PROMPTS, long, engine=UNGUARDED))
+                assert landed_after == new_long, f"cycle {cycle}: the push did not land"
                 push(sync, original)
                 assert answers() == before, f"cycle {cycle}: the round trip is not exact"
             push(sync, original)

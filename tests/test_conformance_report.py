@@ -15,7 +15,7 @@ import pytest
 from conformance.kit import census, matrix, plugin, record
 from conformance.kit import report as collector_module
 from conformance.kit.report import SummaryCollector
-from conformance.subjects import bill, plan, pool, served, stock, target
+from conformance.subjects import bill, looper, plan, pool, served, stock, target
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = '''
@@ -203,6 +203,6 @@ def test_reports_readme_documents_every_field():
 
 
 @pytest.mark.parametrize("module", [record, matrix, collector_module, target, stock, pool, census, plugin, served,
-                                    bill, plan])
+                                    bill, plan, looper])
 def test_doctests(module):
     assert doctest.testmod(module).failed == 0
