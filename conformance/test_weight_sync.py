@@ -283,9 +283,12 @@ def test_a_learner_holds_rollouts_no_longer_than_the_session_bounds(pool, backen
         # (2) resets with nothing loaded since the last one: no drain (the first drops what the push above staled)
         first_reset = httpx.post(f"{handle.url}/reset_prefix_cache/", timeout=120)
         with ThreadPoolExecutor(1) as pool_:
+            # 640 tokens a row: on vLLM the looper's 12 rows of 160 could end within the half second and the resets
+            # (the gate at c6d48d9 read that as a drain), so the check first sees them still in flight
             long = pool_.submit(timed_infer, {"infer_requests": [{"messages": p} for p in PROMPTS * 4],
-                                              "request_config": {"max_tokens": 160, "temperature": 0}})
+                                              "request_config": {"max_tokens": 640, "temperature": 0}})
             time.sleep(0.5)
+            in_flight = not long.done()
             resets = [httpx.post(f"{handle.url}/reset_prefix_cache/", timeout=120) for _ in range(5)]
             drained = long.done()
             long_status, _ = long.result()
@@ -312,6 +315,7 @@ def test_a_learner_holds_rollouts_no_longer_than_the_session_bounds(pool, backen
     assert heard.status_code == 500 and "has not joined" in heard.text, heard.text
     assert first_reset.status_code == 200 and first_reset.json()["message"] == "prefix cache reset", first_reset.text
     assert all(r.status_code == 200 and "kept" in r.json()["message"] for r in resets), [r.text for r in resets]
+    assert in_flight, "the long request ended before the resets were sent: the check would prove nothing"
     assert not drained and long_status == 200, "a reset with nothing loaded waited for the rows in flight"
     assert during_status == 200 and during < 10, \
         f"a learner pushing without end held a generation {during:.1f} s (session max 4 s)"
