@@ -16,6 +16,7 @@ import pytest
 from conformance.kit.availability import unavailable_reason
 from conformance.kit.plugin import CALL_PASSED, LATER_BACKENDS, TARGET_DESCRIBED, pool_of
 from conformance.kit.tiers import Workload
+from conformance.subjects.looper import NAME as LOOPER
 from conformance.subjects.looper import LooperServers
 from conformance.subjects.pool import EnginePool
 from conformance.subjects.served import IN_PROCESS, SERVED
@@ -109,7 +110,9 @@ def looper_servers(pool: EnginePool) -> Iterator[LooperServers]:
     looper = str(fixture_path("tiny-looper"))
     servers = LooperServers(configure=lambda backend: pool.config(backend, looper), guard=LOOP_GUARD,
                             checkpoint=looper, bill=pool.bill)
+    pool.releasers[LOOPER] = servers.release  # stopped per backend after its last user (the session plan)
     yield servers
+    pool.releasers.pop(LOOPER, None)
     servers.close()
 
 

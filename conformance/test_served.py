@@ -30,7 +30,8 @@ from engine_fixtures import fixture_path
 
 SUBJECTS = uses(
     engines("tiny-looper"),
-    kept(LOOPER, why="the looper's server per backend, its guard from the environment; test_weight_sync.py's too"),
+    kept(LOOPER, why="the looper's server per backend, its guard from the environment; test_weight_sync.py's too",
+         via="looper_servers"),
     processes("engine.serve server", why="those servers, and HF's of its own with an API key (SIGTERM drains it)"),
 )
 

@@ -28,7 +28,8 @@ from engine_fixtures import fixture_path
 
 SUBJECTS = uses(
     engines(BUILT),
-    kept(LOOPER, why="the looper's server per backend, test_served.py's, whose weights the checks change"),
+    kept(LOOPER, why="the looper's server per backend, test_served.py's, whose weights the checks change",
+         via="looper_servers"),
     processes("engine.serve server", why="those, and servers of its own: session bounds, an API key"),
 )
 
@@ -67,15 +68,6 @@ def perturbed(tmp_path_factory) -> tuple[str, dict]:
 UNGUARDED = {"repeat_terminate": {"enabled": False}}
 """The engine extension of every weight check's request: the shared server's start-up guard (test_served's) off, as
 the in-process engines they are compared with run unguarded."""
-
-
-@pytest.fixture(scope="module", autouse=True)
-def last_user_of_the_looper_servers(looper_servers):
-    """This module is the looper servers' last user: pytest runs each backend's checks of both modules together,
-    test_served.py's first, so the servers stop when this module's checks of a backend are done (a later user
-    starts them again)."""
-    yield
-    looper_servers.close()
 
 
 @pytest.fixture

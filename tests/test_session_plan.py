@@ -87,3 +87,36 @@ def test_the_plan_lists_each_subject_once_with_its_users_in_run_order():
     assert lines == ["session plan: 2 subjects for 3 checks in 2 modules",
                      "  server text: 3 checks in 2 modules: test_b.py (2), test_a.py (1)",
                      "  engine text: 1 checks in 1 modules: test_a.py (1)"]
+
+
+class Stoppable:
+    """A running server as the server pool holds one: ``stop()`` is all the release path calls."""
+
+    def __init__(self) -> None:
+        self.stopped = False
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def test_the_pool_stops_what_the_plan_says_is_done_on_that_backend_only():
+    """``ServerPool.release`` stops a backend's servers of the declared configuration and no other: the text server of
+    HF, not HF's processed-logprobs server, not vLLM's text server; then the processed one by its own declaration."""
+    from conformance.subjects.bill import Bill
+    from conformance.subjects.servers import ServerPool
+
+    def configure(backend, path, /, model=None):
+        return {"backend": backend, "model": {"path": path, **(model or {})}, "vllm": {"max_num_seqs": 16}}
+
+    bill = Bill(roles=Roles(text="/m/smol", vlm="/m/vl", fixtures="/m"))
+    pool = ServerPool(SimpleNamespace(model="/m/smol"), configure=configure, bill=bill)
+    running = {}
+    for backend, sections in [("hf", {}), ("hf", {"model": {"logprobs_mode": "processed_logprobs"}}), ("vllm", {})]:
+        key, _ = pool.served_config(backend, "/m/smol", **sections)
+        running[(backend, str(sections))] = pool._servers[key] = Stoppable()
+    assert pool.release("hf", servers("text")) == ["server hf smol"]
+    assert [k for k, s in running.items() if s.stopped] == [("hf", "{}")]
+    processed = servers("text", model={"logprobs_mode": "processed_logprobs"})
+    assert pool.release("hf", processed) == ['server hf smol {"model": {"logprobs_mode": "processed_logprobs"}}']
+    assert pool.release("vllm", processed) == [] and not running[("vllm", "{}")].stopped
+    assert pool.release("hf", servers("text")) == []  # stopped already: nothing left to stop

@@ -41,7 +41,7 @@ from conformance.kit.report import SummaryCollector
 from conformance.kit.shards import parse as parse_shard
 from conformance.kit.shards import split as split_shards
 from conformance.kit.tiers import QuickTier
-from conformance.subjects.plan import Roles, model_tier, module_subjects, plan_lines
+from conformance.subjects.plan import Roles, last_users, model_tier, module_subjects, plan_lines
 from conformance.subjects.pool import EnginePool, PoolOptions
 from conformance.subjects.served import IN_PROCESS, SERVED
 from conformance.subjects.target import TargetOptions
@@ -60,6 +60,9 @@ TARGET_DESCRIBED = pytest.StashKey[dict[str, Any]]()
 """The external target as the report's run field ``target`` (set by the ``target`` fixture on first use)."""
 TARGET_MODULE = "test_target.py"
 CALL_PASSED = pytest.StashKey[bool]()
+RELEASES_KEY = pytest.StashKey[dict[str, list[Any]]]()
+"""Check node id -> the (subject, backend) pairs whose last user it is (``plan.last_users``): the pool stops them after
+its teardown."""
 LATER_BACKENDS = pytest.StashKey[frozenset[str]]()
 """Per per-backend check: the backends its other variants run on after it (the same function and parameters, another
 backend), whose servers the server pool may start ahead while it runs; a cross-backend check has none (all it
@@ -409,6 +412,27 @@ def pytest_runtest_call(item: pytest.Item) -> None:
 
 
 @pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """After the check's own teardown (its module's fixtures included when it is the module's last): stop every server
+    and kept object whose last user, by the session plan, it was."""
+    result = yield
+    pool = item.config.stash.get(POOL_KEY, None)
+    if pool is not None:
+        for subject, backend in item.config.stash.get(RELEASES_KEY, {}).get(item.nodeid, ()):
+            pool.release(subject, backend)
+    return result
+
+
+def reached_backends(item: pytest.Item, backends: tuple[str, ...]) -> tuple[str, ...]:
+    """The backends a check reaches: its own (a ``backend`` or ``target`` parameter naming one), else every one of the
+    session's (a cross-backend check)."""
+    spec = getattr(item, "callspec", None)
+    params = spec.params if spec else {}
+    own = params.get("backend", params.get("target"))
+    return (own,) if own in backends else backends
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     report = yield
     if report.when == "call":
@@ -434,13 +458,17 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """``--collect-only``: the session plan (what each subject serves, ``conformance/subjects/plan.py``); then vLLM's
     own model-runner decision for ``--engine-model``, once conformance checks are collected."""
-    if session.config.option.collectonly:
-        checks = [item for item in session.items if is_check(item)]
-        if checks:
-            writer = session.config.get_terminal_writer()
-            for line in plan_lines((module_file(item), module_subjects(item.module) or ()) for item in checks):
-                writer.line(line)
+    checks = [item for item in session.items if is_check(item)]
     pool = session.config.stash.get(POOL_KEY, None)
+    if pool is not None:  # the order is final here (the quick tier and -k have deselected): the plan's last users
+        session.config.stash[RELEASES_KEY] = last_users(
+            (item.nodeid, reached_backends(item, pool.options.backends), module_subjects(item.module) or (),
+             getattr(item, "fixturenames", ())) for item in checks)
+    if session.config.option.collectonly and checks:
+        writer = session.config.get_terminal_writer()
+        for line in plan_lines(((module_file(item), module_subjects(item.module) or ()) for item in checks),
+                               session.config.stash.get(RELEASES_KEY, {})):
+            writer.line(line)
     if pool is None or "vllm" not in pool.options.backends or unavailable_reason("vllm"):
         return
     try:

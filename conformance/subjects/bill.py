@@ -37,6 +37,9 @@ class Bill:
     running, or a pool outside the suite's plugin)."""
     roles: Any = None
     """How a model folder is named in a declaration (``plan.Roles``; the plugin sets it with the pool)."""
+    released: list[tuple[str, str]] = field(default_factory=list)
+    """(what, the module after whose last check it stopped): subjects the pool stopped after their last user, as the
+    session plan foresaw (``EnginePool.release``)."""
 
     def used(self, kind: str, key: tuple[str, ...], *, model: str = "", sections: dict[str, Any] | None = None) -> None:
         """Count the running check module as a user of ``key`` (an engine's load key, a server, a kept object); with
@@ -84,6 +87,9 @@ class Bill:
             modules = sorted(self.users.get(subject, ()))
             lines.append(f"  {subject[0]} {subject[1]}: {started.get(subject, 0)} starts, {len(modules)} modules: "
                          + (" ".join(modules) or "(none: started ahead for nobody)"))
+        if self.released:
+            lines.append(f"stopped after their last user ({len(self.released)}): "
+                         + "; ".join(f"{what} after {module}" for what, module in self.released))
         return lines
 
     @contextmanager

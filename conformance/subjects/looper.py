@@ -22,13 +22,14 @@ class LooperServers:
 
     ``checkout(backend)`` gives the running one; one that died (a check kills vLLM's engine core) is started again,
     and one whose weights a check changed (``changes_weights=True``) reloads the looper's checkpoint first.
-    ``close()`` stops them all: the last user's module calls it, the session's end too.
+    ``release(backend)`` stops one after its last user (the session plan's call, through the engine pool); ``close()``
+    stops them all at the session's end.
 
     >>> from conformance.subjects.bill import Bill
     >>> servers = LooperServers(configure=lambda backend: {"backend": backend}, guard={"enabled": False},
     ...                         checkpoint="/looper", bill=Bill())
-    >>> servers.running, servers.config("hf")["serve"]["weight_sync_join_timeout_s"]
-    ({}, 10)
+    >>> servers.running, servers.config("hf")["serve"]["weight_sync_join_timeout_s"], servers.release("hf")
+    ({}, 10, [])
     """
 
     def __init__(self, *, configure: Callable[[str], dict[str, Any]], guard: Mapping[str, Any], checkpoint: str,
@@ -63,6 +64,16 @@ class LooperServers:
         if changes_weights:
             self.changed.add(backend)
         return server
+
+    def release(self, backend: str) -> list[str]:
+        """Stop ``backend``'s server: the session plan says the last check that uses it is done (the pool calls this,
+        ``EnginePool.releasers``). A later checkout starts it again. Returns what stopped."""
+        server = self.running.pop(backend, None)
+        self.changed.discard(backend)
+        if server is None:
+            return []
+        server.stop()
+        return [f"kept {NAME} {backend}"]
 
     def close(self) -> None:
         for server in self.running.values():

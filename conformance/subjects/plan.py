@@ -22,12 +22,14 @@ configurations). An engine or server stands for every backend of the session.
 At collection every collected check module must hold ``SUBJECTS`` (one that does not fails collection, by name);
 ``--collect-only`` prints the plan: each subject, the modules that use it and their checks, in run order. While the
 suite runs, every engine, server and kept object a check asks the pool for is matched against its module's
-declaration (``Bill.used``): one it did not declare fails the check by name, with the declaration to add.
+declaration (``Bill.used``): one it did not declare fails the check by name, with the declaration to add. The plan
+also says when each server and kept object has served its last user (:func:`last_users`): the pool stops it then,
+per backend, instead of at the session's end.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +58,9 @@ class Subject:
     """Why the module needs it (a process's, or an engine's ``any_config``); not part of what it is."""
     sections: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
     """The declared sections themselves (what :meth:`matches` compares; ``config`` is their key)."""
+    via: str = field(default="", compare=False)
+    """kept: the fixture through which checks reach it, when not every check of the module does: only a check that
+    requests it (directly or through another fixture) counts as its user in the session plan (:func:`last_users`)."""
 
     @property
     def name(self) -> str:
@@ -114,9 +119,10 @@ def servers(model: str = TEXT, /, *, any_config: str = "", **sections: Any) -> S
     return _loaded("server", model, any_config, sections)
 
 
-def kept(name: str, *, why: str = "") -> Subject:
-    """A session-lived object the pool keeps (``pool.keep((name, ...), factory)``), by its key's first part."""
-    return Subject("kept", name, ANY, why)
+def kept(name: str, *, why: str = "", via: str = "") -> Subject:
+    """A session-lived object the pool keeps (``pool.keep((name, ...), factory)``), by its key's first part; ``via``:
+    the fixture its checks reach it through, where only some checks of the module do."""
+    return Subject("kept", name, ANY, why, via=via)
 
 
 def processes(kind: str, *, why: str) -> Subject:
@@ -231,15 +237,51 @@ def module_subjects(module: Any) -> tuple[Subject, ...] | None:
     return None if subjects is None else tuple(subjects)
 
 
-def plan_lines(order: Iterable[tuple[str, tuple[Subject, ...]]]) -> list[str]:
+RELEASED = ("server", "kept")
+"""The kinds of subject the pool stops after their last user: its servers and the kept objects that say how to stop
+(``EnginePool.releasers``). In-process engines stay: destroying an in-process vLLM engine breaks every other live one
+(``EnginePool.keep``), and an HF or llama.cpp engine holds no process; foreign processes belong to the fixtures of the
+module that starts them."""
+
+
+def last_users(order: Iterable[tuple[str, Sequence[str], Sequence[Subject], Collection[str]]],
+               ) -> dict[str, list[tuple[Subject, str]]]:
+    """For checks in run order, each given as (node id, the backends it reaches, its module's subjects, the fixtures it
+    requests): node id -> the (subject, backend) pairs whose last user it is, of the kinds the pool stops
+    (:data:`RELEASED`). A per-backend check reaches its own backend, a cross-backend check all of them; a subject
+    reached ``via`` a fixture counts only the checks that request it.
+
+    >>> a, b = uses(servers(), engines()), uses(servers(), kept("looper servers", via="looper"))
+    >>> ends = last_users([("a.py::t[hf]", ["hf"], a, ()), ("b.py::u[hf]", ["hf"], b, ["looper"]),
+    ...                    ("b.py::v", ["hf", "vllm"], b, ()), ("a.py::x", ["hf", "vllm"], a, ())])
+    >>> {check: [(s.name, backend) for s, backend in pairs] for check, pairs in ends.items()}
+    {'b.py::u[hf]': [('kept looper servers', 'hf')], 'a.py::x': [('server text', 'hf'), ('server text', 'vllm')]}
+    """
+    last: dict[tuple[Subject, str], str] = {}
+    for nodeid, backends, subjects, fixtures in order:
+        for subject in subjects:
+            if subject.kind in RELEASED and (not subject.via or subject.via in fixtures):
+                for backend in backends:
+                    last.pop((subject, backend), None)  # re-inserted: the dict keeps the order of last uses
+                    last[(subject, backend)] = nodeid
+    out: dict[str, list[tuple[Subject, str]]] = {}
+    for (subject, backend), nodeid in last.items():
+        out.setdefault(nodeid, []).append((subject, backend))
+    return out
+
+
+def plan_lines(order: Iterable[tuple[str, tuple[Subject, ...]]],
+               stops: Mapping[str, Sequence[tuple[Subject, str]]] | None = None) -> list[str]:
     """The plan: each subject with the modules that use it and their checks, in run order; ``order`` holds (module,
-    its subjects) once per collected check, in run order.
+    its subjects) once per collected check, in run order; ``stops`` (:func:`last_users`) adds, for a subject the pool
+    stops after its last user, the modules after which it stops.
 
     >>> a, b = uses(engines(), servers()), uses(engines(), processes("lm_eval CLI", why="the CLI's own run"))
-    >>> print("\\n".join(plan_lines([("test_a.py", a), ("test_a.py", a), ("test_b.py", b)])))
+    >>> print("\\n".join(plan_lines([("test_a.py", a), ("test_a.py", a), ("test_b.py", b)],
+    ...                              {"test_a.py::t": [(servers(), "hf")]})))
     session plan: 3 subjects for 3 checks in 2 modules
       engine text: 3 checks in 2 modules: test_a.py (2), test_b.py (1)
-      server text: 2 checks in 1 modules: test_a.py (2)
+      server text: 2 checks in 1 modules: test_a.py (2); stops after test_a.py (hf)
       process lm_eval CLI: 1 checks in 1 modules: test_b.py (1)
     """
     users: dict[Subject, dict[str, int]] = {}
@@ -252,8 +294,14 @@ def plan_lines(order: Iterable[tuple[str, tuple[Subject, ...]]]) -> list[str]:
         for subject in subjects:
             users.setdefault(subject, {}).setdefault(module, 0)
             users[subject][module] += 1
+    after: dict[Subject, dict[str, list[str]]] = {}
+    for nodeid, pairs in (stops or {}).items():
+        for subject, backend in pairs:
+            after.setdefault(subject, {}).setdefault(nodeid.split("::")[0].rsplit("/", 1)[-1], []).append(backend)
     lines = [f"session plan: {len(users)} subjects for {checks} checks in {len(modules)} modules"]
     for subject, by_module in users.items():
         listed = ", ".join(f"{m} ({n})" for m, n in by_module.items())
-        lines.append(f"  {subject.name}: {sum(by_module.values())} checks in {len(by_module)} modules: {listed}")
+        ends = "; ".join(f"{m} ({', '.join(b)})" for m, b in after.get(subject, {}).items())
+        lines.append(f"  {subject.name}: {sum(by_module.values())} checks in {len(by_module)} modules: {listed}"
+                     + (f"; stops after {ends}" if ends else ""))
     return lines

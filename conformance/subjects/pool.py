@@ -131,6 +131,9 @@ class EnginePool:
     """vLLM engines stopped to make room on the card (started again when a later check asks for them)."""
     compile_off: bool = False
     """``torch.compile`` turned off for the session and its servers (CPU hosts, ``turn_torch_compile_off``)."""
+    releasers: dict[str, Any] = field(default_factory=dict)
+    """Kept objects that stop per backend, by the name a module declares them by (``kept(NAME)``): ``release(backend)``
+    -> what it stopped. Whoever builds one registers it (the looper servers, ``conformance/conftest.py``)."""
 
     def __post_init__(self) -> None:
         self.twins.update(dict(self.options.gguf_models))
@@ -320,6 +323,19 @@ class EnginePool:
             with self.bill.timed("kept", key):
                 self._raw[key] = factory()
         return self._raw[key]
+
+    def release(self, subject: Any, backend: str) -> list[str]:
+        """Stop what ``subject`` names on ``backend`` (a pool server, or a kept object with a releaser): the session
+        plan says its last user is done (``conformance/subjects/plan.py::last_users``). The bill notes each stop with
+        the module after which it came; a later ask starts it again."""
+        if subject.kind == "server":
+            stopped = self.servers.release(backend, subject)
+        elif subject.kind == "kept" and subject.model in self.releasers:
+            stopped = self.releasers[subject.model](backend)
+        else:
+            stopped = []
+        self.bill.released.extend((name, self.bill.user) for name in stopped)
+        return stopped
 
     def count_fixture_users(self, values: Any) -> None:
         """Count the running check's module as a user of every engine among its fixtures' values (a twin, or a dict

@@ -121,6 +121,27 @@ class ServerPool:
             self._servers[key] = launch_server(config)
         return self._servers[key]
 
+    def release(self, backend: str, subject: Any) -> list[str]:
+        """Stop ``backend``'s servers that ``subject`` (a module's declared ``servers(...)``) names, running or starting
+        ahead: the session plan says its last user is done (``conformance/subjects/plan.py::last_users``). A later
+        ask starts one again. Returns each stopped server as the bill names it."""
+        stopped = []
+        for key in [k for k in (*self._servers, *self._ahead) if k[0] == backend]:
+            model = self._recipes.get(key, ("",))[0]
+            config = json.loads(key[1])
+            role = self.bill.roles.of(model) if self.bill.roles is not None and model else model
+            if not model or not subject.matches("server", role, self.beyond_defaults(config, model)):
+                continue
+            if key in self._ahead:
+                future, _ = self._ahead.pop(key)
+                with contextlib.suppress(Exception):  # its start error fails nothing now: no check needs it
+                    future.result().stop()
+            else:
+                self._servers.pop(key).stop()
+            self._unused.discard(key)
+            stopped.append(f"server {backend} {self._chosen(config)}".rstrip())
+        return stopped
+
     def beyond_defaults(self, config: dict[str, Any], model: str) -> dict[str, Any]:
         """The sections of a served ``config`` that differ from the pool's default server of ``model`` on its backend
         (the model section: its settings but the path): what a module declares a server by.
