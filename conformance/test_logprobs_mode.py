@@ -47,12 +47,12 @@ the child's start (two more processes importing vLLM) took 58 s of the 2-core CI
 
 def processed(pool, backend, workload):
     """``backend``'s engine in processed mode: derived from the loaded one on HF and llama.cpp (they read the mode
-    per call), a second engine on vLLM (in a child process in the full gate, :data:`VLLM_PROCESSED`)."""
-    if backend == "vllm":
-        placed = workload.pick(full=VLLM_PROCESSED, quick={**VLLM_PROCESSED, "multiprocessing": False})
-        settings = {**pool.config(backend, pool.options.model)["vllm"], **placed}
-        return pool.engine(backend, pool.options.model, model={**PROCESSED, "max_model_len": 2048}, vllm=settings)
-    return pool.engine(backend, pool.options.model, model=PROCESSED)
+    per call), a second engine on vLLM (in a child process in the full gate, :data:`VLLM_PROCESSED`; the pool gives
+    its small KV cache the context that fits, ``context_that_fits``). Every backend is asked with the same sections
+    (each reads its own), so the server the pool starts ahead for another backend is the one its check will ask for."""
+    placed = workload.pick(full=VLLM_PROCESSED, quick={**VLLM_PROCESSED, "multiprocessing": False})
+    settings = {**pool.config("vllm", pool.options.model)["vllm"], **placed}
+    return pool.engine(backend, pool.options.model, model=PROCESSED, vllm=settings)
 
 
 def kept(step: dict[int, float]) -> dict[int, float]:
@@ -106,6 +106,79 @@ def test_min_length_ban_shows_in_processed_logprobs(pool, backend, workload):
     ban = engine.generate(say, options={"max_new_tokens": 6, "min_new_tokens": ended + 1, "logprobs": 20})[0]
     step = ban.logprobs[ended - 1]  # where the free row drew EOS
     assert step.get(eos, float("-inf")) == float("-inf"), f"{backend}: banned EOS reported {step.get(eos)}"
+
+
+TRL_VERSION = "1.16"
+"""The TRL release whose ``VLLMClient`` drives the served engine (nox installs it beside the stack:
+``ENGINE_TRL_PATH``)."""
+
+
+def trl_environment() -> dict[str, str] | None:
+    """The environment in which ``python -m conformance.trl_probe`` imports TRL 1.16: this one where TRL 1.16 is
+    installed (the vLLM 0.31 venv of ``nox -s vllm-versions``), else this one with ``ENGINE_TRL_PATH`` (where ``nox -s
+    conformance`` installs it, without its dependencies: the stack has them) first on the path; None when neither."""
+    import importlib.metadata
+    import os
+    from pathlib import Path
+
+    import engine
+
+    site = str(Path(engine.__file__).parent / "compat" / "site")  # TRL asks importlib.metadata for "vllm"
+    paths = [site, os.environ.get("PYTHONPATH", "")]
+    try:
+        here = importlib.metadata.version("trl")
+    except importlib.metadata.PackageNotFoundError:
+        here = None
+    if here is None or not here.startswith(TRL_VERSION):
+        extra = os.environ.get("ENGINE_TRL_PATH")
+        if not extra or not Path(extra, "trl").is_dir():
+            return None
+        paths.insert(0, extra)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
+
+
+@pytest.mark.on_servers  # with the served twins: vLLM's processed server starts once for both
+@pytest.mark.quick_on("hf", reason=(
+    "TRL's client is the same on every server; its processed-logprobs server starts in 6 s on HF, and on vLLM it "
+    "would be one more vLLM server (about 25 s on CI)"))
+def test_trl_vllm_client_rollouts_rescore_to_the_logprobs_it_returned(pool, backend, workload):
+    """TRL 1.16's own ``VLLMClient`` against the served engine in processed mode (what TRL's GRPO trainer requires):
+    it reads ``/server_info`` and ``/get_world_size``, sends its completions body (token-id prompts, ``n``,
+    ``return_token_ids``, ``return_tokens_as_token_ids``, ``logprobs: 0``), and gets back prompt-major ids; the HF
+    trainer re-scores each returned row with the same processing (``engine.score``) to the logprobs TRL returned,
+    within the float32 bound of the in-process check (``WEIGHT_TOL``)."""
+    import json
+    import subprocess
+    import sys
+
+    env = trl_environment()
+    if env is None:
+        pytest.skip(f"TRL {TRL_VERSION} is installed by nox -s conformance (ENGINE_TRL_PATH) or in the vLLM 0.31 venv "
+                    "of nox -s vllm-versions; this environment has neither")
+    server = processed(pool, backend, workload).server()
+    prompts = [list(r.prompt_token_ids) for r in pool.reference("hf", pool.options.model).generate(
+        PROMPTS[:2], options={"max_new_tokens": 1})]
+    sampling = {key: PROCESSING[key] for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+    job = {"url": server.url, "prompts": prompts, "n": 2,
+           "sampling": {**sampling, "max_tokens": 8, "logprobs": 0, "generation_kwargs": {"seed": 11}}}
+    done = subprocess.run([sys.executable, "-m", "conformance.trl_probe"], input=json.dumps(job), env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, f"TRL's client failed:\n{done.stderr[-3000:]}"
+    answer = json.loads(done.stdout)
+    assert answer["trl"].startswith(TRL_VERSION), answer["trl"]
+    assert answer["world_size"] == 1
+    assert answer["vllm_config"]["model_config"]["logprobs_mode"] == "processed_logprobs"
+    got = answer["generate"]
+    assert got["prompt_ids"] == prompts, "prompt_ids are not the ids sent"
+    completions = got["completion_ids"]
+    assert len(completions) == 2 * len(prompts) and all(completions), [len(c) for c in completions]
+    assert [[step[0] for step in row] for row in got["logprob_token_ids"]] == completions
+    rows = [prompts[k // 2] + completion for k, completion in enumerate(completions)]
+    scores = pool.reference("hf", pool.options.model).score(rows, [len(prompts[k // 2]) for k in range(len(rows))],
+                                                            processing=PROCESSING)
+    worst = max(abs(math.exp(rescored - step[0]) - 1) for row, s in zip(got["logprobs"], scores, strict=True)
+                for step, rescored in zip(row, s.logprobs, strict=True))
+    assert worst <= WEIGHT_TOL, f"{backend}: TRL's logprobs re-scored by the trainer, weight off 1 by {worst}"
 
 
 @pytest.mark.servable
@@ -168,75 +241,3 @@ def test_a_request_expecting_another_mode_is_refused_before_generation(engine, b
     server = pool.text_server(backend)
     assert httpx.get(f"{server.url}/health", timeout=30).json()["logprobs_mode"] == "raw_logprobs"
     assert httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["logprobs_mode"] == "raw_logprobs"
-
-
-TRL_VERSION = "1.16"
-"""The TRL release whose ``VLLMClient`` drives the served engine (nox installs it beside the stack:
-``ENGINE_TRL_PATH``)."""
-
-
-def trl_environment() -> dict[str, str] | None:
-    """The environment in which ``python -m conformance.trl_probe`` imports TRL 1.16: this one where TRL 1.16 is
-    installed (the vLLM 0.31 venv of ``nox -s vllm-versions``), else this one with ``ENGINE_TRL_PATH`` (where ``nox -s
-    conformance`` installs it, without its dependencies: the stack has them) first on the path; None when neither."""
-    import importlib.metadata
-    import os
-    from pathlib import Path
-
-    import engine
-
-    site = str(Path(engine.__file__).parent / "compat" / "site")  # TRL asks importlib.metadata for "vllm"
-    paths = [site, os.environ.get("PYTHONPATH", "")]
-    try:
-        here = importlib.metadata.version("trl")
-    except importlib.metadata.PackageNotFoundError:
-        here = None
-    if here is None or not here.startswith(TRL_VERSION):
-        extra = os.environ.get("ENGINE_TRL_PATH")
-        if not extra or not Path(extra, "trl").is_dir():
-            return None
-        paths.insert(0, extra)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
-
-
-@pytest.mark.quick_on("hf", reason=(
-    "TRL's client is the same on every server; its processed-logprobs server starts in 6 s on HF, and on vLLM it "
-    "would be one more vLLM server (about 25 s on CI)"))
-def test_trl_vllm_client_rollouts_rescore_to_the_logprobs_it_returned(pool, backend, workload):
-    """TRL 1.16's own ``VLLMClient`` against the served engine in processed mode (what TRL's GRPO trainer requires):
-    it reads ``/server_info`` and ``/get_world_size``, sends its completions body (token-id prompts, ``n``,
-    ``return_token_ids``, ``return_tokens_as_token_ids``, ``logprobs: 0``), and gets back prompt-major ids; the HF
-    trainer re-scores each returned row with the same processing (``engine.score``) to the logprobs TRL returned,
-    within the float32 bound of the in-process check (``WEIGHT_TOL``)."""
-    import json
-    import subprocess
-    import sys
-
-    env = trl_environment()
-    if env is None:
-        pytest.skip(f"TRL {TRL_VERSION} is installed by nox -s conformance (ENGINE_TRL_PATH) or in the vLLM 0.31 venv "
-                    "of nox -s vllm-versions; this environment has neither")
-    server = processed(pool, backend, workload).server()
-    prompts = [list(r.prompt_token_ids) for r in pool.reference("hf", pool.options.model).generate(
-        PROMPTS[:2], options={"max_new_tokens": 1})]
-    sampling = {key: PROCESSING[key] for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
-    job = {"url": server.url, "prompts": prompts, "n": 2,
-           "sampling": {**sampling, "max_tokens": 8, "logprobs": 0, "generation_kwargs": {"seed": 11}}}
-    done = subprocess.run([sys.executable, "-m", "conformance.trl_probe"], input=json.dumps(job), env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, f"TRL's client failed:\n{done.stderr[-3000:]}"
-    answer = json.loads(done.stdout)
-    assert answer["trl"].startswith(TRL_VERSION), answer["trl"]
-    assert answer["world_size"] == 1
-    assert answer["vllm_config"]["model_config"]["logprobs_mode"] == "processed_logprobs"
-    got = answer["generate"]
-    assert got["prompt_ids"] == prompts, "prompt_ids are not the ids sent"
-    completions = got["completion_ids"]
-    assert len(completions) == 2 * len(prompts) and all(completions), [len(c) for c in completions]
-    assert [[step[0] for step in row] for row in got["logprob_token_ids"]] == completions
-    rows = [prompts[k // 2] + completion for k, completion in enumerate(completions)]
-    scores = pool.reference("hf", pool.options.model).score(rows, [len(prompts[k // 2]) for k in range(len(rows))],
-                                                            processing=PROCESSING)
-    worst = max(abs(math.exp(rescored - step[0]) - 1) for row, s in zip(got["logprobs"], scores, strict=True)
-                for step, rescored in zip(row, s.logprobs, strict=True))
-    assert worst <= WEIGHT_TOL, f"{backend}: TRL's logprobs re-scored by the trainer, weight off 1 by {worst}"

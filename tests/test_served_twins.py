@@ -274,6 +274,41 @@ def test_a_server_started_ahead_for_nobody_is_not_started_ahead_again(monkeypatc
     assert [launched.count(w) for w in wrong] == [1, 1], launched
 
 
+def test_a_check_that_asks_every_backend_alike_gets_the_server_started_ahead_for_it(monkeypatch, tmp_path):
+    """The processed-logprobs checks name only a small vLLM KV cache, with the same sections for every backend: the
+    pool gives vLLM the context that fits (``context_that_fits``), so the server started ahead for vLLM while HF's
+    check runs is the one vLLM's check asks for, and nothing is started for nobody."""
+    import json as json_
+
+    import engine
+    import engine.client
+
+    model = tmp_path / "smollm2-shape"
+    model.mkdir()
+    model.joinpath("config.json").write_text(json_.dumps({
+        "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30,
+        "max_position_embeddings": 8192}))
+    monkeypatch.setattr(engine, "GenerationEngine", Engine)
+    launched = []
+
+    def launch(config):
+        launched.append((config["backend"], config["model"].get("max_model_len")))
+        return SimpleNamespace(stop=lambda: None, process=SimpleNamespace(poll=lambda: 0))
+
+    monkeypatch.setattr(engine.client, "launch_server", launch)
+    pool = EnginePool(PoolOptions(backends=("hf", "vllm"), model=str(model), vlm_model="/m/vlm",
+                                  dtype="float32", device="cpu"))
+    servers = pool.servers
+    servers.ahead_backends = frozenset({"hf", "vllm"})
+    sections = {"model": {"logprobs_mode": "processed_logprobs"},
+                "vllm": {**pool.config("vllm", str(model))["vllm"], "cpu_kv_cache_space_gib": 0.125}}
+    for backend in ("hf", "vllm"):
+        servers.server(*servers.served_config(backend, str(model), **sections))
+    servers.close()
+    assert sorted(launched) == [("hf", None), ("vllm", 2048)]
+    assert not servers.wrong_guesses and not [s for s in pool.bill.starts if s[0] == "ahead, unused"]
+
+
 def test_the_bill_counts_each_module_that_reaches_an_engine_directly_or_through_a_fixture(pool):
     pool.bill.user = "test_a.py"
     plain = pool.engine("hf", "/models/text")

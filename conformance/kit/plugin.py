@@ -41,7 +41,7 @@ from conformance.kit.report import SummaryCollector
 from conformance.kit.shards import parse as parse_shard
 from conformance.kit.shards import split as split_shards
 from conformance.kit.tiers import QuickTier
-from conformance.subjects.plan import Roles, last_users, model_tier, module_subjects, plan_lines
+from conformance.subjects.plan import Roles, last_users, model_tier, module_subjects, plan_lines, served_group
 from conformance.subjects.pool import EnginePool, PoolOptions
 from conformance.subjects.served import IN_PROCESS, SERVED
 from conformance.subjects.target import TargetOptions
@@ -67,12 +67,6 @@ LATER_BACKENDS = pytest.StashKey[frozenset[str]]()
 """Per per-backend check: the backends its other variants run on after it (the same function and parameters, another
 backend), whose servers the server pool may start ahead while it runs; a cross-backend check has none (all it
 compares start at once)."""
-SERVED_ORDER = ("test_parity.py", "test_target.py", "test_divergences.py", "test_plugins.py", "test_stop.py",
-                "test_engine_core_process.py", "test_repeat.py")
-"""Served twins run module by module in this order (then any other): the first four compare the text engine
-of each backend, so one server per backend serves them all (the target checks on our own servers too, which
-otherwise run ahead of the served twins); the engine-core check leaves the looper's servers running for the repeat
-checks (a twin sends its engine's guard with each call, so every guard setting shares its model's server)."""
 MARKERS = {
     "quick": "the conformance quick tier (-m quick): every check function at least once on each backend, served "
              "twins where marked (conformance/kit/tiers.py picks it; a parametrization may be marked to represent its "
@@ -85,6 +79,8 @@ MARKERS = {
     "servable": "a conformance check that also runs as its served twin (reach=served), every engine it compares "
                 "reached through python -m engine.serve too",
     "served": "the served twin of a servable check (-m 'not served' skips them)",
+    "on_servers": "an in-process conformance check that reaches its module's pool servers itself (a foreign client "
+                  "against them): it runs among its module's served twins, which start those servers anyway",
     "model_tier": "model_tier('tiny'), at module level: a conformance check module where the model is only a payload; "
                   "its engine, engines and text_model fixtures give the tiny tier's model (--engine-tiny-model) "
                   "instead of --engine-model (docs/conformance.md, 'Model tiers')",
@@ -274,8 +270,9 @@ def pool_of(config: pytest.Config) -> EnginePool:
 
 @pytest.hookimpl(trylast=True)  # after pytest's own grouping by backend, which it keeps for in-process checks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Served twins after every in-process check, grouped by module, cross-backend ones first; then each check's
-    variants backend after backend (hf, llamacpp, vllm on one guard, then the next guard). Each server then
+    """Served twins after every in-process check (with them the checks marked ``on_servers``), grouped by module,
+    modules in the order of the servers they declare (``plan.served_group``), cross-backend ones first; then each
+    check's variants backend after backend (hf, llamacpp, vllm on one guard, then the next guard). Each server then
     starts once, and the pool can start the other backends' twin of a server ahead while one backend works (a
     cross-backend check compares all of them at once). Other tests of the session keep their order, ahead."""
     checks = [item for item in items if is_check(item)]
@@ -307,10 +304,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if not is_check(item):
             return (-1, order[item])
         own_server = "target" in params(item) and not config.stash[TARGET_KEY].url
-        if params(item).get("reach", IN_PROCESS) != SERVED and not own_server:
+        on_servers = item.get_closest_marker("on_servers") is not None
+        if params(item).get("reach", IN_PROCESS) != SERVED and not own_server and not on_servers:
             return (0, order[item])
         module = module_file(item)
-        group = SERVED_ORDER.index(module) if module in SERVED_ORDER else len(SERVED_ORDER)
+        group = served_group(module_subjects(item.module))
         per_backend = "backend" in params(item) or "target" in params(item)
         backend = params(item).get("backend", params(item).get("target", ""))
         return (1, group, module, per_backend, first[variant(item)], backend, order[item])

@@ -237,6 +237,25 @@ def module_subjects(module: Any) -> tuple[Subject, ...] | None:
     return None if subjects is None else tuple(subjects)
 
 
+def served_group(subjects: Sequence[Subject] | None) -> int:
+    """Where a module's served twins run among the other modules' (lower first): 0 when it declares a server of the
+    text model beyond its defaults, 2 when it declares a server of another model, else 1 (the text server only).
+
+    A backend whose servers take turns (vLLM keeps one at a time) then starts the text server once for every module
+    of group 1: a module of group 0 (the processed-logprobs checks, which also reach the text server) ends on it, and
+    those of group 2 (the looper's servers) leave it for good.
+
+    >>> served_group(uses(servers("text"), servers("text", model={"logprobs_mode": "processed_logprobs"})))
+    0
+    >>> served_group(uses(engines("tiny-looper"), servers("text"))), served_group(uses(servers("tiny-looper")))
+    (1, 2)
+    """
+    declared = [s for s in subjects or () if s.kind == "server"]
+    if any(s.model != TEXT for s in declared):
+        return 2
+    return 0 if any(s.config != "[]" for s in declared) else 1
+
+
 RELEASED = ("server", "kept")
 """The kinds of subject the pool stops after their last user: its servers and the kept objects that say how to stop
 (``EnginePool.releasers``). In-process engines stay: destroying an in-process vLLM engine breaks every other live one

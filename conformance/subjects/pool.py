@@ -42,18 +42,49 @@ def kv_cache_gib(model: str) -> float:
     """The CPU KV cache an engine of ``model`` gets: ``TINY_KV_GIB`` when 16 full-length sequences (the pool's
     ``max_num_seqs``) fit in it, else ``CPU_VLLM``'s. Every in-process vLLM engine stays alive for the session, so
     this is most of what a tiny fixture's engine holds."""
+    shape = kv_shape(model)
+    if shape is None:
+        return float(CPU_VLLM["cpu_kv_cache_space_gib"])
+    per_token, context = shape
+    needed = 16 * per_token * context / 2**30
+    return TINY_KV_GIB if needed <= TINY_KV_GIB else float(CPU_VLLM["cpu_kv_cache_space_gib"])
+
+
+def kv_shape(model: str) -> tuple[int, int] | None:
+    """(float32 KV bytes per token, context length) of the model folder ``model``; None without a ``config.json``."""
     from pathlib import Path
 
     config_file = Path(model) / "config.json"
     if not config_file.is_file():
-        return float(CPU_VLLM["cpu_kv_cache_space_gib"])
+        return None
     config = json.loads(config_file.read_text())
     text = config.get("text_config", config)
     head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
     per_token = text["num_hidden_layers"] * 2 * text.get("num_key_value_heads", text["num_attention_heads"]) \
         * head_dim * 4  # float32 keys and values
-    needed = 16 * per_token * text.get("max_position_embeddings", 2048) / 2**30
-    return TINY_KV_GIB if needed <= TINY_KV_GIB else float(CPU_VLLM["cpu_kv_cache_space_gib"])
+    return per_token, text.get("max_position_embeddings", 2048)
+
+
+def context_that_fits(model: str, kv_gib: float) -> int | None:
+    """The ``model.max_model_len`` a CPU vLLM engine of ``model`` needs with a KV cache of ``kv_gib``: the longest
+    multiple of 1024 tokens whose float32 keys and values fit, where the model's own context does not (vLLM refuses to
+    start unless one full-length sequence fits); None where it does. The pool sets it on every vLLM config whose KV
+    cache a check shrinks, so a check names only the cache, the same sections on every backend (and the server the
+    pool starts ahead for another backend is the one that backend's check asks for).
+
+    >>> import json, tempfile
+    >>> folder = tempfile.mkdtemp()  # SmolLM2-135M's shape: 45 KiB per token, 8192 positions
+    >>> _ = open(f"{folder}/config.json", "w").write(json.dumps({"hidden_size": 576, "num_attention_heads": 9,
+    ...     "num_key_value_heads": 3, "num_hidden_layers": 30, "max_position_embeddings": 8192}))
+    >>> context_that_fits(folder, 0.125), context_that_fits(folder, 0.5)
+    (2048, None)
+    """
+    shape = kv_shape(model)
+    if shape is None:
+        return None
+    per_token, context = shape
+    fits = int(kv_gib * 2**30 // per_token)
+    return None if fits >= context else max(1024, fits // 1024 * 1024)
 
 
 
@@ -175,6 +206,11 @@ class EnginePool:
         generation: dict[str, Any] = {"max_new_tokens": 48}
         if self.options.dtype != "float32":  # a divergence is then judged by vLLM's rule, which reads the top-k
             generation["logprobs"] = LOW_PRECISION_TOPK
+        kv_gib = sections.get("vllm", vllm).get("cpu_kv_cache_space_gib")
+        if backend == "vllm" and kv_gib and "max_model_len" not in model_cfg:
+            fits = context_that_fits(model, kv_gib)
+            if fits is not None:
+                model_cfg["max_model_len"] = fits
         return {"backend": backend, "model": model_cfg, "generation": generation, "vllm": vllm, **sections}
 
     # -- engines -------------------------------------------------------------------------------------------
