@@ -309,6 +309,24 @@ def test_a_check_that_asks_every_backend_alike_gets_the_server_started_ahead_for
     assert not servers.wrong_guesses and not [s for s in pool.bill.starts if s[0] == "ahead, unused"]
 
 
+def test_only_a_kv_cache_a_check_shrinks_gets_a_shorter_context(tmp_path):
+    """``context_that_fits`` applies where a check shrinks vLLM's KV cache below the pool's; a model whose context the
+    pool's own cache cannot hold keeps its context, so vLLM refuses it by name instead of the pool cutting it."""
+    import json as json_
+
+    long = tmp_path / "long-context"
+    long.mkdir()
+    long.joinpath("config.json").write_text(json_.dumps({
+        "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30,
+        "max_position_embeddings": 32768}))  # 1.4 GiB of float32 KV at full length: more than the pool's 0.5
+    pool = EnginePool(PoolOptions(backends=("hf", "vllm"), model=str(long), vlm_model="/m/vlm", dtype="float32",
+                                  device="cpu"))
+    assert "max_model_len" not in pool.config("vllm", str(long))["model"]
+    small = {**pool.config("vllm", str(long))["vllm"], "cpu_kv_cache_space_gib": 0.125}
+    assert pool.config("vllm", str(long), vllm=small)["model"]["max_model_len"] == 2048
+    assert "max_model_len" not in pool.config("hf", str(long), vllm=small)["model"]
+
+
 def test_the_bill_counts_each_module_that_reaches_an_engine_directly_or_through_a_fixture(pool):
     pool.bill.user = "test_a.py"
     plain = pool.engine("hf", "/models/text")

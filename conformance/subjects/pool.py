@@ -69,8 +69,8 @@ def context_that_fits(model: str, kv_gib: float) -> int | None:
     """The ``model.max_model_len`` a CPU vLLM engine of ``model`` needs with a KV cache of ``kv_gib``: the longest
     multiple of 1024 tokens whose float32 keys and values fit, where the model's own context does not (vLLM refuses to
     start unless one full-length sequence fits); None where it does. The pool sets it on every vLLM config whose KV
-    cache a check shrinks, so a check names only the cache, the same sections on every backend (and the server the
-    pool starts ahead for another backend is the one that backend's check asks for).
+    cache a check shrinks below its own, so a check names only the cache, the same sections on every backend (and the
+    server the pool starts ahead for another backend is the one that backend's check asks for).
 
     >>> import json, tempfile
     >>> folder = tempfile.mkdtemp()  # SmolLM2-135M's shape: 45 KiB per token, 8192 positions
@@ -206,8 +206,11 @@ class EnginePool:
         generation: dict[str, Any] = {"max_new_tokens": 48}
         if self.options.dtype != "float32":  # a divergence is then judged by vLLM's rule, which reads the top-k
             generation["logprobs"] = LOW_PRECISION_TOPK
-        kv_gib = sections.get("vllm", vllm).get("cpu_kv_cache_space_gib")
-        if backend == "vllm" and kv_gib and "max_model_len" not in model_cfg:
+        # A check that shrinks vLLM's KV cache below the pool's gets the context that fits; the pool's own cache is
+        # left to vLLM's own check (a model whose context it cannot hold is refused, not silently cut).
+        kv_gib = sections.get("vllm", {}).get("cpu_kv_cache_space_gib")
+        shrunk = kv_gib is not None and kv_gib < vllm.get("cpu_kv_cache_space_gib", kv_cache_gib(model))
+        if backend == "vllm" and shrunk and "max_model_len" not in model_cfg:
             fits = context_that_fits(model, kv_gib)
             if fits is not None:
                 model_cfg["max_model_len"] = fits
