@@ -134,46 +134,6 @@ def test_min_new_tokens_respected(pool, backend, looper):
             assert r.meta["repeat_terminate_index"] >= 12
 
 
-@pytest.mark.servable
-def test_healthy_smollm2_prompts_never_trigger(pool, backend, engine, workload):
-    healthy = [p["messages"] for p in load_prompts("chat") + load_prompts("lists")]
-    prompts = workload.pick(full=healthy, quick=healthy[4:])  # quick: two chat answers and both lists
-    opts = {"max_new_tokens": 64}
-    free = pool.reference(backend, pool.options.model).generate(prompts, options=opts)
-    got = pool.engine(backend, pool.options.model, repeat_terminate=REAL_LOOP_GUARD).generate(prompts, options=opts)
-    assert [r.meta["repeat_terminate_triggered"] for r in got] == [0] * len(prompts)
-    assert [r.token_ids for r in got] == [r.token_ids for r in free]
-
-
-@pytest.mark.slow
-@pytest.mark.servable
-@pytest.mark.parametrize(
-    ("guard", "reason"),
-    [
-        (REAL_LOOP_GUARD, "ngram_repeats"),
-        # Its nested "fruit1" object reaches 3 keys; the person object stops at exactly 2 (the near miss).
-        ({"enabled": True, "max_object_keys": 2}, "object_keys"),
-    ],
-    ids=["ngram", "object-keys"],
-)
-def test_real_model_loop_triggers_and_near_miss_does_not(pool, backend, engine, guard, reason, summary_note):
-    by_id = {p["id"]: p["messages"] for p in load_prompts("json")}
-    prompts = [by_id["json-30-fruits"], by_id["json-person"]]
-    opts = {"max_new_tokens": 160}
-    free = pool.reference(backend, pool.options.model).generate(prompts, options=opts)
-    got = pool.engine(backend, pool.options.model, repeat_terminate=guard).generate(prompts, options=opts)
-    decode = lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    eos = engine.tokenizer.eos_token_id
-    fired = check_against_reference(free, got, guard, eos, decode, dtype=pool.options.dtype)
-    fruits, person = got
-    if pool.options.dtype != "float32":  # the loop is the fixture's float32 behaviour (bfloat16 writes Python)
-        summary_note(f"real-model {reason} on {backend} ({pool.options.dtype}): {fired} of 2 rows fired")
-        return
-    assert fired == 1
-    assert fruits.meta["repeat_terminate_reason"] == reason
-    assert person.meta["repeat_terminate_triggered"] == 0 and person.token_ids == free[1].token_ids
-
-
 def test_refuses_to_start_when_the_guard_cannot_be_activated(pool, backend_names, monkeypatch):
     """A vLLM without its runner's logits-processor interface (either runner): the engine refuses before starting."""
     from engine import GenerationEngine
@@ -221,3 +181,45 @@ def test_guarded_batch_larger_than_the_engine_queues_alike(pool, backend_names, 
             assert fired == 6 * sum(r.meta["repeat_terminate_triggered"] for r in got[b][: len(MIXED)]), b
         assert fired > 0, b
     assert_same_results(got, what="guarded batch queued over small slots", dtype=pool.options.dtype)
+
+
+# SmolLM2's checks last: served twins run in the module's order (conformance/kit/plugin.py), so vLLM, one server
+# at a time, starts the looper's servers and then the text server once each.
+@pytest.mark.servable
+def test_healthy_smollm2_prompts_never_trigger(pool, backend, engine, workload):
+    healthy = [p["messages"] for p in load_prompts("chat") + load_prompts("lists")]
+    prompts = workload.pick(full=healthy, quick=healthy[4:])  # quick: two chat answers and both lists
+    opts = {"max_new_tokens": 64}
+    free = pool.reference(backend, pool.options.model).generate(prompts, options=opts)
+    got = pool.engine(backend, pool.options.model, repeat_terminate=REAL_LOOP_GUARD).generate(prompts, options=opts)
+    assert [r.meta["repeat_terminate_triggered"] for r in got] == [0] * len(prompts)
+    assert [r.token_ids for r in got] == [r.token_ids for r in free]
+
+
+@pytest.mark.slow
+@pytest.mark.servable
+@pytest.mark.parametrize(
+    ("guard", "reason"),
+    [
+        (REAL_LOOP_GUARD, "ngram_repeats"),
+        # Its nested "fruit1" object reaches 3 keys; the person object stops at exactly 2 (the near miss).
+        ({"enabled": True, "max_object_keys": 2}, "object_keys"),
+    ],
+    ids=["ngram", "object-keys"],
+)
+def test_real_model_loop_triggers_and_near_miss_does_not(pool, backend, engine, guard, reason, summary_note):
+    by_id = {p["id"]: p["messages"] for p in load_prompts("json")}
+    prompts = [by_id["json-30-fruits"], by_id["json-person"]]
+    opts = {"max_new_tokens": 160}
+    free = pool.reference(backend, pool.options.model).generate(prompts, options=opts)
+    got = pool.engine(backend, pool.options.model, repeat_terminate=guard).generate(prompts, options=opts)
+    decode = lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    eos = engine.tokenizer.eos_token_id
+    fired = check_against_reference(free, got, guard, eos, decode, dtype=pool.options.dtype)
+    fruits, person = got
+    if pool.options.dtype != "float32":  # the loop is the fixture's float32 behaviour (bfloat16 writes Python)
+        summary_note(f"real-model {reason} on {backend} ({pool.options.dtype}): {fired} of 2 rows fired")
+        return
+    assert fired == 1
+    assert fruits.meta["repeat_terminate_reason"] == reason
+    assert person.meta["repeat_terminate_triggered"] == 0 and person.token_ids == free[1].token_ids

@@ -271,10 +271,11 @@ def pool_of(config: pytest.Config) -> EnginePool:
 @pytest.hookimpl(trylast=True)  # after pytest's own grouping by backend, which it keeps for in-process checks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Served twins after every in-process check (with them the checks marked ``on_servers``), grouped by module,
-    modules in the order of the servers they declare (``plan.served_group``), cross-backend ones first; then each
-    check's variants backend after backend (hf, llamacpp, vllm on one guard, then the next guard). Each server then
-    starts once, and the pool can start the other backends' twin of a server ahead while one backend works (a
-    cross-backend check compares all of them at once). Other tests of the session keep their order, ahead."""
+    modules in the order of the servers they declare (``plan.served_group``), a module's checks in the order it states
+    them (so a module orders its checks by the servers they reach); each check's variants backend after backend (hf,
+    llamacpp, vllm on one guard, then the next guard). Each server then starts once, and the pool can start the other
+    backends' twin of a server ahead while one backend works (a cross-backend check compares all of them at once).
+    Other tests of the session keep their order, ahead."""
     checks = [item for item in items if is_check(item)]
     require_declarations(checks)
     config.stash[DECLARED_PROCESSES] = {module_file(item): [s.model for s in module_subjects(item.module) or ()
@@ -309,9 +310,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             return (0, order[item])
         module = module_file(item)
         group = served_group(module_subjects(item.module))
-        per_backend = "backend" in params(item) or "target" in params(item)
         backend = params(item).get("backend", params(item).get("target", ""))
-        return (1, group, module, per_backend, first[variant(item)], backend, order[item])
+        stated = item.location[1] or 0  # the check's line in its module: pytest's own order groups by parameter
+        return (1, group, module, stated, first[variant(item)], backend, order[item])
 
     items.sort(key=rank)
     ordered = [item for item in items if is_check(item)]
