@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,16 @@ from conformance.kit.report import SummaryCollector
 from conformance.kit.shards import parse as parse_shard
 from conformance.kit.shards import split as split_shards
 from conformance.kit.tiers import QuickTier
-from conformance.subjects.plan import Roles, last_users, model_tier, module_subjects, plan_lines, served_group
+from conformance.subjects.plan import (
+    TEXT,
+    Roles,
+    last_users,
+    model_tier,
+    module_subjects,
+    plan_lines,
+    served_rank,
+    servers,
+)
 from conformance.subjects.pool import EnginePool, PoolOptions
 from conformance.subjects.served import IN_PROCESS, SERVED
 from conformance.subjects.target import TargetOptions
@@ -63,6 +73,9 @@ CALL_PASSED = pytest.StashKey[bool]()
 RELEASES_KEY = pytest.StashKey[dict[str, list[Any]]]()
 """Check node id -> the (subject, backend) pairs whose last user it is (``plan.last_users``): the pool stops them after
 its teardown."""
+PREFETCH_KEY = pytest.StashKey[list[str]]()
+"""The backends whose text server the session plan's checks reach (``servers("text")``): the pool starts them in the
+background when the first check sets up (``ServerPool.prefetch``); emptied once started."""
 LATER_BACKENDS = pytest.StashKey[frozenset[str]]()
 """Per per-backend check: the backends its other variants run on after it (the same function and parameters, another
 backend), whose servers the server pool may start ahead while it runs; a cross-backend check has none (all it
@@ -81,6 +94,9 @@ MARKERS = {
     "served": "the served twin of a servable check (-m 'not served' skips them)",
     "on_servers": "an in-process conformance check that reaches its module's pool servers itself (a foreign client "
                   "against them): it runs among its module's served twins, which start those servers anyway",
+    "ends_servers": "a conformance check that stops the pool server it is handed (a signal mid-stream): it runs at the "
+                    "session's end, after every served twin, the server's last user, and takes the server from the "
+                    "pool (ServerPool.hand_over), so no server is started for it alone",
     "model_tier": "model_tier('tiny'), at module level: a conformance check module where the model is only a payload; "
                   "its engine, engines and text_model fixtures give the tiny tier's model (--engine-tiny-model) "
                   "instead of --engine-model (docs/conformance.md, 'Model tiers')",
@@ -273,7 +289,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Served twins after every in-process check (with them the checks marked ``on_servers``), grouped by module,
     modules in the order of the servers they declare (``plan.served_group``), a module's checks in the order it states
     them (so a module orders its checks by the servers they reach); each check's variants backend after backend (hf,
-    llamacpp, vllm on one guard, then the next guard). Each server then starts once, and the pool can start the other
+    llamacpp, vllm on one guard, then the next guard). Checks marked ``ends_servers`` (each stops the server it is
+    handed) run last (``plan.served_rank``). Each server then starts once, and the pool can start the other
     backends' twin of a server ahead while one backend works (a cross-backend check compares all of them at once).
     Other tests of the session keep their order, ahead."""
     checks = [item for item in items if is_check(item)]
@@ -306,13 +323,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             return (-1, order[item])
         own_server = "target" in params(item) and not config.stash[TARGET_KEY].url
         on_servers = item.get_closest_marker("on_servers") is not None
-        if params(item).get("reach", IN_PROCESS) != SERVED and not own_server and not on_servers:
+        ends = item.get_closest_marker("ends_servers") is not None
+        if params(item).get("reach", IN_PROCESS) != SERVED and not own_server and not on_servers and not ends:
             return (0, order[item])
         module = module_file(item)
-        group = served_group(module_subjects(item.module))
         backend = params(item).get("backend", params(item).get("target", ""))
         stated = item.location[1] or 0  # the check's line in its module: pytest's own order groups by parameter
-        return (1, group, module, stated, first[variant(item)], backend, order[item])
+        return (1, *served_rank(module_subjects(item.module), module, stated, ends=ends), first[variant(item)],
+                backend, order[item])
 
     items.sort(key=rank)
     ordered = [item for item in items if is_check(item)]
@@ -400,6 +418,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     pool = item.config.stash.get(POOL_KEY, None)
     if pool is not None and is_check(item):
         pool.bill.user, pool.bill.declared = module_file(item), module_subjects(item.module)
+        prefetch = item.config.stash.get(PREFETCH_KEY, [])
+        while prefetch:  # the first check: the text servers the plan's later checks reach start in the background
+            pool.servers.prefetch(prefetch.pop(0), pool.options.model)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -454,6 +475,21 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
             f"this process: {', '.join(config.stash[FORCED_PROBES])} (conformance/kit/isa.py)"]
 
 
+def text_server_backends(releases: dict[str, list[Any]], available: Collection[str]) -> list[str]:
+    """The backends among ``available`` whose text server (``servers("text")``, the pool's defaults) some collected
+    check reaches, by the plan's last users (each pair once), vLLM first: its start is the longest.
+
+    >>> from conformance.subjects.plan import servers
+    >>> releases = {"a.py::t": [(servers("text"), "hf")], "b.py::u[vllm]": [(servers("text"), "vllm")],
+    ...             "c.py::v": [(servers("text", model={"logprobs_mode": "processed_logprobs"}), "llamacpp")]}
+    >>> text_server_backends(releases, {"hf", "vllm", "llamacpp"}), text_server_backends(releases, {"hf"})
+    (['vllm', 'hf'], ['hf'])
+    """
+    text = servers(TEXT)
+    reached = {backend for pairs in releases.values() for subject, backend in pairs if subject == text}
+    return sorted(reached & set(available), key=lambda b: (b != "vllm", b))
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """``--collect-only``: the session plan (what each subject serves, ``conformance/subjects/plan.py``); then vLLM's
     own model-runner decision for ``--engine-model``, once conformance checks are collected."""
@@ -463,6 +499,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         session.config.stash[RELEASES_KEY] = last_users(
             (item.nodeid, reached_backends(item, pool.options.backends), module_subjects(item.module) or (),
              getattr(item, "fixturenames", ())) for item in checks)
+        if not session.config.stash[TARGET_KEY].url and not session.config.option.collectonly:
+            session.config.stash[PREFETCH_KEY] = text_server_backends(
+                session.config.stash[RELEASES_KEY], pool.servers.ahead_backends)
     if session.config.option.collectonly and checks:
         writer = session.config.get_terminal_writer()
         for line in plan_lines(((module_file(item), module_subjects(item.module) or ()) for item in checks),

@@ -256,6 +256,29 @@ def served_group(subjects: Sequence[Subject] | None) -> int:
     return 0 if any(s.config != "[]" for s in declared) else 1
 
 
+ENDS_GROUP = 3
+"""Where checks marked ``ends_servers`` run: after every group :func:`served_group` gives, so each is its server's
+last user. HF's and llama.cpp's text servers stay up to the end (``KEPT_TEXT_SERVERS``) and are handed over; vLLM's,
+one server at a time, is handed over where it still runs and otherwise started once more, as the check's own server
+was before."""
+
+
+def served_rank(subjects: Sequence[Subject] | None, module: str, line: int, *, ends: bool = False,
+                ) -> tuple[int, str, int]:
+    """Where a served twin (or a check that reaches the pool's servers itself) runs among the others: by its module's
+    :func:`served_group`, then module, then its line in the file (a module orders its checks by the servers they
+    reach); a check that ends the server it is handed (``ends_servers``) after all of them (:data:`ENDS_GROUP`).
+
+    >>> text, looper = uses(servers("text")), uses(servers("tiny-looper"))
+    >>> ranks = {"sigterm": served_rank(text, "test_hostile.py", 535, ends=True),
+    ...          "looper": served_rank(looper, "test_weight_sync.py", 90),
+    ...          "hostile": served_rank(text, "test_hostile.py", 120), "chat": served_rank(text, "test_chat.py", 700)}
+    >>> sorted(ranks, key=ranks.get)
+    ['chat', 'hostile', 'looper', 'sigterm']
+    """
+    return (ENDS_GROUP if ends else served_group(subjects), module, line)
+
+
 RELEASED = ("server", "kept")
 """The kinds of subject the pool stops after their last user: its servers and the kept objects that say how to stop
 (``EnginePool.releasers``). In-process engines stay: destroying an in-process vLLM engine breaks every other live one
