@@ -388,33 +388,3 @@ def test_a_server_handed_over_is_the_checks_and_a_later_ask_starts_another(monke
     servers.close()
     assert handed.stopped == 0 and again.stopped == 1, "the pool stopped a server it had handed over"
 
-
-def test_a_prefetched_text_server_is_the_one_the_first_check_gets_and_never_displaces_a_running_one(monkeypatch):
-    """The session plan starts the text servers in the background at the first check (``ServerPool.prefetch``): the
-    check that first asks for one gets that server, not a second start; on vLLM, whose servers take turns, a prefetch
-    that would stop a running server starts nothing."""
-    import engine
-    import engine.client
-
-    monkeypatch.setattr(engine, "GenerationEngine", Engine)
-    launched = []
-
-    def launch(config):
-        launched.append(SimpleNamespace(config=config, stop=lambda timeout=None: None,
-                                        process=SimpleNamespace(poll=lambda: 0, terminate=lambda: None)))
-        return launched[-1]
-
-    monkeypatch.setattr(engine.client, "launch_server", launch)
-    pool = EnginePool(PoolOptions(backends=("hf", "vllm"), model="/models/text", vlm_model="/m/vlm",
-                                  dtype="float32", device="cpu"))
-    servers = pool.servers
-    assert servers.prefetch("hf", "/models/text") is True
-    assert servers.prefetch("hf", "/models/text") is False, "one start per server"
-    got = servers.server(*servers.served_config("hf", "/models/text"))
-    assert launched == [got]
-    processed = {"logprobs_mode": "processed_logprobs"}
-    other = servers.server(*servers.served_config("vllm", "/models/text", model=processed))
-    assert servers.prefetch("vllm", "/models/text") is False, "it would have stopped the running vLLM server"
-    assert launched == [got, other]
-    servers.close()
-    assert not [s for s in pool.bill.starts if s[0] == "ahead, unused"]

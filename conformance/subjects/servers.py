@@ -122,28 +122,6 @@ class ServerPool:
             self._servers[key] = launch_server(config)
         return self._servers[key]
 
-    def prefetch(self, backend: str, model: str, /, **sections: Any) -> bool:
-        """Start, in the background, the server a later check will ask for (the session plan's: the text server of
-        every backend its checks reach, from the first check on), unless it is running or starting already, another
-        of its backend is starting, or it would stop a running server to take its place (vLLM's take turns). The
-        check that first asks for it settles it (:meth:`server`); returns whether it started one.
-
-        A server's start is mostly single-threaded imports (vLLM's in two processes, about 40 s on CI) while the checks
-        leave part of the two cores idle, so it overlaps them instead of adding to the check that first needs it."""
-        import pytest
-
-        try:
-            key, config = self.served_config(backend, model, **sections)
-        except pytest.skip.Exception:  # no model for it there (e.g. no GGUF twin): nothing to start
-            return False
-        if key in self._servers or key in self._ahead or key in self.wrong_guesses:
-            return False
-        if any(k[0] == backend for k in self._ahead) or self._would_stop(key):
-            return False
-        self._ahead[key] = (self._background().submit(self._launch_timed, key, config), config)
-        self._unused.add(key)
-        return True
-
     def hand_over(self, key: tuple[str, str], config: dict[str, Any]) -> Any:
         """The running server for ``key`` (started if need be, as :meth:`server`), no longer the pool's: a check that
         stops it (a signal, a kill) owns it and stops it; a later ask starts another. The session plan runs such a
@@ -198,26 +176,16 @@ class ServerPool:
             out["model"] = settings
         return dict(sorted(out.items()))
 
-    def _would_stop(self, new: tuple[str, str]) -> bool:
-        """Whether starting ``new`` now would stop a running server (:meth:`_make_server_room`)."""
-        turns, budget = self._turns_with(new)
-        return sum(turns(k) for k in self._servers) >= budget
-
-    def _turns_with(self, new: tuple[str, str]) -> tuple[Callable[[tuple[str, str]], bool], int]:
-        """Which servers take turns with ``new``, and how many of them may run at once."""
+    def _make_server_room(self, new: tuple[str, str]) -> None:
+        """Stop the least recently used servers that take turns with ``new`` until it has its place: those of its
+        backend and, on the backends of ``TINY_SERVERS_PER_BACKEND``, of its size (a tiny fixture's server takes
+        turns with the tiny ones there; every other with ``servers_per_backend`` others)."""
         place = self._place(new)
         budget = TINY_SERVERS_PER_BACKEND[new[0]] if place == "tiny" else self.options.servers_per_backend
 
         def turns(key: tuple[str, str]) -> bool:
             return self._takes_turns(key, new[0]) and self._place(key) == place
 
-        return turns, budget
-
-    def _make_server_room(self, new: tuple[str, str]) -> None:
-        """Stop the least recently used servers that take turns with ``new`` until it has its place: those of its
-        backend and, on the backends of ``TINY_SERVERS_PER_BACKEND``, of its size (a tiny fixture's server takes
-        turns with the tiny ones there; every other with ``servers_per_backend`` others)."""
-        turns, budget = self._turns_with(new)
         while sum(turns(k) for k in self._servers) >= budget:
             # Stopped before the next one starts: two vLLM servers of SmolLM2 at once would hold ~8 GB.
             doomed = next(k for k in self._servers if turns(k))
