@@ -387,3 +387,5 @@ def test_a_server_handed_over_is_the_checks_and_a_later_ask_starts_another(monke
     assert again is not handed and len(launched) == 2
     servers.close()
     assert handed.stopped == 0 and again.stopped == 1, "the pool stopped a server it had handed over"
+    totals = pool.report()[-1]
+    assert "2 server starts" in totals and "1 handed over (not a start)" in totals, totals

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conformance.compare import LOW_PRECISION_TOPK
-from conformance.subjects.bill import Bill
+from conformance.subjects.bill import STARTS, Bill
 from conformance.subjects.plan import TEXT, TINY, sections_key
 from conformance.subjects.served import Reach
 from conformance.subjects.servers import ServerPool
@@ -404,7 +404,8 @@ class EnginePool:
         by_kind: dict[str, list[float]] = {}
         for kind, _, seconds in self.starts:
             by_kind.setdefault(kind, []).append(seconds)
-        totals = ", ".join(f"{len(v)} {k} starts {sum(v):.0f}s" for k, v in by_kind.items()) or "nothing started"
+        totals = ", ".join(f"{len(v)} {k} starts {sum(v):.0f}s" if k in STARTS else f"{len(v)} {k} (not a start)"
+                           for k, v in by_kind.items()) or "nothing started"
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
         return [*lines, f"engine pool: {totals}; {self.derived} more engines derived from loaded ones; peak resident "
                         f"memory of this process {peak:.1f} GiB"]
