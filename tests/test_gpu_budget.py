@@ -143,7 +143,7 @@ def test_a_kept_text_server_outlives_the_servers_that_take_turns(cuda_pool, monk
     stopped = []
 
     class FakeServer:
-        def __init__(self, config):
+        def __init__(self, config, **_):
             self.name = json.dumps(config, sort_keys=True)
 
         def stop(self):

@@ -192,7 +192,7 @@ def test_servers_start_ahead_only_for_the_backends_the_checks_later_variants_run
     monkeypatch.setattr(engine, "GenerationEngine", Engine)
     launched = []
     monkeypatch.setattr(engine.client, "launch_server",
-                        lambda config: launched.append(config["backend"]) or SimpleNamespace(
+                        lambda config, **_: launched.append(config["backend"]) or SimpleNamespace(
                             stop=lambda: None, process=SimpleNamespace(poll=lambda: 0)))
     pool = EnginePool(PoolOptions(backends=("hf", "llamacpp", "vllm"), model="/models/text", vlm_model="/m/vlm",
                                   dtype="float32", device="cpu", gguf_models=(("/models/text", "/models/t.gguf"),)))
@@ -224,7 +224,7 @@ def test_a_tiny_fixtures_servers_take_turns_among_themselves_two_at_a_time(monke
     stopped = []
 
     class FakeServer:
-        def __init__(self, config):
+        def __init__(self, config, **_):
             self.name = (config["model"]["path"].rsplit("/", 1)[-1], config["generation"]["max_new_tokens"])
 
         def stop(self):
@@ -252,7 +252,7 @@ def test_a_server_started_ahead_for_nobody_is_not_started_ahead_again(monkeypatc
 
     monkeypatch.setattr(engine, "GenerationEngine", Engine)
     launched = []
-    def launch(config):
+    def launch(config, **_):
         launched.append((config["backend"], config["model"].get("logprobs_mode"), config["model"].get("max_model_len")))
         return SimpleNamespace(stop=lambda: None, process=SimpleNamespace(poll=lambda: 0))
 
@@ -291,7 +291,7 @@ def test_a_check_that_asks_every_backend_alike_gets_the_server_started_ahead_for
     monkeypatch.setattr(engine, "GenerationEngine", Engine)
     launched = []
 
-    def launch(config):
+    def launch(config, **_):
         launched.append((config["backend"], config["model"].get("max_model_len")))
         return SimpleNamespace(stop=lambda: None, process=SimpleNamespace(poll=lambda: 0))
 
@@ -356,7 +356,7 @@ def test_an_engine_or_server_its_module_did_not_declare_fails_the_check_by_name(
         pool.servers.server(*pool.servers.served_config("hf", "/models/text"))
     pool.bill.declared = uses(engines("text"), servers("text"))
     launched = []
-    monkeypatch.setattr("engine.client.launch_server", lambda config: launched.append(config) or 1)
+    monkeypatch.setattr("engine.client.launch_server", lambda config, **_: launched.append(config) or 1)
     assert twin.server() == 1 and len(launched) == 1  # declared: started
 
 
@@ -369,7 +369,7 @@ def test_a_server_handed_over_is_the_checks_and_a_later_ask_starts_another(monke
     monkeypatch.setattr(engine, "GenerationEngine", Engine)
     launched = []
 
-    def launch(config):
+    def launch(config, **_):
         launched.append(SimpleNamespace(stopped=0, process=SimpleNamespace(poll=lambda: None, terminate=lambda: None)))
         launched[-1].stop = lambda timeout=None, s=launched[-1]: setattr(s, "stopped", s.stopped + 1)
         return launched[-1]
@@ -389,3 +389,76 @@ def test_a_server_handed_over_is_the_checks_and_a_later_ask_starts_another(monke
     assert handed.stopped == 0 and again.stopped == 1, "the pool stopped a server it had handed over"
     totals = pool.report()[-1]
     assert "2 server starts" in totals and "1 handed over (not a start)" in totals, totals
+
+
+def test_a_prefetched_text_server_is_the_one_the_first_check_gets_and_never_displaces_a_running_one(monkeypatch):
+    """The session plan starts the text servers in the background at the first check (``ServerPool.prefetch``): the
+    check that first asks for one gets that server, not a second start; on vLLM, whose servers take turns, a prefetch
+    that would stop a running server starts nothing."""
+    import engine
+    import engine.client
+
+    monkeypatch.setattr(engine, "GenerationEngine", Engine)
+    launched = []
+
+    def launch(config, **_):
+        launched.append(SimpleNamespace(config=config, stop=lambda timeout=None: None,
+                                        process=SimpleNamespace(poll=lambda: 0, terminate=lambda: None)))
+        return launched[-1]
+
+    monkeypatch.setattr(engine.client, "launch_server", launch)
+    pool = EnginePool(PoolOptions(backends=("hf", "vllm"), model="/models/text", vlm_model="/m/vlm",
+                                  dtype="float32", device="cpu"))
+    servers = pool.servers
+    assert servers.prefetch("hf", "/models/text") is True
+    assert servers.prefetch("hf", "/models/text") is False, "one start per server"
+    got = servers.server(*servers.served_config("hf", "/models/text"))
+    assert launched == [got]
+    processed = {"logprobs_mode": "processed_logprobs"}
+    other = servers.server(*servers.served_config("vllm", "/models/text", model=processed))
+    assert servers.prefetch("vllm", "/models/text") is False, "it would have stopped the running vLLM server"
+    assert launched == [got, other]
+    servers.close()
+    assert not [s for s in pool.bill.starts if s[0] == "ahead, unused"]
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_IDLE"), reason="SCHED_IDLE is Linux's scheduling class")
+def test_a_server_started_ahead_starts_idle_and_serves_its_check_at_normal_priority(monkeypatch):
+    """A prefetched server's process starts in the idle class (it takes a core only while the checks leave one idle)
+    and the check that needs it gets it back in the normal class, its start still going or done."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    import engine
+    import engine.client
+
+    monkeypatch.setattr(engine, "GenerationEngine", Engine)
+    seen, go = {}, threading.Event()
+
+    def launch(config, on_start=None):
+        process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        handle = SimpleNamespace(process=process, stop=lambda timeout=None: process.kill() or process.wait())
+        on_start(handle)
+        seen["while starting"] = os.sched_getscheduler(process.pid)
+        go.wait(30)  # still starting: the check below waits for it
+        return handle
+
+    monkeypatch.setattr(engine.client, "launch_server", launch)
+    pool = EnginePool(PoolOptions(backends=("hf",), model="/models/text", vlm_model="/m/vlm", dtype="float32",
+                                  device="cpu"))
+    servers = pool.servers
+    assert servers.prefetch("hf", "/models/text")
+    for _ in range(300):
+        if "while starting" in seen:
+            break
+        threading.Event().wait(0.1)
+    assert seen["while starting"] == os.SCHED_IDLE, "a server started ahead must start in the idle class"
+    threading.Timer(1.0, go.set).start()
+    server = servers.server(*servers.served_config("hf", "/models/text"))
+    try:
+        assert os.sched_getscheduler(server.process.pid) == os.SCHED_OTHER, "the check got an idle-class server"
+        assert os.sched_getscheduler(0) != os.SCHED_IDLE, "the check's own thread must stay in the normal class"
+    finally:
+        servers.close()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,16 @@ from conformance.kit.report import SummaryCollector
 from conformance.kit.shards import parse as parse_shard
 from conformance.kit.shards import split as split_shards
 from conformance.kit.tiers import QuickTier
-from conformance.subjects.plan import Roles, last_users, model_tier, module_subjects, plan_lines, served_rank
+from conformance.subjects.plan import (
+    TEXT,
+    Roles,
+    last_users,
+    model_tier,
+    module_subjects,
+    plan_lines,
+    served_rank,
+    servers,
+)
 from conformance.subjects.pool import EnginePool, PoolOptions
 from conformance.subjects.served import IN_PROCESS, SERVED
 from conformance.subjects.target import TargetOptions
@@ -63,6 +73,9 @@ CALL_PASSED = pytest.StashKey[bool]()
 RELEASES_KEY = pytest.StashKey[dict[str, list[Any]]]()
 """Check node id -> the (subject, backend) pairs whose last user it is (``plan.last_users``): the pool stops them after
 its teardown."""
+PREFETCH_KEY = pytest.StashKey[list[str]]()
+"""The backends whose text server the session plan's checks reach (``servers("text")``): the pool starts them in the
+background when the first check sets up (``ServerPool.prefetch``); emptied once started."""
 LATER_BACKENDS = pytest.StashKey[frozenset[str]]()
 """Per per-backend check: the backends its other variants run on after it (the same function and parameters, another
 backend), whose servers the server pool may start ahead while it runs; a cross-backend check has none (all it
@@ -405,6 +418,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     pool = item.config.stash.get(POOL_KEY, None)
     if pool is not None and is_check(item):
         pool.bill.user, pool.bill.declared = module_file(item), module_subjects(item.module)
+        prefetch = item.config.stash.get(PREFETCH_KEY, [])
+        while prefetch:  # the first check: the text servers the plan's later checks reach start in the background
+            pool.servers.prefetch(prefetch.pop(0), pool.options.model)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -459,6 +475,21 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
             f"this process: {', '.join(config.stash[FORCED_PROBES])} (conformance/kit/isa.py)"]
 
 
+def text_server_backends(releases: dict[str, list[Any]], available: Collection[str]) -> list[str]:
+    """The backends among ``available`` whose text server (``servers("text")``, the pool's defaults) some collected
+    check reaches, by the plan's last users (each pair once), vLLM first: its start is the longest.
+
+    >>> from conformance.subjects.plan import servers
+    >>> releases = {"a.py::t": [(servers("text"), "hf")], "b.py::u[vllm]": [(servers("text"), "vllm")],
+    ...             "c.py::v": [(servers("text", model={"logprobs_mode": "processed_logprobs"}), "llamacpp")]}
+    >>> text_server_backends(releases, {"hf", "vllm", "llamacpp"}), text_server_backends(releases, {"hf"})
+    (['vllm', 'hf'], ['hf'])
+    """
+    text = servers(TEXT)
+    reached = {backend for pairs in releases.values() for subject, backend in pairs if subject == text}
+    return sorted(reached & set(available), key=lambda b: (b != "vllm", b))
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """``--collect-only``: the session plan (what each subject serves, ``conformance/subjects/plan.py``); then vLLM's
     own model-runner decision for ``--engine-model``, once conformance checks are collected."""
@@ -468,6 +499,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         session.config.stash[RELEASES_KEY] = last_users(
             (item.nodeid, reached_backends(item, pool.options.backends), module_subjects(item.module) or (),
              getattr(item, "fixturenames", ())) for item in checks)
+        if not session.config.stash[TARGET_KEY].url and not session.config.option.collectonly:
+            session.config.stash[PREFETCH_KEY] = text_server_backends(
+                session.config.stash[RELEASES_KEY], pool.servers.ahead_backends)
     if session.config.option.collectonly and checks:
         writer = session.config.get_terminal_writer()
         for line in plan_lines(((module_file(item), module_subjects(item.module) or ()) for item in checks),

@@ -12,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from conformance.subjects.bill import Bill
@@ -45,6 +47,54 @@ SERVED_TIMEOUTS = {"idle_connection_timeout_s": 3, "body_timeout_s": 5, "drain_t
 the text server it is handed last (:meth:`ServerPool.hand_over`)."""
 
 
+IDLE_STARTS = True
+"""Servers started ahead (:meth:`ServerPool.prefetch`, the other backends' servers a check will need next) start at
+Linux's ``SCHED_IDLE``: the pool's thread that starts one runs in the idle class and the server's processes inherit
+it, so its imports and loading take a core only while the checks leave one idle. Started at the normal class beside
+the first module's in-process generation, three text servers made ``test_batch_invariance.py`` take 132 s instead of
+38 s in CI's quick tier (117871d): each side's OpenMP threads spun while the other held a core."""
+
+
+def idle_thread() -> None:
+    """Put the calling thread (and what it starts from now on) in the idle class, where Linux has one."""
+    if IDLE_STARTS and hasattr(os, "SCHED_IDLE"):
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
+def normal_priority(pid: int) -> int:
+    """Every thread of ``pid`` and of the processes below it back in the normal class (``SCHED_OTHER``); returns how
+    many threads moved. A thread that ended meanwhile, or a class this user may not raise, is left as it is.
+
+    >>> normal_priority(os.getpid()) >= 0
+    True
+    """
+    if not hasattr(os, "SCHED_IDLE"):
+        return 0
+    below: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            below.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    moved, todo = 0, [pid]
+    while todo:
+        process = todo.pop()
+        todo.extend(below.get(process, ()))
+        for task in Path(f"/proc/{process}/task").glob("[0-9]*"):
+            with contextlib.suppress(OSError):
+                if os.sched_getscheduler(int(task.name)) == os.SCHED_IDLE:
+                    os.sched_setscheduler(int(task.name), os.SCHED_OTHER, os.sched_param(0))
+                    moved += 1
+    return moved
+
+
+def raise_priority(server: Any) -> None:
+    """:func:`normal_priority` for a server handle (``ServerProcess``; one without a pid is left alone)."""
+    pid = getattr(server.process, "pid", None)
+    if isinstance(pid, int):
+        normal_priority(pid)
+
+
 @dataclass
 class ServerPool:
     """Session-wide servers keyed by (backend, served config).
@@ -68,13 +118,16 @@ class ServerPool:
     their servers start ahead; None (a cross-backend check, or no check running) leaves ``ahead_backends`` whole."""
     _servers: dict[tuple[str, str], Any] = field(default_factory=dict)
     _ahead: dict[tuple[str, str], Any] = field(default_factory=dict)
+    """Servers starting ahead in the background, by key: (future of the running server, its config)."""
+    _starting: dict[tuple[str, str], Any] = field(default_factory=dict)
+    """Servers starting ahead whose process exists, by key (``launch_server``'s ``on_start``): whose priority
+    :meth:`_settle` raises."""
     _unused: set[tuple[str, str]] = field(default_factory=set)
     """Servers started ahead that no check has asked for yet."""
     wrong_guesses: set[tuple[str, str]] = field(default_factory=set)
     """Servers started ahead and stopped before any check asked for them: never started ahead again (a check that
     sizes each backend its own way, as the processed-logprobs checks do for vLLM, made every guess from another
     backend's config wrong: in a module run at 124a183 its servers started 30 times, 889 s of its twins)."""
-    """Servers starting ahead in the background, by key: (future of the running server, its config)."""
     _executor: Any = None
     """The threads that start them (made on first need, shut down by :meth:`close`)."""
     _recipes: dict[tuple[str, str], tuple[str, dict[str, Any]]] = field(default_factory=dict)
@@ -122,6 +175,28 @@ class ServerPool:
             self._servers[key] = launch_server(config)
         return self._servers[key]
 
+    def prefetch(self, backend: str, model: str, /, **sections: Any) -> bool:
+        """Start, in the background, the server a later check will ask for (the session plan's: the text server of
+        every backend its checks reach, from the first check on), unless it is running or starting already, another
+        of its backend is starting, or it would stop a running server to take its place (vLLM's take turns). The
+        check that first asks for it settles it (:meth:`server`); returns whether it started one.
+
+        A server's start is mostly single-threaded imports (vLLM's in two processes, about 40 s on CI) while the checks
+        leave part of the two cores idle, so it overlaps them instead of adding to the check that first needs it."""
+        import pytest
+
+        try:
+            key, config = self.served_config(backend, model, **sections)
+        except pytest.skip.Exception:  # no model for it there (e.g. no GGUF twin): nothing to start
+            return False
+        if key in self._servers or key in self._ahead or key in self.wrong_guesses:
+            return False
+        if any(k[0] == backend for k in self._ahead) or self._would_stop(key):
+            return False
+        self._ahead[key] = (self._background().submit(self._launch_timed, key, config), config)
+        self._unused.add(key)
+        return True
+
     def hand_over(self, key: tuple[str, str], config: dict[str, Any]) -> Any:
         """The running server for ``key`` (started if need be, as :meth:`server`), no longer the pool's: a check that
         stops it (a signal, a kill) owns it and stops it; a later ask starts another. The session plan runs such a
@@ -149,6 +224,7 @@ class ServerPool:
                 continue
             if key in self._ahead:
                 future, _ = self._ahead.pop(key)
+                self._starting.pop(key, None)
                 with contextlib.suppress(Exception):  # its start error fails nothing now: no check needs it
                     future.result().stop()
             else:
@@ -176,16 +252,26 @@ class ServerPool:
             out["model"] = settings
         return dict(sorted(out.items()))
 
-    def _make_server_room(self, new: tuple[str, str]) -> None:
-        """Stop the least recently used servers that take turns with ``new`` until it has its place: those of its
-        backend and, on the backends of ``TINY_SERVERS_PER_BACKEND``, of its size (a tiny fixture's server takes
-        turns with the tiny ones there; every other with ``servers_per_backend`` others)."""
+    def _would_stop(self, new: tuple[str, str]) -> bool:
+        """Whether starting ``new`` now would stop a running server (:meth:`_make_server_room`)."""
+        turns, budget = self._turns_with(new)
+        return sum(turns(k) for k in self._servers) >= budget
+
+    def _turns_with(self, new: tuple[str, str]) -> tuple[Callable[[tuple[str, str]], bool], int]:
+        """Which servers take turns with ``new``, and how many of them may run at once."""
         place = self._place(new)
         budget = TINY_SERVERS_PER_BACKEND[new[0]] if place == "tiny" else self.options.servers_per_backend
 
         def turns(key: tuple[str, str]) -> bool:
             return self._takes_turns(key, new[0]) and self._place(key) == place
 
+        return turns, budget
+
+    def _make_server_room(self, new: tuple[str, str]) -> None:
+        """Stop the least recently used servers that take turns with ``new`` until it has its place: those of its
+        backend and, on the backends of ``TINY_SERVERS_PER_BACKEND``, of its size (a tiny fixture's server takes
+        turns with the tiny ones there; every other with ``servers_per_backend`` others)."""
+        turns, budget = self._turns_with(new)
         while sum(turns(k) for k in self._servers) >= budget:
             # Stopped before the next one starts: two vLLM servers of SmolLM2 at once would hold ~8 GB.
             doomed = next(k for k in self._servers if turns(k))
@@ -240,16 +326,23 @@ class ServerPool:
             self._unused.add(other)
 
     def _launch_timed(self, key: tuple[str, str], config: dict[str, Any]) -> Any:
+        """Start ``key``'s server from a background thread at ``SCHED_IDLE`` (:data:`IDLE_STARTS`)."""
         from engine.client import launch_server
 
+        idle_thread()
         with self.bill.timed("server ahead", (key[0], self._chosen(config))):
-            return launch_server(config)
+            return launch_server(config, on_start=lambda handle: self._starting.__setitem__(key, handle))
 
     def _settle(self, key: tuple[str, str]) -> Any:
-        """Wait for a server started ahead and keep it as a running one."""
+        """Wait for a server started ahead and keep it as a running one, at normal priority from now on: a check
+        needs it (its start, if still going, then takes the cores the waiting check leaves)."""
         future, config = self._ahead.pop(key)
         began = time.monotonic()
+        if key in self._starting:
+            raise_priority(self._starting[key])
         server = future.result()  # its own start error, raised where the check needs it
+        self._starting.pop(key, None)
+        raise_priority(server)  # the threads and processes it made since
         self.bill.starts.append(("waited for", f"{key[0]} {self._chosen(config)}", time.monotonic() - began))
         self._make_server_room(key)
         self._servers[key] = server

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -274,12 +274,14 @@ class ServerProcess:
 def launch_server(config: str | Path | Mapping[str, Any], *,
                   repeat_terminate: Mapping[str, Any] | RepeatTerminateConfig | None = None,
                   args: Sequence[str] = (), env: Mapping[str, str] | None = None,
-                  timeout: float = 600.0, api_key: str | None = None) -> ServerProcess:
+                  timeout: float = 600.0, api_key: str | None = None,
+                  on_start: Callable[[ServerProcess], None] | None = None) -> ServerProcess:
     """Start the server on 127.0.0.1 (a free port unless the config sets one) with the learner's subtree in its
     environment (``ENGINE_REPEAT_TERMINATE_JSON``) and ``api_key`` too (``ENGINE_API_KEY``: not on its command
     line, which other users can list), wait until ``/health`` answers, and return it.
 
     Raises ``RolloutServerError`` with the server's own message if it exits first (e.g. a guard that cannot run).
+    ``on_start`` hears the process as soon as it exists, before it serves (its pid; e.g. to change its scheduling).
     """
     import httpx
     import yaml
@@ -302,6 +304,8 @@ def launch_server(config: str | Path | Mapping[str, Any], *,
     with open(log_path, "wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env)
     handle = ServerProcess(process, "", log_path)
+    if on_start is not None:
+        on_start(handle)
     deadline = time.monotonic() + timeout
     while not ready.exists():
         if process.poll() is not None:
