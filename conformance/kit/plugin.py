@@ -74,8 +74,9 @@ RELEASES_KEY = pytest.StashKey[dict[str, list[Any]]]()
 """Check node id -> the (subject, backend) pairs whose last user it is (``plan.last_users``): the pool stops them after
 its teardown."""
 PREFETCH_KEY = pytest.StashKey[list[str]]()
-"""The backends whose text server the session plan's checks reach (``servers("text")``): the pool starts them in the
-background when the first check sets up (``ServerPool.prefetch``); emptied once started."""
+"""The backends whose text server the session plan's checks reach (``servers("text")``), in a run that holds served
+twins: the pool starts them in the background when the first check sets up (``ServerPool.prefetch``); emptied once
+started."""
 LATER_BACKENDS = pytest.StashKey[frozenset[str]]()
 """Per per-backend check: the backends its other variants run on after it (the same function and parameters, another
 backend), whose servers the server pool may start ahead while it runs; a cross-backend check has none (all it
@@ -499,7 +500,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         session.config.stash[RELEASES_KEY] = last_users(
             (item.nodeid, reached_backends(item, pool.options.backends), module_subjects(item.module) or (),
              getattr(item, "fixturenames", ())) for item in checks)
-        if not session.config.stash[TARGET_KEY].url and not session.config.option.collectonly:
+        twins = any(getattr(getattr(item, "callspec", None), "params", {}).get("reach") == SERVED for item in checks)
+        if twins and not session.config.stash[TARGET_KEY].url and not session.config.option.collectonly:
+            # only where served twins run: a selection without them (the kit's "not served") may start none at all
             session.config.stash[PREFETCH_KEY] = text_server_backends(
                 session.config.stash[RELEASES_KEY], pool.servers.ahead_backends)
     if session.config.option.collectonly and checks:

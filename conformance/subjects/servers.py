@@ -368,6 +368,9 @@ class ServerPool:
     def close(self) -> None:
         for key in list(self._ahead):  # started ahead and never needed: stopped with the rest, and billed as such
             config = self._ahead[key][1]
+            starting = self._starting.pop(key, None)
+            if starting is not None and starting.process.poll() is None:
+                starting.process.terminate()  # still starting: not waited for only to be stopped
             with contextlib.suppress(Exception):  # no check needed it, so its start error fails nothing
                 self._settle(key)
             self.bill.starts.append(("ahead, unused", f"{key[0]} {self._chosen(config)}", 0.0))
