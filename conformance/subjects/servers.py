@@ -223,10 +223,7 @@ class ServerPool:
             if not model or not subject.matches("server", role, self.beyond_defaults(config, model)):
                 continue
             if key in self._ahead:
-                future, _ = self._ahead.pop(key)
-                self._starting.pop(key, None)
-                with contextlib.suppress(Exception):  # its start error fails nothing now: no check needs it
-                    future.result().stop()
+                self._abandon(key)
             else:
                 self._servers.pop(key).stop()
             self._unused.discard(key)
@@ -348,6 +345,17 @@ class ServerPool:
         self._servers[key] = server
         return server
 
+    def _abandon(self, key: tuple[str, str]) -> dict[str, Any]:
+        """Stop a server started ahead that no check needs any more: one still starting is terminated, not waited
+        for only to be stopped (its start error fails nothing: no check needs it). Returns its config."""
+        future, config = self._ahead.pop(key)
+        starting = self._starting.pop(key, None)
+        if starting is not None and starting.process.poll() is None:
+            starting.process.terminate()
+        with contextlib.suppress(Exception):
+            future.result().stop()
+        return config
+
     def _background(self) -> Any:
         from concurrent.futures import ThreadPoolExecutor
 
@@ -367,12 +375,7 @@ class ServerPool:
 
     def close(self) -> None:
         for key in list(self._ahead):  # started ahead and never needed: stopped with the rest, and billed as such
-            config = self._ahead[key][1]
-            starting = self._starting.pop(key, None)
-            if starting is not None and starting.process.poll() is None:
-                starting.process.terminate()  # still starting: not waited for only to be stopped
-            with contextlib.suppress(Exception):  # no check needed it, so its start error fails nothing
-                self._settle(key)
+            config = self._abandon(key)
             self.bill.starts.append(("ahead, unused", f"{key[0]} {self._chosen(config)}", 0.0))
         if self._executor is not None:
             self._executor.shutdown()
