@@ -32,6 +32,20 @@ COLOURS = {"passed": "#2e7d32", "failed": "#c62828", "differs": "#6a1b9a", "mixe
 server differs from the reference (a finding about that server, no failure); some passed and some skipped; all
 skipped; no result (the check has no variant for that subject)."""
 
+PAGE_STYLE = """body { font: 14px system-ui, sans-serif; margin: 1.5em; color: #212121; }
+table { border-collapse: collapse; }
+th, td { border: 1px solid #bdbdbd; padding: 3px 8px; }
+th.check { text-align: left; font-weight: normal; font-family: monospace; }
+td { text-align: center; min-width: 4.5em; }
+td a { color: #fff; text-decoration: none; font-weight: bold; }
+td.none { background: #fff; }
+.key { display: inline-block; width: 1em; height: 1em; border: 1px solid #757575; margin: 0 .3em 0 1em;
+        vertical-align: middle; }
+pre { background: #f5f5f5; padding: .5em; overflow-x: auto; max-height: 30em; }
+section { border-top: 1px solid #e0e0e0; margin-top: 1em; }
+"""
+"""The pages' style (the matrix, and the release comparison of ``conformance/kit/history.py``)."""
+
 
 def subjects(report: dict[str, Any]) -> list[str]:
     """The report's subjects: its backends in their selected order, then any other, then ``cross-backend``."""
@@ -151,18 +165,7 @@ def page(report: dict[str, Any]) -> str:
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Conformance: {esc(headline(report))}</title>
 <style>
-body {{ font: 14px system-ui, sans-serif; margin: 1.5em; color: #212121; }}
-table {{ border-collapse: collapse; }}
-th, td {{ border: 1px solid #bdbdbd; padding: 3px 8px; }}
-th.check {{ text-align: left; font-weight: normal; font-family: monospace; }}
-td {{ text-align: center; min-width: 4.5em; }}
-td a {{ color: #fff; text-decoration: none; font-weight: bold; }}
-td.none {{ background: #fff; }}
-.key {{ display: inline-block; width: 1em; height: 1em; border: 1px solid #757575; margin: 0 .3em 0 1em;
-        vertical-align: middle; }}
-pre {{ background: #f5f5f5; padding: .5em; overflow-x: auto; max-height: 30em; }}
-section {{ border-top: 1px solid #e0e0e0; margin-top: 1em; }}
-</style></head><body>
+{PAGE_STYLE}</style></head><body>
 <h1>Conformance</h1>
 <p><b>{esc(headline(report))}</b></p>
 <p>{esc(run_line(report))}</p>

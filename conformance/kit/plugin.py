@@ -73,6 +73,8 @@ CALL_PASSED = pytest.StashKey[bool]()
 RELEASES_KEY = pytest.StashKey[dict[str, list[Any]]]()
 """Check node id -> the (subject, backend) pairs whose last user it is (``plan.last_users``): the pool stops them after
 its teardown."""
+REPORTS_KEY = pytest.StashKey[Path]()
+"""The folder the run's report and outputs record go to (``--engine-reports``)."""
 PREFETCH_KEY = pytest.StashKey[list[str]]()
 """The backends whose text server the session plan's checks reach (``servers("text")``), in a run that holds served
 twins: the pool starts them in the background when the first check sets up (``ServerPool.prefetch``); emptied once
@@ -181,6 +183,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--engine-target-strict", action="store_true", default=False,
                     help="a target that differs from the reference fails the check (default: the verdict "
                          "'differs', a finding about the server that fails no run)")
+    group.addoption("--engine-record", default="on", choices=("on", "off"),
+                    help="record what every check saw (reports/conformance-outputs.parquet, compared between "
+                         "releases by python -m conformance.kit.history); off only to measure what it costs "
+                         "(default: on)")
     group.addoption("--engine-reports", default=None,
                     help="folder of the conformance report, matrix and summary (default: reports/ in the folder pytest "
                          "was started from)")
@@ -234,6 +240,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
     stem = "conformance-summary" + ("" if dtype == "float32" else f"-{dtype}")
     out = Path(config.getoption("--engine-reports") or Path(config.invocation_params.dir) / "reports")
+    config.stash[REPORTS_KEY] = out
     collector = SummaryCollector(out, describe, stem, checks=config.stash[CHECKS_KEY],
                                  census=Path(census) if census else None)
     config.pluginmanager.register(collector, "engine-summary")
@@ -275,6 +282,7 @@ def pool_of(config: pytest.Config) -> EnginePool:
         target=config.stash[TARGET_KEY],
     )
     pool = EnginePool(options)
+    pool.reach.record.enabled = config.getoption("--engine-record") == "on"
     pool.bill.roles = Roles(text=options.model, vlm=options.vlm_model, tiny=options.tiny_model,
                             fixtures=str(Path(built_fixture("smollm2-135m-instruct")).parent))
     config.stash[POOL_KEY] = pool
@@ -419,6 +427,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     pool = item.config.stash.get(POOL_KEY, None)
     if pool is not None and is_check(item):
         pool.bill.user, pool.bill.declared = module_file(item), module_subjects(item.module)
+        pool.reach.record.check = item.nodeid  # what its calls get is recorded under its id
         prefetch = item.config.stash.get(PREFETCH_KEY, [])
         while prefetch:  # the first check: the text servers the plan's later checks reach start in the background
             pool.servers.prefetch(prefetch.pop(0), pool.options.model)
@@ -463,10 +472,31 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     pool = session.config.stash.get(POOL_KEY, None)
+    writer = session.config.get_terminal_writer()
     if pool is not None and pool.starts:
-        writer = session.config.get_terminal_writer()
         for line in pool.report():  # the subjects and their users follow with the summary (describe()["plan"])
             writer.line(line)
+    if pool is not None and pool.reach.record.rows:
+        writer.line(write_outputs(session.config, pool))
+
+
+def write_outputs(config: pytest.Config, pool: EnginePool) -> str:
+    """The run's outputs record beside its report (``conformance/kit/outputs.py``); the line that says where and how
+    much."""
+    import time
+
+    from conformance.kit import outputs
+
+    began = time.perf_counter()
+    record, options = pool.reach.record, pool.options
+    suffix = "" if options.dtype == "float32" else f"-{options.dtype}"
+    tier = "quick" if "quick" in (config.getoption("-m") or "") else "full"
+    run = outputs.stack(model=options.model, tiny_model=options.tiny_model, dtype=options.dtype,
+                        device=options.device, tier=tier)
+    path = record.write(config.stash[REPORTS_KEY] / outputs.FILE.replace(".parquet", f"{suffix}.parquet"), run)
+    return (f"outputs record: {path} ({len(record.rows)} rows from {record.checks()} checks, "
+            f"{path.stat().st_size / 1024:.0f} KiB; recording took {record.seconds:.2f} s, writing "
+            f"{time.perf_counter() - began:.2f} s)")
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

@@ -38,6 +38,21 @@ TINY_KV_GIB = 1 / 16
 sequences of tiny-looper); SmolLM2 (45 KiB per token) keeps ``CPU_VLLM``'s 0.5 GiB."""
 
 
+def subject_name(key: tuple[str, ...]) -> str:
+    """An engine as the outputs record names it: backend, model folder's name, its sections (and "own backend"),
+    free of the host's paths.
+
+    >>> subject_name(("hf", "/tmp/x/.fixtures/tiny-chat", "[('vllm', {'max_num_seqs': 4})]", ""))
+    "hf tiny-chat [('vllm', {'max_num_seqs': 4})]"
+    >>> subject_name(("vllm", "/m/smol", "[]", ""))
+    'vllm smol'
+    """
+    from pathlib import Path
+
+    backend, model, sections, own = key
+    return " ".join(part for part in (backend, Path(model).name, "" if sections == "[]" else sections, own) if part)
+
+
 def kv_cache_gib(model: str) -> float:
     """The CPU KV cache an engine of ``model`` gets: ``TINY_KV_GIB`` when 16 full-length sequences (the pool's
     ``max_num_seqs``) fit in it, else ``CPU_VLLM``'s. Every in-process vLLM engine stays alive for the session, so
@@ -236,7 +251,7 @@ class EnginePool:
             unguarded = {k: v for k, v in sections.items() if k != "repeat_terminate"}
             served, config = self.servers.served_config(backend, model, **unguarded)
             self._twins[key] = ServedTwin(local, lambda: self.servers.server(served, config), self.reach,
-                                          guard=guard)
+                                          guard=guard, subject=subject_name(key))
         else:
             self._count_user(self._loaded.get(key, key))  # a later module asking for the same engine uses it too
         return self._twins[key]
@@ -253,7 +268,8 @@ class EnginePool:
 
         key = self._key(backend, model, True, sections)
         if key not in self._references:
-            self._references[key] = ServedTwin(self._local(key, backend, model, True, sections), None, self.reach)
+            self._references[key] = ServedTwin(self._local(key, backend, model, True, sections), None, self.reach,
+                                               subject=subject_name(key))
         else:
             self._count_user(self._loaded.get(key, key))
         return self._references[key]

@@ -24,10 +24,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
 from conformance.compare import assert_served_equal
+from conformance.kit.outputs import OutputRecord
 from engine.errors import EngineError
 
 IN_PROCESS, SERVED = "in-process", "served"
@@ -66,6 +68,8 @@ class Reach:
 
     how: str = IN_PROCESS
     served_calls: int = 0
+    record: OutputRecord = dataclasses.field(default_factory=OutputRecord)
+    """What every twin's calls got, for the run's outputs record (``conformance/kit/outputs.py``)."""
     check: str = ""
     scripts: dict[str, list[tuple[Any, Any, dict[str, Any], str]]] = dataclasses.field(default_factory=dict)
     """check -> (twin, requests, extension, call key) of each call its in-process variant made, in order."""
@@ -137,8 +141,12 @@ class ServedTwin:
     """
 
     def __init__(self, local: Any, server: Callable[[], Any] | None, reach: Reach, *,
-                 guard: dict[str, Any] | None = None) -> None:
+                 guard: dict[str, Any] | None = None, subject: str = "") -> None:
         self.local = local
+        self.subject = subject or local.backend.name
+        """The engine as the outputs record names it (``OutputRecord``): backend, model, sections."""
+        self._rendered: dict[str, list[str]] = {}
+        """Rendered prompts by call, for the record (rendered once per call, whichever reach asked it)."""
         self._server = server
         """The running server (started on first need); None for a reference, which is never served."""
         self._guard = guard
@@ -158,11 +166,38 @@ class ServedTwin:
         return self._server()
 
     def generate(self, requests: Any, *, options: Any = None, stop: Any = None, plugins: Any = None) -> Any:
-        from engine.client import RolloutServerError
-
+        """The check's call: in-process, or through the server as well (module doc); recorded either way."""
         extension = {k: _plain(v) for k, v in (("options", options), ("stop", stop), ("plugins", plugins))
                      if v is not None}
         call = json.dumps([requests, extension], sort_keys=True) if _jsonable([requests, extension]) else None
+        record = self._reach.record
+        subject = self.subject + (" served" if self._reach.served and self._server is not None and call else "")
+        try:
+            results = self._generate(requests, extension, call, options=options, stop=stop, plugins=plugins)
+        except EngineError as err:
+            if call is not None:
+                record.saw(subject, requests, extension, error=err)
+            raise
+        if record.enabled and call is not None:
+            began = time.perf_counter()
+            record.saw(subject, requests, extension, results=results,
+                       rendered=self.rendered(call, requests, options=options, stop=stop, plugins=plugins))
+            record.seconds += time.perf_counter() - began
+        return results
+
+    def rendered(self, call: str, requests: Any, **kwargs: Any) -> list[str] | None:
+        """The call's rendered prompts (the engine's own ``prepare``), once per call."""
+        if call not in self._rendered:
+            try:
+                self._rendered[call] = [r.text for r in self.local.prepare(requests, **kwargs)[0]]
+            except EngineError:
+                return None
+        return self._rendered[call]
+
+    def _generate(self, requests: Any, extension: dict[str, Any], call: str | None, *, options: Any, stop: Any,
+                  plugins: Any) -> Any:
+        from engine.client import RolloutServerError
+
         if self._server is None and call in self._answers:  # a reference answers each call once per session
             return copy.deepcopy(self._answers[call])
         if not self._reach.served or call is None:
