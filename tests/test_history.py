@@ -183,3 +183,47 @@ def test_a_twin_records_each_call_and_each_refusal_under_the_running_check():
     assert json.loads(got[0]["meta"]) == {"backend": "hf"}  # volatile meta left out
     twin.generate(asked, options={"max_new_tokens": 4})  # a reference repeats its answer: recorded again, counted
     assert reach.record.rows[-1]["case"][-4:] == "-1/1"
+
+
+def test_rebase_takes_only_a_quick_float32_record_of_the_fixtures_and_clears_what_it_now_holds(tmp_path):
+    good = write_record(tmp_path / "good", rows({}), tier="quick", model=history.FIXTURE_MODEL)
+    other = write_record(tmp_path / "other", rows({}), tier="full", model=history.FIXTURE_MODEL)
+    baseline, accepted = tmp_path / "base" / "outputs-quick.parquet", tmp_path / "base" / "accepted.json"
+    baseline.parent.mkdir()
+    accepted.write_text(json.dumps({"accepted": [{"check": "c"}]}))
+    with pytest.raises(ValueError, match=r"not a quick-tier float32 record.*'tier': 'full'"):
+        history.rebase(other, baseline, accepted)
+    assert "1 cases from 1 checks" in history.rebase(good, baseline, accepted)
+    assert outputs.read(baseline)[1] == rows({}) and history.read_accepted(accepted) == []
+
+
+def test_the_options_that_keep_a_run_from_the_baseline_are_the_plugins_own():
+    root = Path(__file__).resolve().parents[1]
+    noxfile, plugin = (root / "noxfile.py").read_text(), (root / "conformance" / "kit" / "plugin.py").read_text()
+    names = re.search(r"OWN_MODELS = \(([^)]*)\)", noxfile).group(1)
+    for name in re.findall(r'"(--[\w-]+)"', names):
+        assert f'addoption("{name}"' in plugin, name
+
+
+def test_the_release_page_holds_both_comparisons_and_fails_on_either(tmp_path, capsys):
+    from conformance.kit import release
+    from engine.report.writer import read as read_benchmarks
+    from tests.test_report import make_report
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    write_record(old, rows({}, {}))
+    write_record(new, rows({}, {}))
+    before = make_report(tmp_path / "b1", "r1", engine_over_raw=0.95)
+    same, slower = make_report(tmp_path / "b2", "r2"), make_report(tmp_path / "b3", "r3", scale=1.3)
+    page = tmp_path / "release.html"
+    args = ["--outputs", str(old), str(new), "--accepted", str(tmp_path / "none.json"), "--out", str(page)]
+    assert release.main([*args, "--benchmarks", str(before), str(same)]) == 0
+    html = page.read_text()
+    assert "outputs: 2 equal; speed: 0 benchmark(s) regressed" in html and html.count("data:image/png") == 2
+    assert release.main([*args, "--benchmarks", str(before), str(slower), "--history", str(before), str(same),
+                         str(slower)]) == 1
+    assert "speed: 4 regressed" in capsys.readouterr().out  # both variants of both batches, 30 % slower
+    write_record(new, rows({}, CHANGES["tokenizer"]))
+    assert release.main([*args, "--benchmarks", str(before), str(same)]) == 1
+    frames = [read_benchmarks(p) for p in (before, same, slower, same)]
+    assert release.ratio_history(frames)["engine_over_raw"] == [("r1", 0.95), ("r2", 0.97), ("r3", 0.97)]

@@ -159,6 +159,33 @@ def accept(result: Comparison, path: Path, reason: str) -> int:
     return len(added)
 
 
+BASELINE = ACCEPTED.parent / "outputs-quick.parquet"
+"""The committed record CI compares with: the quick tier on the fixture models, float32 (``nox -s conformance``)."""
+FIXTURE_MODEL = "smollm2-135m-instruct"
+
+
+def rebase(record: Path, baseline: Path = BASELINE, accepted: Path = ACCEPTED) -> str:
+    """Make ``record`` the committed baseline (after its changes were reviewed): only a quick-tier float32 record of
+    the fixture models qualifies; the accepted changes, now part of the baseline, are cleared. Returns what it did."""
+    import shutil
+
+    from conformance.kit.outputs import read
+
+    run, rows = read(record)
+    wrong = {k: run.get(k) for k, want in (("tier", "quick"), ("dtype", "float32"), ("model", FIXTURE_MODEL))
+             if run.get(k) != want}
+    if wrong:
+        raise ValueError(f"{record} is not a quick-tier float32 record of the fixture models ({wrong}). Fix: record "
+                         "one with ENGINE_TIER=quick nox -s conformance")
+    source = record / "conformance-outputs.parquet" if record.is_dir() else record
+    baseline.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, baseline)
+    cleared = len(read_accepted(accepted))
+    accepted.write_text(json.dumps({"accepted": []}, indent=1) + "\n")
+    return (f"baseline {baseline}: {len(rows)} cases from {len({r['check'] for r in rows})} checks, "
+            f"{baseline.stat().st_size / 1024:.0f} KiB; {cleared} accepted changes cleared (they are in it now)")
+
+
 def headline(result: Comparison) -> str:
     """One line: the counts by status, and how many changes fail.
 
@@ -242,7 +269,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                      help="log-probability bound (default: 1e-3 in float32, 0.5 below it)")
     run.add_argument("--markdown", type=Path, help="where to write the Markdown (default: beside NEW)")
     run.add_argument("--html", type=Path, help="where to write the HTML page (default: beside NEW)")
+    base = verbs.add_parser("rebase", help="make a reviewed quick-tier record the committed baseline")
+    base.add_argument("record", type=Path, help="the record (reports/ of ENGINE_TIER=quick nox -s conformance)")
+    base.add_argument("--baseline", type=Path, default=BASELINE, help=f"default: {BASELINE}")
+    base.add_argument("--accepted", type=Path, default=ACCEPTED, help=f"cleared (default: {ACCEPTED})")
     args = parser.parse_args(argv)
+    if args.verb == "rebase":
+        try:
+            print(rebase(args.record, args.baseline, args.accepted))
+        except ValueError as err:
+            parser.error(str(err))
+        return 0
     old_run, old = read_all([args.old])
     new_run, new = read_all(args.new)
     result = compare(old, new, bound=args.bound, accepted=read_accepted(args.accepted), old_run=old_run,

@@ -65,6 +65,23 @@ VERSIONED = (("xbackend-engine", ("xbackend-engine",)), ("torch", ("torch",)), (
 """Packages whose version can move an output (the template engine and the number libraries included)."""
 
 
+LONGEST = 65_536
+"""Characters of a request or prompt kept whole; a longer one (a hostile client's body) keeps its head and the digest
+of the whole, so two records still compare equal exactly when the texts are equal."""
+
+
+def capped(text: str) -> str:
+    """``text``, or its head and the digest of the whole when it is longer than :data:`LONGEST`.
+
+    >>> capped("abc"), capped("x" * 70_000)[1024:1056], len(capped("x" * 70_000))
+    ('abc', '... [70000 characters, sha256 bc', 1119)
+    """
+    if len(text) <= LONGEST:
+        return text
+    whole = hashlib.sha256(text.encode()).hexdigest()
+    return f"{text[:1024]}... [{len(text)} characters, sha256 {whole}]"
+
+
 def digest(value: Any) -> str:
     """A short stable digest of a JSON-able value.
 
@@ -84,7 +101,7 @@ def case_rows(check: str, subject: str, requests: Sequence[Any], call: dict[str,
     rows = []
     for i, request in enumerate(requests):
         row = {"check": check, "subject": subject, "case": f"{key}-{occurrence}/{i}",
-               "request": json.dumps(request, sort_keys=True, default=str), "call": call_json}
+               "request": capped(json.dumps(request, sort_keys=True, default=str)), "call": capped(call_json)}
         if error is not None or results is None:
             row.update(empty_outputs(), error=refusal(error))
         else:
@@ -115,7 +132,7 @@ def outputs_of(result: Any, prompt_text: str) -> dict[str, Any]:
     """The output fields of one ``GenerationResult``."""
     steps = result.logprobs or ()
     meta = {k: v for k, v in (result.meta or {}).items() if k not in VOLATILE_META}
-    return {"prompt_text": prompt_text, "prompt_ids": [int(i) for i in result.prompt_token_ids],
+    return {"prompt_text": capped(prompt_text), "prompt_ids": [int(i) for i in result.prompt_token_ids],
             "ids": [int(i) for i in result.token_ids], "text": result.text, "raw_text": result.raw_text,
             "finish_reason": result.finish_reason, "stop_reason": json.dumps(result.stop_reason),
             "top_ids": [[int(t) for t in step] for step in steps],
