@@ -18,7 +18,8 @@ from conformance.kit.layers import LAYERS, first_layer
 from engine.types import GenerationResult
 
 ROW = {"check": "conformance/test_x.py::test_a[hf]", "subject": "hf tiny-chat", "case": "abc-0/0",
-       "request": "[]", "call": "{}", "error": "", "prompt_text": "<u>hi</u>", "prompt_ids": [1, 7, 2],
+       "request": "[]", "call": "{}", "sampling": "greedy", "error": "", "prompt_text": "<u>hi</u>",
+       "prompt_ids": [1, 7, 2],
        "ids": [5, 6, 2], "top_ids": [[5, 9], [6, 9], [2, 9]],
        "top_logprobs": [[-0.1, -2.0], [-0.2, -3.0], [-0.3, -4.0]],
        "finish_reason": "stop", "stop_reason": "2", "text": "ab", "raw_text": "ab</s>",
@@ -52,6 +53,15 @@ def test_logprobs_within_the_float32_bound_are_equal_and_a_token_new_to_the_top_
     moved = {**ROW, "top_ids": [[5, 11], [6, 9], [2, 9]], "top_logprobs": [[-0.1, -1.0], [-0.2, -3.0], [-0.3, -4.0]]}
     assert first_layer(ROW, moved)[0] == "logprobs"
     assert first_layer(ROW, moved, bound=2.0) is None
+
+
+def test_an_unseeded_row_is_held_to_its_prompt_only_and_minus_infinity_equals_itself():
+    unseeded = {**ROW, "sampling": "unseeded"}
+    assert first_layer(unseeded, {**unseeded, **CHANGES["ids"]}) is None
+    assert first_layer(unseeded, {**unseeded, **CHANGES["tokenizer"]})[0] == "tokenizer"
+    support = {**ROW, "top_logprobs": [[-0.1, float("-inf")], [-0.2, -3.0], [-0.3, -4.0]]}
+    assert first_layer(support, dict(support)) is None
+    assert first_layer(support, {**support, "top_logprobs": ROW["top_logprobs"]})[0] == "logprobs"
 
 
 def test_a_divergence_says_the_position_both_tokens_and_their_top_k():
@@ -150,10 +160,13 @@ class Engine:
     """What a twin reads of an engine: its backend's name, ``prepare`` (rendered prompts) and ``generate``."""
 
     backend = SimpleNamespace(name="hf")
-    config = SimpleNamespace(repeat_terminate=None)
+    def __init__(self):
+        from engine.config import GenerationOptions
+
+        self.config = SimpleNamespace(repeat_terminate=None, generation=GenerationOptions())
 
     def prepare(self, requests, **_):
-        return [SimpleNamespace(text=f"<u>{r[0]['content']}</u>") for r in requests], None
+        return [SimpleNamespace(text=f"<u>{r[0]['content']}</u>", seed=None) for r in requests], None
 
     def generate(self, requests, *, options=None, stop=None, plugins=None):
         from engine.errors import RequestError
@@ -174,6 +187,10 @@ def test_a_twin_records_each_call_and_each_refusal_under_the_running_check():
     twin = ServedTwin(Engine(), None, reach, subject="hf tiny-chat")
     asked = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "yo"}]]
     twin.generate(asked, options={"max_new_tokens": 4})
+    twin.generate(asked[:1], options={"max_new_tokens": 4, "temperature": 0.7})
+    twin.generate(asked[:1], options={"max_new_tokens": 4, "temperature": 0.7, "seed": 3})
+    assert [r["sampling"] for r in reach.record.rows] == ["greedy", "greedy", "unseeded", "seeded"]
+    del reach.record.rows[2:]
     with pytest.raises(RequestError):
         twin.generate(asked[:1], options={"max_new_tokens": 0})
     got = reach.record.rows

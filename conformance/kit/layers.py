@@ -32,6 +32,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+UNSEEDED = "unseeded"
+"""A row sampled without a seed (the record's ``sampling``): its answer differs every run by design, so only the
+layers before generation (refusal, template, tokenizer) are compared."""
 LAYERS = ("refusal", "template", "tokenizer", "ids", "logprobs", "ending", "text", "meta")
 """Pipeline order (module doc)."""
 FLOAT32_BOUND = 1e-3
@@ -65,6 +68,8 @@ def first_layer(old: Mapping[str, Any], new: Mapping[str, Any], *,
         step = first_difference(old["prompt_ids"], new["prompt_ids"])
         return "tokenizer", f"prompt ids from position {step}: {list(old['prompt_ids'][step:step + 4])} -> " \
                             f"{list(new['prompt_ids'][step:step + 4])}"
+    if UNSEEDED in (old.get("sampling"), new.get("sampling")):
+        return None  # another answer every run: held to the last one up to its prompt only
     ids_old, ids_new = list(old["ids"]), list(new["ids"])
     step = first_difference(ids_old, ids_new)
     if step is not None and step < min(len(ids_old), len(ids_new)):
@@ -109,9 +114,15 @@ def text_change(old: str, new: str, *, width: int = 24) -> str:
     return f"from character {at}: {old[at:at + width]!r} -> {new[at:at + width]!r}"
 
 
+NEG_INF = -1e30
+"""-inf (a token outside a processed distribution's support) as a finite value, so that two -inf compare equal and a
+finite value against -inf compares far apart."""
+
+
 def top_steps(row: Mapping[str, Any]) -> list[dict[int, float]]:
-    return [dict(zip(ids, values, strict=True)) for ids, values in zip(row["top_ids"], row["top_logprobs"],
-                                                                         strict=True)]
+    """Per step, token id -> log-probability (-inf as :data:`NEG_INF`)."""
+    return [{t: max(v, NEG_INF) for t, v in zip(ids, values, strict=True)}
+            for ids, values in zip(row["top_ids"], row["top_logprobs"], strict=True)]
 
 
 def top_k_at(old: Mapping[str, Any], new: Mapping[str, Any], step: int) -> str:

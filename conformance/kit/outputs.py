@@ -43,6 +43,7 @@ FIELDS = {
     "case": "call digest (requests and per-call options as JSON), occurrence within check x subject, row: 'd-0/2'",
     "request": "the row's request as JSON (messages, or a plain prompt)",
     "call": "the call's per-call options as JSON (options, stop, plugins)",
+    "sampling": "'greedy', 'seeded' (the same answer every run) or 'unseeded' (compared up to its prompt)",
     "prompt_text": "the rendered prompt (chat template applied); '' where the call was refused before rendering",
     "prompt_ids": "the prompt's token ids",
     "ids": "the generated token ids, up to and including the token that ended the row",
@@ -93,15 +94,16 @@ def digest(value: Any) -> str:
 
 def case_rows(check: str, subject: str, requests: Sequence[Any], call: dict[str, Any], occurrence: int, *,
               results: Sequence[Any] | None = None, rendered: Sequence[str] | None = None,
-              error: BaseException | None = None) -> list[dict[str, Any]]:
-    """One row per request of one call: its outputs (``results``, with the ``rendered`` prompts), or the refusal
-    (``error``) on every row."""
+              sampling: Sequence[str] | None = None, error: BaseException | None = None) -> list[dict[str, Any]]:
+    """One row per request of one call: its outputs (``results``, with the ``rendered`` prompts and how each row
+    draws), or the refusal (``error``) on every row."""
     key = digest([list(requests), call])
     call_json = json.dumps(call, sort_keys=True, default=str)
     rows = []
     for i, request in enumerate(requests):
         row = {"check": check, "subject": subject, "case": f"{key}-{occurrence}/{i}",
-               "request": capped(json.dumps(request, sort_keys=True, default=str)), "call": capped(call_json)}
+               "request": capped(json.dumps(request, sort_keys=True, default=str)), "call": capped(call_json),
+               "sampling": sampling[i] if sampling else ""}
         if error is not None or results is None:
             row.update(empty_outputs(), error=refusal(error))
         else:
@@ -163,7 +165,7 @@ class OutputRecord:
 
     def saw(self, subject: str, requests: Sequence[Any], call: dict[str, Any], *,
             results: Sequence[Any] | None = None, rendered: Sequence[str] | None = None,
-            error: BaseException | None = None) -> None:
+            sampling: Sequence[str] | None = None, error: BaseException | None = None) -> None:
         """One call's requests and what came back (or the refusal)."""
         if not self.enabled or not self.check:
             return
@@ -171,7 +173,7 @@ class OutputRecord:
         occurrence = self._seen[key]
         self._seen[key] += 1
         self.rows.extend(case_rows(self.check, subject, requests, call, occurrence, results=results,
-                                   rendered=rendered, error=error))
+                                   rendered=rendered, sampling=sampling, error=error))
 
     def checks(self) -> int:
         """How many checks recorded at least one row."""

@@ -145,8 +145,9 @@ class ServedTwin:
         self.local = local
         self.subject = subject or local.backend.name
         """The engine as the outputs record names it (``OutputRecord``): backend, model, sections."""
-        self._rendered: dict[str, list[str]] = {}
-        """Rendered prompts by call, for the record (rendered once per call, whichever reach asked it)."""
+        self._rendered: dict[str, tuple[list[str], list[str]]] = {}
+        """Rendered prompts and how their rows draw, by call, for the record (once per call, whichever reach asked
+        it)."""
         self._server = server
         """The running server (started on first need); None for a reference, which is never served."""
         self._guard = guard
@@ -180,18 +181,25 @@ class ServedTwin:
             raise
         if record.enabled and call is not None:
             began = time.perf_counter()
-            record.saw(subject, requests, extension, results=results,
-                       rendered=self.rendered(call, requests, options=options, stop=stop, plugins=plugins))
+            rendered, sampling = self.prepared(call, requests, options=options, stop=stop, plugins=plugins)
+            record.saw(subject, requests, extension, results=results, rendered=rendered, sampling=sampling)
             record.seconds += time.perf_counter() - began
         return results
 
-    def rendered(self, call: str, requests: Any, **kwargs: Any) -> list[str] | None:
-        """The call's rendered prompts (the engine's own ``prepare``), once per call."""
+    def prepared(self, call: str, requests: Any, **kwargs: Any) -> tuple[list[str] | None, list[str] | None]:
+        """The call's rendered prompts (the engine's own ``prepare``) and how each row draws (``greedy``, ``seeded``:
+        the call, its request or the backend gives a seed; ``unseeded``: another answer every run, which the
+        comparison does not hold to the last one), once per call."""
         if call not in self._rendered:
             try:
-                self._rendered[call] = [r.text for r in self.local.prepare(requests, **kwargs)[0]]
+                rendered, _ = self.local.prepare(requests, **kwargs)
             except EngineError:
-                return None
+                return None, None
+            asked = self.local.config.generation.merged(kwargs.get("options"))  # before a portable seed is drawn
+            seeded = asked.seed is not None or getattr(self.local.backend, "default_seed", None) is not None
+            self._rendered[call] = ([r.text for r in rendered],
+                                    ["greedy" if asked.is_greedy else "seeded" if seeded or r.seed is not None
+                                     else "unseeded" for r in rendered])
         return self._rendered[call]
 
     def _generate(self, requests: Any, extension: dict[str, Any], call: str | None, *, options: Any, stop: Any,
