@@ -6,6 +6,7 @@ a fixture)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -244,3 +245,16 @@ def test_the_release_page_holds_both_comparisons_and_fails_on_either(tmp_path, c
     assert release.main([*args, "--benchmarks", str(before), str(same)]) == 1
     frames = [read_benchmarks(p) for p in (before, same, slower, same)]
     assert release.ratio_history(frames)["engine_over_raw"] == [("r1", 0.95), ("r2", 0.97), ("r3", 0.97)]
+
+
+def test_an_image_is_keyed_by_its_content_not_by_the_run_s_path_or_object(tmp_path):
+    from PIL import Image
+
+    one, two = tmp_path / "a.png", tmp_path / "b.png"
+    Image.new("RGB", (3, 2), "red").save(one)
+    two.write_bytes(one.read_bytes())
+    request = [{"role": "user", "content": [{"type": "image", "image": str(one)}]}]
+    moved = [{"role": "user", "content": [{"type": "image", "image": str(two)}]}]
+    assert outputs.stable(request) == outputs.stable(moved) != request
+    assert outputs.stable(Image.open(one)) == outputs.stable(Image.open(two))
+    assert outputs.stable(one.read_bytes()) == {"bytes": hashlib.sha256(one.read_bytes()).hexdigest()[:12]}

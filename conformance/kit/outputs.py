@@ -83,6 +83,30 @@ def capped(text: str) -> str:
     return f"{text[:1024]}... [{len(text)} characters, sha256 {whole}]"
 
 
+def stable(value: Any) -> Any:
+    """``value`` as JSON-able data that is the same in every run: an image (a PIL image, its bytes, or the path of
+    its file, which differs per run) becomes the digest of its pixels or bytes; everything else is kept.
+
+    >>> from PIL import Image
+    >>> stable([{"role": "user", "image": Image.new("RGB", (2, 2)), "content": "hi"}])
+    [{'role': 'user', 'image': {'image': 'RGB 2x2 15ec7bf0b507'}, 'content': 'hi'}]
+    """
+    import os
+
+    if isinstance(value, dict):
+        return {k: stable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [stable(v) for v in value]
+    if isinstance(value, (bytes, bytearray)):
+        return {"bytes": hashlib.sha256(value).hexdigest()[:12]}
+    if hasattr(value, "tobytes") and hasattr(value, "size") and hasattr(value, "mode"):  # a PIL image
+        width, height = value.size
+        return {"image": f"{value.mode} {width}x{height} {hashlib.sha256(value.tobytes()).hexdigest()[:12]}"}
+    if isinstance(value, str) and len(value) < 4096 and os.path.isfile(value):
+        return {"file": hashlib.sha256(Path(value).read_bytes()).hexdigest()[:12]}
+    return value
+
+
 def digest(value: Any) -> str:
     """A short stable digest of a JSON-able value.
 
@@ -97,7 +121,8 @@ def case_rows(check: str, subject: str, requests: Sequence[Any], call: dict[str,
               sampling: Sequence[str] | None = None, error: BaseException | None = None) -> list[dict[str, Any]]:
     """One row per request of one call: its outputs (``results``, with the ``rendered`` prompts and how each row
     draws), or the refusal (``error``) on every row."""
-    key = digest([list(requests), call])
+    requests = stable(list(requests))
+    key = digest([requests, call])
     call_json = json.dumps(call, sort_keys=True, default=str)
     rows = []
     for i, request in enumerate(requests):
@@ -169,7 +194,7 @@ class OutputRecord:
         """One call's requests and what came back (or the refusal)."""
         if not self.enabled or not self.check:
             return
-        key = (self.check, subject, digest([list(requests), call]))
+        key = (self.check, subject, digest([stable(list(requests)), call]))
         occurrence = self._seen[key]
         self._seen[key] += 1
         self.rows.extend(case_rows(self.check, subject, requests, call, occurrence, results=results,

@@ -186,6 +186,32 @@ class ServedTwin:
             record.seconds += time.perf_counter() - began
         return results
 
+    def generate_vlm(self, requests: Any, **kwargs: Any) -> Any:
+        """Image requests, in-process only (the served engine takes text); recorded as ``generate``'s calls are,
+        each image as the digest of its pixels (``outputs.stable``)."""
+        record = self._reach.record
+        call = {k: _plain(v) for k, v in kwargs.items() if v is not None}
+        try:
+            results = self.local.generate_vlm(requests, **kwargs)
+        except EngineError as err:
+            record.saw(self.subject, requests, call, error=err)
+            raise
+        if record.enabled:
+            began = time.perf_counter()
+            record.saw(self.subject, requests, call, results=results, rendered=self.rendered_vlm(requests),
+                       sampling=self.draws(kwargs.get("options"), [None] * len(requests)))
+            record.seconds += time.perf_counter() - began
+        return results
+
+    def rendered_vlm(self, requests: Any) -> list[str]:
+        """Image requests' rendered prompts, as the engine renders them (its processor's chat template)."""
+        from engine.templates import render_prompt
+        from engine.vision import VisionRequest
+
+        local = self.local
+        return [render_prompt(local.processor, VisionRequest.of(r, index=i).messages, tokenizer=local.tokenizer).text
+                for i, r in enumerate(requests)]
+
     def prepared(self, call: str, requests: Any, **kwargs: Any) -> tuple[list[str] | None, list[str] | None]:
         """The call's rendered prompts (the engine's own ``prepare``) and how each row draws (``greedy``, ``seeded``:
         the call, its request or the backend gives a seed; ``unseeded``: another answer every run, which the
@@ -195,12 +221,17 @@ class ServedTwin:
                 rendered, _ = self.local.prepare(requests, **kwargs)
             except EngineError:
                 return None, None
-            asked = self.local.config.generation.merged(kwargs.get("options"))  # before a portable seed is drawn
-            seeded = asked.seed is not None or getattr(self.local.backend, "default_seed", None) is not None
             self._rendered[call] = ([r.text for r in rendered],
-                                    ["greedy" if asked.is_greedy else "seeded" if seeded or r.seed is not None
-                                     else "unseeded" for r in rendered])
+                                    self.draws(kwargs.get("options"), [r.seed for r in rendered]))
         return self._rendered[call]
+
+    def draws(self, options: Any, row_seeds: list[int | None]) -> list[str]:
+        """How each row of a call with ``options`` draws: ``greedy``, ``seeded`` (the call, the row's request or the
+        backend gives a seed) or ``unseeded``; read from the options asked, before a portable seed is drawn."""
+        asked = self.local.config.generation.merged(options)
+        seeded = asked.seed is not None or getattr(self.local.backend, "default_seed", None) is not None
+        return ["greedy" if asked.is_greedy else "seeded" if seeded or own is not None else "unseeded"
+                for own in row_seeds]
 
     def _generate(self, requests: Any, extension: dict[str, Any], call: str | None, *, options: Any, stop: Any,
                   plugins: Any) -> Any:
