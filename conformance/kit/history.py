@@ -32,7 +32,7 @@ import html
 import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -300,12 +300,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"accepted {added} changes into {args.accepted}")
         return 0
     return 1 if result.failing() else 0
-
-
-def as_json(result: Comparison) -> dict[str, Any]:
-    """The comparison as JSON (counts, stack differences, changes): for a release report that reads it."""
-    return {"counts": dict(result.counts), "stack": result.stack_differences(),
-            "changes": [asdict(c) for c in result.changes]}
 
 
 if __name__ == "__main__":

@@ -251,10 +251,10 @@ def read(path: Path | str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     if int(meta.get("schema_version", 0)) > SCHEMA_VERSION:
         raise OutputsError(f"{path}: schema version {meta['schema_version']} is newer than this tool's "
                            f"{SCHEMA_VERSION}. Fix: compare with the suite's newer version")
-    rows = table.to_pylist()
+    rows, empty = table.to_pylist(), empty_outputs()
     for row in rows:  # fields a later version added read as empty in an older record
         for name in FIELDS:
-            row.setdefault(name, empty_outputs().get(name, ""))
+            row.setdefault(name, empty.get(name, ""))
     return meta.get("run", {}), rows
 
 
