@@ -258,3 +258,21 @@ def test_an_image_is_keyed_by_its_content_not_by_the_run_s_path_or_object(tmp_pa
     assert outputs.stable(request) == outputs.stable(moved) != request
     assert outputs.stable(Image.open(one)) == outputs.stable(Image.open(two))
     assert outputs.stable(one.read_bytes()) == {"bytes": hashlib.sha256(one.read_bytes()).hexdigest()[:12]}
+
+
+class _TextOnly:
+    def __init__(self, cap: int) -> None:
+        self.cap, self._seen = cap, []
+
+
+def test_a_plugin_instance_in_a_call_keys_the_case_by_its_class_and_settings_not_its_address():
+    """A plugin object's repr holds its address, another in every run: two runs of one check must ask one case
+    (CI at 735a533 showed test_plugins_on_image_requests as 4 new and 4 gone against the baseline for that)."""
+    requests = [[{"role": "user", "content": "hi"}]]
+    one, two = ({"plugins": [_TextOnly(3)]} for _ in range(2))
+    assert repr(one["plugins"][0]) != repr(two["plugins"][0])
+    key = outputs.case_rows("c", "hf", requests, one, 0, error=ValueError("x"))[0]["case"]
+    assert key == outputs.case_rows("c", "hf", requests, two, 0, error=ValueError("x"))[0]["case"]
+    other = outputs.case_rows("c", "hf", requests, {"plugins": [_TextOnly(4)]}, 0, error=ValueError("x"))[0]["case"]
+    assert other != key
+    assert outputs.stable(one)["plugins"] == [{"object": "test_history._TextOnly", "cap": 3}]

@@ -85,11 +85,16 @@ def capped(text: str) -> str:
 
 def stable(value: Any) -> Any:
     """``value`` as JSON-able data that is the same in every run: an image (a PIL image, its bytes, or the path of
-    its file, which differs per run) becomes the digest of its pixels or bytes; everything else is kept.
+    its file, which differs per run) becomes the digest of its pixels or bytes; an object whose repr holds its
+    address (a plugin instance) becomes its class's name and its public scalar attributes; the rest is kept.
 
     >>> from PIL import Image
     >>> stable([{"role": "user", "image": Image.new("RGB", (2, 2)), "content": "hi"}])
     [{'role': 'user', 'image': {'image': 'RGB 2x2 15ec7bf0b507'}, 'content': 'hi'}]
+    >>> class Plugin:
+    ...     def __init__(self): self.name, self._cache = "mine", {}
+    >>> stable({"plugins": [Plugin()]})
+    {'plugins': [{'object': 'outputs.Plugin', 'name': 'mine'}]}
     """
     import os
 
@@ -104,7 +109,11 @@ def stable(value: Any) -> Any:
         return {"image": f"{value.mode} {width}x{height} {hashlib.sha256(value.tobytes()).hexdigest()[:12]}"}
     if isinstance(value, str) and len(value) < 4096 and os.path.isfile(value):
         return {"file": hashlib.sha256(Path(value).read_bytes()).hexdigest()[:12]}
-    return value
+    if value is None or isinstance(value, (str, int, float, bool)) or " at 0x" not in repr(value):
+        return value  # the record writes it as JSON, or as its repr
+    scalars = {k: v for k, v in getattr(value, "__dict__", {}).items()
+               if not k.startswith("_") and (v is None or isinstance(v, (str, int, float, bool)))}
+    return {"object": f"{type(value).__module__.rsplit('.', 1)[-1]}.{type(value).__qualname__}", **scalars}
 
 
 def digest(value: Any) -> str:
@@ -121,7 +130,7 @@ def case_rows(check: str, subject: str, requests: Sequence[Any], call: dict[str,
               sampling: Sequence[str] | None = None, error: BaseException | None = None) -> list[dict[str, Any]]:
     """One row per request of one call: its outputs (``results``, with the ``rendered`` prompts and how each row
     draws), or the refusal (``error``) on every row."""
-    requests = stable(list(requests))
+    requests, call = stable(list(requests)), stable(call)
     key = digest([requests, call])
     call_json = json.dumps(call, sort_keys=True, default=str)
     rows = []
