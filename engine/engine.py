@@ -286,14 +286,20 @@ class GenerationEngine:
 
     def prepare(self, requests: Sequence[RequestLike], *, options: OptionsLike = None, stop: StopLike = None,
                 plugins: PluginsLike = None, json_schema: SchemaLike = None,
-                repeat_terminate: RepeatLike = None) -> tuple[list[RenderedPrompt], SamplingPlan]:
-        """Validate text requests, options and plugins and render prompts; raises before any generation."""
+                repeat_terminate: RepeatLike = None,
+                adapter: str | None = None) -> tuple[list[RenderedPrompt], SamplingPlan]:
+        """Validate text requests, options and plugins and render prompts; raises before any generation.
+        ``adapter`` (a ``model.adapters`` name) is the LoRA adapter of every request that names none."""
         active = self._plugins(plugins)
         self._check_plugins(active, self.backend.name, self.backend.capabilities.hooks, kinds="text")
         plan = self._plan(options, stop, None, self.backend, active, json_schema, repeat_terminate)
         checked = [ChatRequest.of(r, index=i) for i, r in enumerate(requests)]
         self._check_size(checked)
-        rendered = [dataclasses.replace(render_prompt(self.tokenizer, r.messages, thinking=r.thinking), seed=r.seed)
+        self.check_adapter(adapter, "adapter")
+        for i, r in enumerate(checked):
+            self.check_adapter(r.adapter, f"requests[{i}].adapter")
+        rendered = [dataclasses.replace(render_prompt(self.tokenizer, r.messages, thinking=r.thinking), seed=r.seed,
+                                        adapter=r.adapter or adapter)
                     for r in checked]
         limit = self.backend.capabilities.max_model_len
         for i, r in enumerate(rendered):
@@ -324,7 +330,7 @@ class GenerationEngine:
 
     def generate(self, requests: Sequence[RequestLike], *, options: OptionsLike = None, stop: StopLike = None,
                  plugins: PluginsLike = None, json_schema: SchemaLike = None,
-                 repeat_terminate: RepeatLike = None) -> list[GenerationResult]:
+                 repeat_terminate: RepeatLike = None, adapter: str | None = None) -> list[GenerationResult]:
         """Generate one result per text request, in order. ``options``/``stop`` override the config's fields;
         ``plugins`` (a list of ``{name: ..., <params>}``) replaces the engine's plugins for this call;
         ``json_schema`` (a JSON Schema object) constrains every output to it by construction;
@@ -332,28 +338,41 @@ class GenerationEngine:
         (:meth:`~engine.config.repeat.RepeatTerminateConfig.overlaid`: a threshold turns it on, ``{"enabled": false}``
         off)."""
         rendered, plan = self.prepare(requests, options=options, stop=stop, plugins=plugins, json_schema=json_schema,
-                                      repeat_terminate=repeat_terminate)
+                                      repeat_terminate=repeat_terminate, adapter=adapter)
         return self._run(self.backend, prompts_of(rendered, plan), rendered, plan, fallback=None,
                          plugins=self._plugins(plugins))
 
     def complete(self, prompts: Sequence[PromptLike], *, options: OptionsLike = None, stop: StopLike = None,
                  plugins: PluginsLike = None, json_schema: SchemaLike = None,
-                 repeat_terminate: RepeatLike = None) -> list[GenerationResult]:
+                 repeat_terminate: RepeatLike = None, adapter: str | None = None) -> list[GenerationResult]:
         """Continue plain prompts, no chat template: text (tokenized as is, no special tokens added) or token ids.
         Everything else is ``generate``'s pipeline (stops, guards, plugins, ``json_schema``)."""
         rendered, plan = self.prepare_plain(prompts, options=options, stop=stop, plugins=plugins,
-                                            json_schema=json_schema, repeat_terminate=repeat_terminate)
+                                            json_schema=json_schema, repeat_terminate=repeat_terminate,
+                                            adapter=adapter)
         return self._run(self.backend, prompts_of(rendered, plan), rendered, plan, fallback=None,
                          plugins=self._plugins(plugins))
 
     def prepare_plain(self, prompts: Sequence[PromptLike], *, options: OptionsLike = None, stop: StopLike = None,
                       plugins: PluginsLike = None, json_schema: SchemaLike = None,
-                      repeat_terminate: RepeatLike = None) -> tuple[list[RenderedPrompt], SamplingPlan]:
-        """``prepare`` for plain prompts (``complete``'s): validate and tokenize; raises before any generation."""
+                      repeat_terminate: RepeatLike = None,
+                      adapter: str | None = None) -> tuple[list[RenderedPrompt], SamplingPlan]:
+        """``prepare`` for plain prompts (``complete``'s): validate and tokenize; raises before any generation.
+        ``adapter``: the LoRA adapter of every prompt (None: the base model)."""
         active = self._plugins(plugins)
         self._check_plugins(active, self.backend.name, self.backend.capabilities.hooks, kinds="text")
         plan = self._plan(options, stop, None, self.backend, active, json_schema, repeat_terminate)
-        return plain_prompts(self.tokenizer, prompts, self.backend.capabilities.max_model_len), plan
+        self.check_adapter(adapter, "adapter")
+        rendered = plain_prompts(self.tokenizer, prompts, self.backend.capabilities.max_model_len)
+        if adapter is not None:
+            rendered = [dataclasses.replace(r, adapter=adapter) for r in rendered]
+        return rendered, plan
+
+    def check_adapter(self, name: Any, at: str) -> None:
+        """Refuse a LoRA adapter name the backend did not load (``engine.adapters``), naming ``at``."""
+        from engine.adapters import check_adapter_name
+
+        check_adapter_name(name, self.backend.capabilities.adapters, at)
 
     def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
               top: int | None = None, processing: ProcessingLike = None) -> list[TokenScores]:
@@ -405,24 +424,26 @@ class GenerationEngine:
 
     async def agenerate(self, requests: Sequence[RequestLike], *, options: OptionsLike = None, stop: StopLike = None,
                         plugins: PluginsLike = None, json_schema: SchemaLike = None,
-                        repeat_terminate: RepeatLike = None,
+                        repeat_terminate: RepeatLike = None, adapter: str | None = None,
                         prepared: tuple[list[RenderedPrompt], SamplingPlan] | None = None) -> list[GenerationResult]:
         """``generate`` for asyncio callers: concurrent calls share the backend (vLLM's ``AsyncLLM`` with
         ``vllm.async_engine``; otherwise an :class:`~engine.batcher.AsyncBatcher` over the backend's batches).
         Validation happens first, in the caller, and raises before anything is generated; ``prepared`` (what
         :meth:`prepare` gave for these very arguments, e.g. in a worker thread) skips doing it again."""
         rendered, plan = prepared or self.prepare(requests, options=options, stop=stop, plugins=plugins,
-                                                  json_schema=json_schema, repeat_terminate=repeat_terminate)
+                                                  json_schema=json_schema, repeat_terminate=repeat_terminate,
+                                                  adapter=adapter)
         return await self._arun(rendered, plan, plugins)
 
     async def acomplete(self, prompts: Sequence[PromptLike], *, options: OptionsLike = None, stop: StopLike = None,
                         plugins: PluginsLike = None, json_schema: SchemaLike = None,
-                        repeat_terminate: RepeatLike = None,
+                        repeat_terminate: RepeatLike = None, adapter: str | None = None,
                         prepared: tuple[list[RenderedPrompt], SamplingPlan] | None = None) -> list[GenerationResult]:
         """``complete`` for asyncio callers, batched as ``agenerate``. Validation raises first, in the caller;
         ``prepared`` (what :meth:`prepare_plain` gave for these very arguments) skips doing it again."""
         rendered, plan = prepared or self.prepare_plain(prompts, options=options, stop=stop, plugins=plugins,
-                                                        json_schema=json_schema, repeat_terminate=repeat_terminate)
+                                                        json_schema=json_schema, repeat_terminate=repeat_terminate,
+                                                        adapter=adapter)
         return await self._arun(rendered, plan, plugins)
 
     async def _arun(self, rendered: list[RenderedPrompt], plan: SamplingPlan,
@@ -439,23 +460,26 @@ class GenerationEngine:
 
     def astream(self, request: RequestLike, *, options: OptionsLike = None, stop: StopLike = None,
                 plugins: PluginsLike = None, json_schema: SchemaLike = None, repeat_terminate: RepeatLike = None,
+                adapter: str | None = None,
                 prepared: tuple[list[RenderedPrompt], SamplingPlan] | None = None) -> ResultStream:
         """One text request as a stream of text deltas, the last carrying the ``GenerationResult``
         (see :class:`~engine.streaming.ResultStream`). Validation happens here, before anything is generated;
         the deltas concatenate to the result's ``text`` (the same text ``generate`` gives). ``prepared`` as in
         :meth:`agenerate` (of ``[request]``)."""
         rendered, plan = prepared or self.prepare([request], options=options, stop=stop, plugins=plugins,
-                                                  json_schema=json_schema, repeat_terminate=repeat_terminate)
+                                                  json_schema=json_schema, repeat_terminate=repeat_terminate,
+                                                  adapter=adapter)
         return ResultStream(self.results, self.backend, self.batcher, rendered[0], plan, self._plugins(plugins))
 
     def astream_complete(self, prompt: PromptLike, *, options: OptionsLike = None, stop: StopLike = None,
                          plugins: PluginsLike = None, json_schema: SchemaLike = None,
-                         repeat_terminate: RepeatLike = None,
+                         repeat_terminate: RepeatLike = None, adapter: str | None = None,
                          prepared: tuple[list[RenderedPrompt], SamplingPlan] | None = None) -> ResultStream:
         """``astream`` for one plain prompt (``complete``'s): its deltas concatenate to ``complete``'s text;
         ``prepared`` as in :meth:`acomplete` (of ``[prompt]``)."""
         rendered, plan = prepared or self.prepare_plain([prompt], options=options, stop=stop, plugins=plugins,
-                                                        json_schema=json_schema, repeat_terminate=repeat_terminate)
+                                                        json_schema=json_schema, repeat_terminate=repeat_terminate,
+                                                        adapter=adapter)
         return ResultStream(self.results, self.backend, self.batcher, rendered[0], plan, self._plugins(plugins))
 
     def batcher(self) -> Any:

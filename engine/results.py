@@ -88,6 +88,8 @@ class ResultBuilder:
             **repeat_meta(events),  # reported by the guard itself, never inferred from the finish reason
             "plugins": [p.name for p in plugins],
         }
+        if getattr(prompt, "adapter", None) is not None:  # the LoRA adapter the row ran with (none: the base model)
+            meta["adapter"] = prompt.adapter
         if plan.special_stops:  # stop strings that were a special token's text: the row ended at that token
             meta["stop_strings_as_token_ids"] = dict(plan.special_stops)
         if plan.draws_portably:  # replayable: the call's seed

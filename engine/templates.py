@@ -28,6 +28,8 @@ class RenderedPrompt:
     fallback: str | None
     seed: int | None = None
     """The request's own sampling seed (``ChatRequest.seed``), or None: the call's, by the row's index."""
+    adapter: str | None = None
+    """The LoRA adapter the row runs with (``ChatRequest.adapter``, else the call's), or None: the base model."""
 
 
 def _mentions_thinking(err: BaseException) -> bool:

@@ -100,14 +100,20 @@ Fix: give at least one {'role': 'user', 'content': ...} message.
     """This conversation's own sampling seed in [0, 2**63), in place of the one its index in the call derives from
     the call's seed (``engine.rules.seeding``): its row draws alike wherever it stands in a batch (with the portable
     sampler, on every backend). Only in sampled calls; None: the call's."""
+    adapter: str | None = None
+    """The LoRA adapter this conversation runs with, by its ``model.adapters`` name; None: the call's ``adapter=``,
+    else the base model. Rows of one call may name different adapters (``engine.adapters``)."""
 
     @classmethod
     def of(cls, raw: ChatRequest | Sequence[Mapping[str, Any]], *, index: int) -> ChatRequest:
         """Validate one request (a ChatRequest or a list of ``{"role", "content"}`` messages)."""
-        thinking, seed = False, None
+        thinking, seed, adapter = False, None, None
         if isinstance(raw, ChatRequest):
-            raw, thinking, seed = raw.messages, raw.thinking, raw.seed
+            raw, thinking, seed, adapter = raw.messages, raw.thinking, raw.seed, raw.adapter
         where = f"requests[{index}]"
+        if adapter is not None and not isinstance(adapter, str):
+            raise RequestError(f"{where}.adapter", adapter, "must be an adapter's name",
+                               fix="name one of the engine's model.adapters, or leave it out for the base model")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63):
             raise RequestError(f"{where}.seed", seed, "must be an integer in [0, 2**63)",
                                fix="give the row's seed as a non-negative integer, or leave it out")
@@ -121,7 +127,7 @@ Fix: give at least one {'role': 'user', 'content': ...} message.
                 raise RequestError(f"{at}.content", msg["content"], "must be a string on the text path",
                                    fix="pass the message text as a string")
             check_unicode(msg["content"], f"{at}.content")
-        return cls(tuple(dict(m) for m in raw), thinking=thinking, seed=seed)
+        return cls(tuple(dict(m) for m in raw), thinking=thinking, seed=seed, adapter=adapter)
 
 
 @dataclass(frozen=True)

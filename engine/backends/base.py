@@ -42,6 +42,8 @@ class Capabilities:
     """Constrains generation to a JSON Schema (``SamplingPlan.json_schema``)."""
     rules_problem: str | None = None
     """Why the backend cannot run the engine's row rules (repeat guard, rule plugins) here; None: it can."""
+    adapters: tuple[str, ...] = ()
+    """The LoRA adapters it loaded (``model.adapters``' names): what a request's ``adapter`` may name."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,8 @@ class Prompt:
     seed: int | None = None
     """This row's own sampling seed (``engine.rules.seeding``: from the call's seed and the row's index in its
     call); None: greedy, or unseeded sampling. Backends sample each row with a generator of its own."""
+    adapter: str | None = None
+    """The LoRA adapter this row runs with (a name of ``model.adapters``, checked); None: the base model."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,8 @@ def prompts_of(rendered: Sequence[Any], plan: SamplingPlan, images: Sequence[Any
         own = [getattr(r, "seed", None) for r in rendered]
         seeds = [s if mine is None else mine for mine, s in zip(own, seeds, strict=True)]
     pictures = images if images is not None else [None] * len(rendered)
-    return [Prompt(token_ids=tuple(r.token_ids), text=r.text, image=image, seed=seed)
+    return [Prompt(token_ids=tuple(r.token_ids), text=r.text, image=image, seed=seed,
+                   adapter=getattr(r, "adapter", None))
             for r, image, seed in zip(rendered, pictures, seeds, strict=True)]
 
 

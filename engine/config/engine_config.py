@@ -16,6 +16,9 @@ from engine.errors import ConfigError
 
 BACKENDS = tuple(SPECS)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The LoRA ranks vLLM sizes its slots for (``model.max_lora_rank`` must be one of them): the engine's limit is the
+smallest of these that holds the largest configured adapter, unless ``model.max_lora_rank`` says otherwise."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,15 @@ Fix: did you mean 'float16'? available: auto, bfloat16, float16, float32.
     semantics). Fixed when the engine loads, as vLLM fixes it: a request may state the mode it expects
     (``generation.logprobs_mode``) and is refused when it differs. ``processed_logprobs`` is what an importance-sampled
     trainer needs (the probability of the token under the distribution it was drawn from); docs/serving.md."""
+    adapters: dict[str, str] = field(default_factory=dict)
+    """LoRA adapters every backend loads at start, name -> folder (PEFT's ``save_pretrained``: adapter_config.json
+    and adapter_model.safetensors; on llama.cpp the folder of its GGUF twin); a request picks one by name
+    (``ChatRequest.adapter``, a call's ``adapter=``), none runs the base model. Each is checked before the backend
+    starts: its rank against ``max_lora_rank``, its shapes against this model's weights (``engine.adapters``)."""
+    max_lora_rank: int | None = None
+    """The largest LoRA rank the engine takes (vLLM sizes its LoRA slots by it at start: one of 1, 8, 16, 32, 64, 128,
+    256, 320, 512); every backend holds adapters to it alike. None: the smallest of those that holds every adapter of
+    ``adapters``."""
 
     def __post_init__(self) -> None:
         check_type("model.path", self.path, str, "a path string")
@@ -76,6 +88,35 @@ Fix: did you mean 'float16'? available: auto, bfloat16, float16, float32.
         if self.max_model_len is not None:
             check_type("model.max_model_len", self.max_model_len, int, "an integer")
             check_range("model.max_model_len", self.max_model_len, low=1)
+        check_adapters(self.adapters, self.max_lora_rank)
+
+
+def check_adapters(adapters: Any, max_rank: Any) -> None:
+    """The shape of ``model.adapters`` and ``model.max_lora_rank`` (their files are checked when a backend loads).
+
+    >>> check_adapters({"": "/a"}, None)
+    Traceback (most recent call last):
+    ...
+    engine.errors.ConfigError: model.adapters has an empty adapter name, got {'': '/a'}. Fix: name each adapter \
+with letters, digits, '-', '_' or '.' (what requests pick it by).
+    """
+    import re
+
+    check_type("model.adapters", adapters, dict, "a mapping of adapter name -> folder")
+    fix = "name each adapter with letters, digits, '-', '_' or '.' (what requests pick it by)"
+    for name, path in adapters.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError("model.adapters", adapters, "has an empty adapter name", fix=fix)
+        if not re.fullmatch(r"[A-Za-z0-9_.\-]{1,128}", name):
+            raise ConfigError("model.adapters", name, "is not an adapter name", fix=fix)
+        check_type(f"model.adapters.{name}", path, str, "a folder path")
+        if not path:
+            raise ConfigError(f"model.adapters.{name}", path, "must not be empty", fix="give the adapter's folder")
+    if max_rank is not None:
+        check_type("model.max_lora_rank", max_rank, int, "an integer")
+        if max_rank not in LORA_RANKS:
+            raise ConfigError("model.max_lora_rank", max_rank, f"must be one of {', '.join(map(str, LORA_RANKS))} (the "
+                              "ranks vLLM sizes its LoRA slots for)", fix="round it up to one of those")
 
 
 @dataclass(frozen=True)
@@ -120,6 +161,9 @@ class VllmConfig:
     async_engine: bool = False
     """Generate through ``AsyncLLM`` (continuous batching across concurrent callers; its engine core always runs
     in a child process) instead of ``vllm.LLM``. The served engine sets it; ``generate`` works either way."""
+    max_loras: int | None = None
+    """LoRA adapters vLLM computes with in one step (its ``max_loras``: slots of ``model.max_lora_rank``), in [1, inf).
+    None: one per adapter of ``model.adapters`` (and one more on CPU hosts: ``engine.backends.vllm.lora``)."""
     limit_images_per_prompt: int = 1
     """Images vLLM accepts per prompt for a vision-language model, in [0, 1]; 0 starts it text-only
     (then ``supports_vlm`` is False and VLM requests fail fast or go to ``fallback_backend``)."""
@@ -155,6 +199,9 @@ class VllmConfig:
         if self.max_num_seqs is not None:
             check_type("vllm.max_num_seqs", self.max_num_seqs, int, "an integer")
             check_range("vllm.max_num_seqs", self.max_num_seqs, low=1)
+        if self.max_loras is not None:
+            check_type("vllm.max_loras", self.max_loras, int, "an integer")
+            check_range("vllm.max_loras", self.max_loras, low=1)
         check_type("vllm.limit_images_per_prompt", self.limit_images_per_prompt, int, "an integer")
         check_range("vllm.limit_images_per_prompt", self.limit_images_per_prompt, low=0, high=1,
                     fix="the engine's VLM path takes exactly one image per request")

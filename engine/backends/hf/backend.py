@@ -155,11 +155,45 @@ class HfBackend(BackendBase, backend="hf"):
         text_config = getattr(self.model.config, "text_config", None) or self.model.config
         lengths = [n for n in (model.max_model_len, getattr(text_config, "max_position_embeddings", None)) if n]
         self.vocab_size = int(text_config.vocab_size)
+        self.peft: Any = None
+        """The PEFT model holding ``model.adapters`` (injected into ``self.model``'s layers, unmerged), or None."""
+        names = self._load_adapters(model)
         self.capabilities = Capabilities(name=self.name, logprobs=True, supports_vlm=processor is not None, hooks=HOOKS,
                                          max_model_len=min(lengths) if lengths else None, scoring=processor is None,
                                          rescoring=processor is None,
-                                         structured_outputs=processor is None)
+                                         structured_outputs=processor is None, adapters=names)
         self._schemas: Any = None
+
+    def _load_adapters(self, model: ModelConfig) -> tuple[str, ...]:
+        """Load every adapter of ``model.adapters`` with PEFT (checked first: ``engine.adapters``), unmerged; a row
+        picks one per forward (:meth:`_with_adapter`)."""
+        from engine.adapters import load_adapters
+
+        adapters, _limit = load_adapters(model.adapters, model.max_lora_rank, model.path)
+        if not adapters:
+            return ()
+        try:
+            from peft import PeftModel
+        except ImportError as err:
+            raise BackendUnavailableError(SPEC.name, "peft is not installed (model.adapters needs it)",
+                                          "pip install 'xbackend-engine[hf]'") from err
+        first, *rest = adapters
+        self.peft = PeftModel.from_pretrained(self.model, first.path, adapter_name=first.name, is_trainable=False)
+        for adapter in rest:
+            self.peft.load_adapter(adapter.path, adapter_name=adapter.name, is_trainable=False)
+        self.peft.eval()
+        return tuple(a.name for a in adapters)
+
+    def _with_adapter(self, name: str | None) -> Any:
+        """A context in which ``self.model`` computes with adapter ``name`` (None: the base model, adapters off)."""
+        import contextlib
+
+        if self.peft is None:
+            return contextlib.nullcontext()
+        if name is None:
+            return self.peft.disable_adapter()
+        self.peft.set_adapter(name)
+        return contextlib.nullcontext()
 
     # -- weight sync (engine.weights.sync): this process is the group's rank 0 ------------------------------------
 
@@ -188,8 +222,16 @@ class HfBackend(BackendBase, backend="hf"):
         """Against the loaded model's own state (``engine.weights.description``'s rule)."""
         from engine.weights.description import ModelWeights
 
-        state = self.model.state_dict()
+        state = self._base_state()
         ModelWeights({name: (tuple(t.shape), str(t.dtype)) for name, t in state.items()}).check(tensors)
+
+    def _base_state(self) -> dict[str, Any]:
+        """The base model's weights by their own names: with adapters loaded, PEFT's wrappers hold each changed
+        weight as ``<module>.base_layer.weight`` beside the adapters' ``lora_A``/``lora_B`` (left out here)."""
+        state = self.model.state_dict()
+        if self.peft is None:
+            return state
+        return {name.replace(".base_layer.", "."): t for name, t in state.items() if ".lora_" not in name}
 
     def load_weights(self, announced: dict[str, Any], within_s: float = 300.0) -> int:
         """Receive the announced tensors and copy them into the model's state (tied weights follow)."""
@@ -216,7 +258,7 @@ class HfBackend(BackendBase, backend="hf"):
     def _copy_in(self, received: Sequence[tuple[str, Any]]) -> int:
         import torch
 
-        state = self.model.state_dict()
+        state = self._base_state()
         unknown = [name for name, _ in received if name not in state]
         if unknown:
             raise RequestError("name", unknown[0], "is not a parameter of the served model",
@@ -233,7 +275,7 @@ class HfBackend(BackendBase, backend="hf"):
         self.weights = None
 
     def state_keys(self) -> list[str]:
-        return list(self.model.state_dict())
+        return list(self._base_state())
 
     def reset_cache(self, kind: str) -> None:
         """Nothing to drop: ``generate`` keeps no KV cache, encoder output or processed image between calls."""
@@ -246,15 +288,22 @@ class HfBackend(BackendBase, backend="hf"):
         """Outputs in prompt order. ``on_token(prompt_index, position, token_id)`` (for streaming) is called from
         inside ``generate`` for every token a row keeps, as soon as it is sampled; returning True ends that row
         (its caller went away)."""
-        size = self.settings.max_batch_size or max(len(prompts), 1)
-        outputs: list[BackendOutput] = []
-        for start in range(0, len(prompts), size):
-            sink = None
-            if on_token is not None:
-                def sink(row: int, position: int, token: int, start: int = start) -> bool | None:
-                    return on_token(start + row, position, token)
-            outputs.extend(self._generate_batch(prompts[start : start + size], plan, sink))
-        return outputs
+        from engine.adapters import by_adapter
+
+        outputs: list[BackendOutput | None] = [None] * len(prompts)
+        for adapter, indices in by_adapter([p.adapter for p in prompts]):  # PEFT runs one adapter per forward
+            size = self.settings.max_batch_size or max(len(indices), 1)
+            for start in range(0, len(indices), size):
+                chunk = indices[start : start + size]
+                sink = None
+                if on_token is not None:
+                    def sink(row: int, position: int, token: int, chunk: list[int] = chunk) -> bool | None:
+                        return on_token(chunk[row], position, token)
+                with self._with_adapter(adapter):
+                    done = self._generate_batch([prompts[i] for i in chunk], plan, sink)
+                for i, out in zip(chunk, done, strict=True):
+                    outputs[i] = out
+        return outputs  # type: ignore[return-value]
 
     def generation_config(self, plan: SamplingPlan, max_new_tokens: int | None = None) -> Any:
         """The complete ``GenerationConfig`` for ``plan`` (nothing taken from the checkpoint); ``max_new_tokens``

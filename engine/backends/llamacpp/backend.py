@@ -129,8 +129,34 @@ class LlamaCppBackend(BackendBase, backend="llamacpp"):
         self._lock = threading.Lock()
         self._closing = False
         """Set by :meth:`close`: the row in progress ends at its next token."""
+        self._adapters: dict[str, Any] = self._load_adapters(model)
+        """``model.adapters`` name -> the ``llama_adapter_lora_p`` llama.cpp loaded from its GGUF."""
         self.capabilities = Capabilities(name=SPEC.name, logprobs=True, supports_vlm=False, hooks=HOOKS,
-                                         max_model_len=self.n_ctx, scoring=False, structured_outputs=False)
+                                         max_model_len=self.n_ctx, scoring=False, structured_outputs=False,
+                                         adapters=tuple(self._adapters))
+
+    def _load_adapters(self, model: ModelConfig) -> dict[str, Any]:
+        """Each adapter of ``model.adapters`` (checked: ``engine.adapters``; its folder holds one ``.gguf``, or it
+        is the ``.gguf``) loaded on the model; llama.cpp checks its tensors against the model's and refuses
+        another model's, which becomes a typed error naming the adapter."""
+        from engine.adapters import load_adapters
+
+        llama_cpp = _import_llama_cpp()
+        checked, _limit = load_adapters(model.adapters, model.max_lora_rank)
+        loaded: dict[str, Any] = {}
+        for adapter in checked:
+            field = f"model.adapters.{adapter.name}"
+            found = sorted(Path(adapter.path).glob("*.gguf"))
+            if len(found) != 1:
+                raise ConfigError(field, adapter.path, f"holds {len(found)} .gguf files; the llamacpp backend loads "
+                                  "an adapter's GGUF (one in its folder)", fix="give the folder of the adapter's "
+                                  "GGUF twin (python -m engine_fixtures build smollm2-lora-gguf writes the fixtures')")
+            pointer = llama_cpp.llama_adapter_lora_init(self.llm.model, str(found[0]).encode())
+            if not pointer:
+                raise ConfigError(field, str(found[0]), "was refused by llama.cpp (not a LoRA GGUF of this model: "
+                                  "its log says which tensor)", fix="convert the adapter of this model.path to GGUF")
+            loaded[adapter.name] = pointer
+        return loaded
 
     def close(self) -> None:
         """Free the model once no row is inside llama.cpp: a row in progress (the batcher thread, a stream the
@@ -141,6 +167,10 @@ class LlamaCppBackend(BackendBase, backend="llamacpp"):
             sequences, self._sequences = getattr(self, "_sequences", None), None
             if sequences is not None:
                 sequences.close()  # its context before the model it was made on
+            llama_cpp = _import_llama_cpp()
+            for pointer in getattr(self, "_adapters", {}).values():  # before the model they were loaded on
+                llama_cpp.llama_adapter_lora_free(pointer)
+            self._adapters = {}
             llm, self.llm = getattr(self, "llm", None), None
             if llm is not None:
                 llm.close()
@@ -178,7 +208,13 @@ class LlamaCppBackend(BackendBase, backend="llamacpp"):
                 from engine.backends.llamacpp.sequences import ParallelSequences
 
                 self._sequences = ParallelSequences(self.llm, n_seq=self.settings.n_seq, n_ctx=self.n_ctx)
-            self._sequences.decode(rows, [self._seed(r.prompt) for r in rows], closing=lambda: self._closing)
+            from engine.adapters import by_adapter
+
+            for adapter, indices in by_adapter([p.adapter for p in prompts]):  # one adapter per context at a time
+                if self._adapters:
+                    self._sequences.use_adapter(None if adapter is None else self._adapters[adapter])
+                group = [rows[i] for i in indices]
+                self._sequences.decode(group, [self._seed(r.prompt) for r in group], closing=lambda: self._closing)
             return [row.output() for row in rows]
 
     @property

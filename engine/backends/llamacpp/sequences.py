@@ -81,6 +81,24 @@ class ParallelSequences:
             self.batch = None
         self.context.close()
 
+    def use_adapter(self, adapter: Any) -> None:
+        """Compute with LoRA adapter ``adapter`` (a loaded ``llama_adapter_lora_p``, scale 1: its GGUF's alpha over
+        rank applies) from the next decode on; None: the base model. Every group starts from an empty pool, so no
+        KV cell computed under another adapter is ever read."""
+        import ctypes
+
+        import llama_cpp
+
+        from engine.errors import EngineError
+
+        if adapter is None:
+            code = llama_cpp.llama_set_adapters_lora(self.context.ctx, None, 0, None)
+        else:
+            adapters = (llama_cpp.llama_adapter_lora_p_ctypes * 1)(adapter)
+            code = llama_cpp.llama_set_adapters_lora(self.context.ctx, adapters, 1, (ctypes.c_float * 1)(1.0))
+        if code != 0:
+            raise EngineError(f"llama.cpp refused to set the LoRA adapter on its context (code {code})")
+
     def decode(self, rows: Sequence[LlamaCppRow], seeds: Sequence[int], closing: Callable[[], bool]) -> None:
         """Decode ``rows`` (each at least one prompt token) until each is done or ``closing()`` says so."""
         for group in fit_groups([r.context_need for r in rows], self.n_seq, self.n_ctx):

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
 from engine.backends.base import BackendBase, BackendOutput, Prompt, SamplingPlan, TokenScores
+from engine.backends.host import has_cuda
 from engine.backends.vllm.backend import (
     SPEC,
     backend_output,
@@ -50,6 +51,9 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
 
     def __init__(self, model: ModelConfig, settings: VllmConfig, tokenizer: Any, processor: Any = None,
                  repeat_terminate: Any = None) -> None:
+        from engine.backends.vllm.lora import LoraRequests
+
+        self.lora = LoraRequests(model, settings, cpu=not has_cuda())  # adapters checked before vLLM starts
         self.env = prepare_environment(settings)
         self.model_path = model.path
         vllm = import_vllm()
@@ -60,7 +64,7 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
         self.tokenizer = tokenizer
         self._final_only = RequestOutputKind.FINAL_ONLY
         self._cumulative = RequestOutputKind.CUMULATIVE
-        kwargs, plan = start_arguments(model, settings, processor, repeat_terminate)
+        kwargs, plan = start_arguments(model, settings, processor, repeat_terminate, self.lora)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="engine-async-vllm", daemon=True)
         self._thread.start()
@@ -76,7 +80,7 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
         self.version = vllm.__version__
         self.runner = checked_runner(self, self.llm.vllm_config, plan)
         self.rules_problem = plan.problem
-        self.capabilities = capabilities(self.llm.model_config, settings, plan)
+        self.capabilities = capabilities(self.llm.model_config, settings, plan, self.lora.names)
 
     # -- the loop the engine lives on -----------------------------------------------------------------
 
@@ -98,6 +102,7 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
 
             self._call(shutdown())
         self._stop_loop()
+        self.lora.close()
 
     # -- generation ------------------------------------------------------------------------------------
 
@@ -114,14 +119,16 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
             return []
         base = sampling_params(plan, output_kind=self._final_only)
         keys = [uuid.uuid4().hex for _ in prompts]
-        finals = await asyncio.gather(*(self._one(engine_input(p, plan), request_params(base, p, plan, key), key)
+        finals = await asyncio.gather(*(self._one(engine_input(p, plan), request_params(base, p, plan, key), key,
+                                                  self.lora.request(p.adapter))
                                          for p, key in zip(prompts, keys, strict=True)))
         events = await self.rule_events(keys) if plan.rules or plan.draws_portably else {}
         return [backend_output(out, plan, events.get(key, {})) for key, out in zip(keys, finals, strict=True)]
 
-    async def _one(self, prompt: Any, params: Any, key: str) -> Any:
+    async def _one(self, prompt: Any, params: Any, key: str, lora: Any = None) -> Any:
         final = None
-        async for out in self.llm.generate(prompt, params, request_id=key):  # vLLM aborts it if we are cancelled
+        # vLLM aborts the request if we are cancelled
+        async for out in self.llm.generate(prompt, params, request_id=key, lora_request=lora):
             final = out
         if final is None or not final.finished:
             raise BackendUnavailableError(SPEC.name, f"AsyncLLM ended request {key} without a final output",
@@ -147,7 +154,8 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
 
         params = score_params(top, output_kind=self._final_only)
         keys = [uuid.uuid4().hex for _ in sequences]
-        outs = await asyncio.gather(*(self._one(TokensPrompt(prompt_token_ids=list(seq)), params, key)
+        outs = await asyncio.gather(*(self._one(TokensPrompt(prompt_token_ids=list(seq)), params, key,
+                                                self.lora.request(None))
                                       for seq, key in zip(sequences, keys, strict=True)))
         return [prompt_scores(out, seq, start, top) for seq, start, out in zip(sequences, starts, outs, strict=True)]
 
@@ -168,7 +176,8 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
         async def produce() -> None:
             try:
                 final = None
-                async for out in self.llm.generate(engine_input(prompt, plan), params, request_id=key):
+                async for out in self.llm.generate(engine_input(prompt, plan), params, request_id=key,
+                                                   lora_request=self.lora.request(prompt.adapter)):
                     final = out
                     send("ids", tuple(out.outputs[0].token_ids))
                 if final is None or not final.finished:

@@ -106,13 +106,16 @@ def structured_outputs_config() -> Any:
 
 
 def start_arguments(model: ModelConfig, settings: VllmConfig, processor: Any,
-                    repeat_terminate: Any) -> tuple[dict[str, Any], Any]:
+                    repeat_terminate: Any, lora: Any = None) -> tuple[dict[str, Any], Any]:
     """The engine arguments (``LLM`` and ``AsyncEngineArgs`` take the same) with the row-rule processor of the
-    runner vLLM will use, and that runner plan; refuses before the slow start when an enabled guard cannot run."""
+    runner vLLM will use, and that runner plan; refuses before the slow start when an enabled guard cannot run.
+    ``lora`` (:class:`~engine.backends.vllm.lora.LoraRequests`) adds what its adapters need."""
     from engine.backends.vllm import rules as vllm_rules
     from engine.backends.vllm import runner as vllm_runner
 
     kwargs = llm_kwargs(model, settings)
+    if lora is not None:
+        kwargs.update(lora.start_arguments())
     kwargs["structured_outputs_config"] = structured_outputs_config()
     if processor is not None:
         # The pixel budget is never set here: vLLM ignores per-request sizes once one is set at start.
@@ -145,14 +148,14 @@ def import_vllm() -> Any:
     return vllm
 
 
-def capabilities(model_config: Any, settings: VllmConfig, plan: Any) -> Capabilities:
+def capabilities(model_config: Any, settings: VllmConfig, plan: Any, adapters: tuple[str, ...] = ()) -> Capabilities:
     multimodal = bool(model_config.is_multimodal_model)
     return Capabilities(name=SPEC.name, logprobs=True, hooks=HOOKS if plan.problem is None else frozenset(),
                         supports_vlm=multimodal and settings.limit_images_per_prompt > 0,
                         max_model_len=int(model_config.max_model_len),
                         # in a logits mode vLLM's prompt "logprobs" are logits: scores would not be log-probabilities
                         scoring=str(model_config.logprobs_mode).endswith("logprobs"),
-                        structured_outputs=not multimodal, rules_problem=plan.problem)
+                        structured_outputs=not multimodal, rules_problem=plan.problem, adapters=adapters)
 
 
 def checked_runner(backend: Any, vllm_config: Any, plan: Any) -> str:
@@ -252,15 +255,18 @@ class VllmBackend(BackendBase, backend="vllm"):
 
     def __init__(self, model: ModelConfig, settings: VllmConfig, tokenizer: Any, processor: Any = None,
                  repeat_terminate: Any = None) -> None:
+        from engine.backends.vllm.lora import LoraRequests
+
+        self.lora = LoraRequests(model, settings, cpu=not has_cuda())  # adapters checked before vLLM starts
         self.env = prepare_environment(settings)
         vllm = import_vllm()
         self.tokenizer = tokenizer
-        kwargs, plan = start_arguments(model, settings, processor, repeat_terminate)
+        kwargs, plan = start_arguments(model, settings, processor, repeat_terminate, self.lora)
         self.llm = vllm.LLM(**kwargs)
         self.version = vllm.__version__
         self.runner = checked_runner(self, self.llm.llm_engine.vllm_config, plan)
         self.rules_problem = plan.problem
-        self.capabilities = capabilities(self.llm.llm_engine.model_config, settings, plan)
+        self.capabilities = capabilities(self.llm.llm_engine.model_config, settings, plan, self.lora.names)
 
     def close(self) -> None:
         """Shut the engine down. Caution: vLLM keeps its parallel state per process, so closing one
@@ -270,6 +276,8 @@ class VllmBackend(BackendBase, backend="vllm"):
         llm, self.llm = self.llm, None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()  # a child engine core exits now, not at garbage collection
+        if getattr(self, "lora", None) is not None:
+            self.lora.close()
         gc.collect()
 
     def sampling_params(self, plan: SamplingPlan) -> Any:
@@ -284,7 +292,8 @@ class VllmBackend(BackendBase, backend="vllm"):
         base = sampling_params(plan)
         keys = [uuid.uuid4().hex for _ in prompts]
         params = [request_params(base, p, plan, key) for p, key in zip(prompts, keys, strict=True)]
-        outs = self.llm.generate([engine_input(p, plan) for p in prompts], params, use_tqdm=False)
+        outs = self.llm.generate([engine_input(p, plan) for p in prompts], params, use_tqdm=False,
+                                 lora_request=self.lora.requests([p.adapter for p in prompts]))
         events = self.rule_events(keys) if plan.rules or plan.draws_portably else {}
         return [backend_output(out, plan, events.get(key, {})) for key, out in zip(keys, outs, strict=True)]
 
@@ -295,7 +304,8 @@ class VllmBackend(BackendBase, backend="vllm"):
         from vllm.inputs import TokensPrompt
 
         params = score_params(top)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False,
+                                 lora_request=self.lora.requests([None] * len(sequences)))
         return [prompt_scores(out, seq, start, top) for seq, start, out in zip(sequences, starts, outs, strict=True)]
 
     def rule_events(self, keys: Sequence[str]) -> dict[str, dict[str, Any]]:

@@ -1,0 +1,227 @@
+"""LoRA adapters: what ``model.adapters`` names, read and checked once, before any backend loads one.
+
+Every backend loads the same adapters (``model.adapters``: name -> folder) and a request picks one by name
+(``ChatRequest.adapter``, or a call's ``adapter=``; none: the base model). This module is the one rule all of them
+share: the adapter's ``adapter_config.json`` (PEFT's LoRA: rank, alpha, target modules), the rank limit (vLLM sizes
+its LoRA slots by ``max_lora_rank`` at start; the engine holds every backend to the same limit, so an adapter one
+backend loads every backend loads), and the shapes of its A and B matrices against the base model's own weights
+(an adapter trained for another model is refused by name before generation, not multiplied into garbage or a
+crash). Backends translate the checked :class:`Adapter` in one place each: PEFT on HF, ``LoRARequest`` on vLLM,
+llama.cpp's adapter API on a GGUF twin of the adapter (its folder holds ``adapter_config.json`` beside one
+``.gguf``).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.config.engine_config import LORA_RANKS as RANKS
+from engine.errors import ConfigError, RequestError
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One checked LoRA adapter of ``model.adapters``.
+
+    >>> a = Adapter(name="math", path="/adapters/math", rank=8, alpha=16.0, targets=("q_proj", "v_proj"), id=1)
+    >>> a.scale
+    2.0
+    """
+
+    name: str
+    path: str
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    id: int
+    """A positive id, stable for the engine's life (vLLM's ``lora_int_id``): its place in ``model.adapters``."""
+
+    @property
+    def scale(self) -> float:
+        """PEFT's scaling of ``B @ A``: alpha over rank (what llama.cpp derives from the GGUF's alpha too)."""
+        return self.alpha / self.rank
+
+
+def read_adapter(name: str, path: str, index: int) -> Adapter:
+    """``path``'s adapter config as an :class:`Adapter`, or a typed error naming ``model.adapters.<name>``."""
+    field = f"model.adapters.{name}"
+    folder = Path(path)
+    config_file = folder / CONFIG_FILE
+    if not config_file.is_file():
+        what = "does not exist" if not folder.exists() else f"holds no {CONFIG_FILE}"
+        raise ConfigError(field, path, what, fix="give the folder a trainer saved the adapter to (PEFT's "
+                          "save_pretrained: adapter_config.json beside adapter_model.safetensors)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(field, path, f"has an unreadable {CONFIG_FILE} ({err})",
+                          fix="save the adapter again") from None
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        raise ConfigError(field, path, f"is a {config.get('peft_type')} adapter; the engine loads LoRA adapters only",
+                          fix="train a LoRA adapter (peft.LoraConfig)")
+    if config.get("use_dora"):
+        raise ConfigError(field, path, "is a DoRA adapter, which vLLM and llama.cpp do not load",
+                          fix="train it without use_dora")
+    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise ConfigError(field, path, f"has rank r={rank!r} in {CONFIG_FILE}", fix="save it with a positive rank")
+    targets = config.get("target_modules") or ()
+    targets = (targets,) if isinstance(targets, str) else tuple(sorted(targets))
+    return Adapter(name=name, path=str(folder.resolve()), rank=rank, alpha=float(alpha), targets=targets,
+                   id=index + 1)
+
+
+def rank_limit(adapters: tuple[Adapter, ...], configured: int | None) -> int:
+    """The engine's LoRA rank limit: ``model.max_lora_rank``, or the smallest of :data:`RANKS` that holds every
+    configured adapter; an adapter above a configured limit is refused by name.
+
+    >>> rank_limit((Adapter("a", "/a", 8, 16.0, (), 1), Adapter("b", "/b", 12, 16.0, (), 2)), None)
+    16
+    >>> rank_limit((Adapter("a", "/a", 32, 16.0, (), 1),), 16)
+    Traceback (most recent call last):
+    ...
+    engine.errors.ConfigError: model.adapters.a has rank 32, over model.max_lora_rank 16, got '/a'. \
+Fix: raise model.max_lora_rank to 32 or more (one of 1, 8, 16, 32, 64, 128, 256, 320, 512), or train a smaller rank.
+    """
+    largest = max((a.rank for a in adapters), default=RANKS[1])
+    if configured is None:
+        return next((r for r in RANKS if r >= largest), largest)
+    for adapter in adapters:
+        if adapter.rank > configured:
+            raise ConfigError(f"model.adapters.{adapter.name}", adapter.path, f"has rank {adapter.rank}, over "
+                              f"model.max_lora_rank {configured}", fix=f"raise model.max_lora_rank to "
+                              f"{adapter.rank} or more (one of {', '.join(map(str, RANKS))}), or train a smaller rank")
+    return configured
+
+
+def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from a ``.safetensors`` file's header (no tensor is read)."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    return {name: tuple(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
+
+
+def base_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """The base checkpoint's weight shapes (every ``*.safetensors`` of the folder); empty where it has none."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        shapes.update(safetensors_shapes(file))
+    return shapes
+
+
+def check_against_base(adapter: Adapter, base: Mapping[str, tuple[int, ...]]) -> None:
+    """Refuse an adapter whose A or B does not fit the base weight it changes (trained for another model): each
+    ``lora_A`` is (rank, in), each ``lora_B`` (out, rank), for a base weight of (out, in). Adapters saved in another
+    format (a GGUF twin) are checked by their backend when it loads them.
+
+    >>> a = Adapter("x", "/x", 8, 16.0, ("q_proj",), 1)
+    >>> check_fit(a, "model.layers.0.self_attn.q_proj", (8, 64), (576, 8), {"model.layers.0.self_attn.q_proj.weight":
+    ...                                                                     (576, 576)})
+    Traceback (most recent call last):
+    ...
+    engine.errors.ConfigError: model.adapters.x changes model.layers.0.self_attn.q_proj as (576, 64), but that \
+weight is (576, 576) in model.path (an adapter of another base model), got '/x'. Fix: give an adapter trained on \
+this model.path.
+    """
+    weights = Path(adapter.path) / WEIGHTS_FILE
+    if not weights.is_file() or not base:
+        return
+    shapes = safetensors_shapes(weights)
+    for name, a_shape in sorted(shapes.items()):
+        if ".lora_A." not in name:
+            continue
+        module = name.split(".lora_A.")[0].removeprefix("base_model.model.")
+        b_shape = shapes.get(name.replace(".lora_A.", ".lora_B."))
+        if b_shape is None:
+            raise ConfigError(f"model.adapters.{adapter.name}", adapter.path, f"has {name} without its lora_B",
+                              fix="save the adapter again")
+        check_fit(adapter, module, a_shape, b_shape, base)
+
+
+def check_fit(adapter: Adapter, module: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...],
+              base: Mapping[str, tuple[int, ...]]) -> None:
+    """One module's A and B against the base weight ``module + ".weight"`` (see :func:`check_against_base`)."""
+    field = f"model.adapters.{adapter.name}"
+    fix = "give an adapter trained on this model.path"
+    weight = base.get(f"{module}.weight")
+    if weight is None:
+        raise ConfigError(field, adapter.path, f"changes {module}, which model.path does not have (an adapter of "
+                          "another base model)", fix=fix)
+    if len(a_shape) != 2 or len(b_shape) != 2 or (b_shape[0], a_shape[1]) != tuple(weight):
+        got = (b_shape[0], a_shape[1]) if len(a_shape) == 2 and len(b_shape) == 2 else (a_shape, b_shape)
+        raise ConfigError(field, adapter.path, f"changes {module} as {got}, but that weight is {tuple(weight)} in "
+                          "model.path (an adapter of another base model)", fix=fix)
+    if a_shape[0] != adapter.rank or b_shape[1] != adapter.rank:
+        raise ConfigError(field, adapter.path, f"has {module} of rank {a_shape[0]}/{b_shape[1]}, but its "
+                          f"{CONFIG_FILE} says r={adapter.rank}", fix="save the adapter again")
+
+
+def load_adapters(adapters: Mapping[str, str], max_rank: int | None,
+                  base_dir: str | None = None) -> tuple[tuple[Adapter, ...], int]:
+    """Every configured adapter read and checked (against ``base_dir``'s weights where given), and the rank limit.
+
+    >>> load_adapters({}, None)
+    ((), 8)
+    """
+    checked = tuple(read_adapter(name, path, i) for i, (name, path) in enumerate(adapters.items()))
+    limit = rank_limit(checked, max_rank)
+    if base_dir is not None and checked:
+        base = base_shapes(Path(base_dir))
+        for adapter in checked:
+            check_against_base(adapter, base)
+    return checked, limit
+
+
+def check_adapter_name(name: Any, known: Mapping[str, Adapter] | tuple[str, ...], at: str) -> None:
+    """Refuse a request's adapter that is not a name the engine loaded (None: the base model).
+
+    >>> check_adapter_name("mathh", ("math",), "requests[0].adapter")
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: requests[0].adapter is not an adapter this engine loaded (loaded: math), got \
+'mathh'. Fix: use one of the loaded names, or leave it out for the base model.
+    """
+    if name is None:
+        return
+    if not isinstance(name, str) or name not in known:
+        loaded = ", ".join(sorted(known)) or "none; set model.adapters"
+        raise RequestError(at, name, f"is not an adapter this engine loaded (loaded: {loaded})",
+                           fix="use one of the loaded names, or leave it out for the base model")
+
+
+def zero_adapter(adapter: Adapter, out: Path) -> Path:
+    """A copy of ``adapter`` with every weight zero, written to ``out``: B @ A adds exactly 0.0, so a row that runs
+    with it computes the base model's numbers bit for bit (vLLM's CPU LoRA kernels apply the last loaded adapter to a
+    mixed batch's base rows: :mod:`engine.backends.vllm.lora`)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    shapes = safetensors_shapes(Path(adapter.path) / WEIGHTS_FILE)
+    save_file({name: np.zeros(shape, dtype=np.float32) for name, shape in shapes.items()}, str(out / WEIGHTS_FILE))
+    config: dict[str, Any] = json.loads((Path(adapter.path) / CONFIG_FILE).read_text())
+    (out / CONFIG_FILE).write_text(json.dumps(config))
+    return out
+
+
+def by_adapter(adapters: list[str | None]) -> list[tuple[str | None, list[int]]]:
+    """Row indices grouped by adapter, groups in the order each adapter first appears, rows in order: how a backend
+    that runs one adapter per forward (HF with PEFT, llama.cpp) splits a mixed batch.
+
+    >>> by_adapter([None, "a", None, "b", "a"])
+    [(None, [0, 2]), ('a', [1, 4]), ('b', [3])]
+    """
+    groups: dict[str | None, list[int]] = {}
+    for i, name in enumerate(adapters):
+        groups.setdefault(name, []).append(i)
+    return list(groups.items())

@@ -1,0 +1,133 @@
+"""LoRA adapters' shared rule (``engine.adapters``): reading, rank limit, fit to the base model, request names, the
+zero adapter, grouping, and the config's own checks. Synthetic files only: the backends load the fixture adapters in
+``conformance/test_adapters.py``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from engine.adapters import (
+    by_adapter,
+    check_adapter_name,
+    load_adapters,
+    rank_limit,
+    read_adapter,
+    zero_adapter,
+)
+from engine.config import EngineConfig
+from engine.errors import ConfigError, RequestError
+from engine.types import ChatRequest
+
+BASE = {"model.layers.0.self_attn.q_proj.weight": (16, 12), "model.layers.0.self_attn.v_proj.weight": (4, 12)}
+
+
+def write_base(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({name: np.ones(shape, dtype=np.float32) for name, shape in BASE.items()},
+              str(folder / "model.safetensors"))
+    return folder
+
+
+def write_adapter(folder: Path, *, rank: int = 2, out: int = 16, inp: int = 12, module: str = "q_proj",
+                  **config) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    prefix = f"base_model.model.model.layers.0.self_attn.{module}"
+    rng = np.random.default_rng(0)
+    save_file({f"{prefix}.lora_A.weight": rng.normal(size=(rank, inp)).astype(np.float32),
+               f"{prefix}.lora_B.weight": rng.normal(size=(out, rank)).astype(np.float32)},
+              str(folder / "adapter_model.safetensors"))
+    fields = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": [module], **config}
+    (folder / "adapter_config.json").write_text(json.dumps(fields))
+    return folder
+
+
+def test_an_adapter_of_this_model_loads_with_its_rank_alpha_targets_and_a_stable_id(tmp_path):
+    base = write_base(tmp_path / "base")
+    adapters, limit = load_adapters({"a": str(write_adapter(tmp_path / "a")),
+                                     "b": str(write_adapter(tmp_path / "b", rank=12))}, None, str(base))
+    assert [(a.name, a.rank, a.alpha, a.targets, a.id) for a in adapters] == [
+        ("a", 2, 4.0, ("q_proj",), 1), ("b", 12, 24.0, ("q_proj",), 2)]
+    assert limit == 16  # the smallest of vLLM's ranks that holds 12
+    assert adapters[0].scale == 2.0
+
+
+@pytest.mark.parametrize(("kwargs", "says"), [
+    ({"out": 8}, "changes model.layers.0.self_attn.q_proj as (8, 12), but that weight is (16, 12)"),
+    ({"inp": 10}, "as (16, 10)"),
+    ({"module": "k_proj"}, "changes model.layers.0.self_attn.k_proj, which model.path does not have"),
+])
+def test_an_adapter_of_another_base_model_is_refused_by_its_name_before_any_backend_loads(tmp_path, kwargs, says):
+    base = write_base(tmp_path / "base")
+    with pytest.raises(ConfigError) as info:
+        load_adapters({"math": str(write_adapter(tmp_path / "a", **kwargs))}, None, str(base))
+    assert info.value.field == "model.adapters.math" and says in str(info.value), str(info.value)
+
+
+def test_a_rank_over_the_limit_a_missing_folder_and_other_kinds_are_refused_by_name(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_adapters({"big": str(write_adapter(tmp_path / "big", rank=32))}, 16)
+    assert info.value.field == "model.adapters.big" and "rank 32, over model.max_lora_rank 16" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        read_adapter("gone", str(tmp_path / "nowhere"), 0)
+    assert info.value.field == "model.adapters.gone" and "does not exist" in str(info.value)
+    with pytest.raises(ConfigError, match=r"holds no adapter_config\.json"):
+        read_adapter("empty", str(tmp_path), 0)
+    with pytest.raises(ConfigError, match="DoRA"):
+        read_adapter("dora", str(write_adapter(tmp_path / "dora", use_dora=True)), 0)
+    with pytest.raises(ConfigError, match=r"IA3 adapter"):
+        read_adapter("ia3", str(write_adapter(tmp_path / "ia3", peft_type="IA3")), 0)
+    assert rank_limit((), None) == 8
+
+
+def test_a_request_names_a_loaded_adapter_or_none(tmp_path):
+    check_adapter_name(None, ("a",), "adapter")
+    check_adapter_name("a", ("a",), "adapter")
+    with pytest.raises(RequestError) as info:
+        check_adapter_name("b", ("a",), "requests[3].adapter")
+    assert info.value.field == "requests[3].adapter" and "loaded: a" in str(info.value)
+    with pytest.raises(RequestError, match=r"loaded: none; set model\.adapters"):
+        check_adapter_name("a", (), "adapter")
+    with pytest.raises(RequestError) as info:
+        ChatRequest.of(ChatRequest(({"role": "user", "content": "x"},), adapter=7), index=1)
+    assert info.value.field == "requests[1].adapter"
+
+
+def test_the_zero_adapter_has_the_adapters_shapes_and_only_zeros(tmp_path):
+    base = write_base(tmp_path / "base")
+    (adapter,), _ = load_adapters({"a": str(write_adapter(tmp_path / "a"))}, None, str(base))
+    zero = zero_adapter(adapter, tmp_path / "zero")
+    original, zeros = load_file(str(tmp_path / "a" / "adapter_model.safetensors")), load_file(
+        str(zero / "adapter_model.safetensors"))
+    assert {k: v.shape for k, v in zeros.items()} == {k: v.shape for k, v in original.items()}
+    assert all(not v.any() for v in zeros.values()) and any(v.any() for v in original.values())
+    assert json.loads((zero / "adapter_config.json").read_text())["r"] == 2
+
+
+def test_rows_group_by_adapter_in_order_of_first_appearance():
+    assert by_adapter(["a", None, "a", "b", None]) == [("a", [0, 2]), (None, [1, 4]), ("b", [3])]
+    assert by_adapter([]) == []
+
+
+@pytest.mark.parametrize(("model", "field"), [
+    ({"adapters": ["a"]}, "model.adapters"),
+    ({"adapters": {"a/b": "/x"}}, "model.adapters"),
+    ({"adapters": {"a": 3}}, "model.adapters.a"),
+    ({"adapters": {"a": ""}}, "model.adapters.a"),
+    ({"max_lora_rank": 12}, "model.max_lora_rank"),
+    ({"max_lora_rank": True}, "model.max_lora_rank"),
+])
+def test_the_config_refuses_malformed_adapter_settings_by_field(model, field):
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.from_dict({"backend": "hf", "model": {"path": "/m", **model}})
+    assert info.value.field == field, str(info.value)
+
+
+def test_vllm_max_loras_is_a_positive_integer():
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.from_dict({"backend": "vllm", "model": "/m", "vllm": {"max_loras": 0}})
+    assert info.value.field == "vllm.max_loras"
