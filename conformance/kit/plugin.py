@@ -257,16 +257,21 @@ def pool_of(config: pytest.Config) -> EnginePool:
     if pool is not None:
         return pool
     from engine_fixtures import GGUF_TWINS
-    from engine_fixtures.build import default_fixtures
+    from engine_fixtures.build import ADAPTER_TWINS, default_fixtures
 
     backends = selected_backends(config)
+    gguf_only = {*GGUF_TWINS.values(), *ADAPTER_TWINS.values()}
     for name in default_fixtures():  # what the checks load by name (the GGUF twins only for llama.cpp)
-        if "llamacpp" in backends or name not in GGUF_TWINS.values():
+        if "llamacpp" in backends or name not in gguf_only:
             built_fixture(name)
     model = config.getoption("--engine-model") or built_fixture("smollm2-135m-instruct")
     twins = {}
     if "llamacpp" in backends:  # the GGUF twins are built only for a run that checks llama.cpp
         twins = {built_fixture(hf): built_fixture(gguf) for hf, gguf in GGUF_TWINS.items()}
+        for adapters, gguf in ADAPTER_TWINS.items():  # each adapter folder -> the same folder of its GGUF twin
+            hf_root, gguf_root = Path(built_fixture(adapters)), Path(built_fixture(gguf))
+            twins.update({str(folder): str(gguf_root / folder.name) for folder in sorted(hf_root.iterdir())
+                          if (gguf_root / folder.name).is_dir()})
     if config.getoption("--engine-gguf-model"):
         twins[model] = config.getoption("--engine-gguf-model")
     options = PoolOptions(

@@ -211,6 +211,9 @@ class EnginePool:
         if SPECS[backend].takes_device:
             model_cfg["device"] = self.options.device
         model_cfg.update(sections.pop("model", {}))  # more model settings (e.g. checkpoint_eos), not its path
+        if model_cfg.get("adapters"):  # on llama.cpp each adapter's GGUF twin, as the model's
+            model_cfg["adapters"] = {name: self.model_for(backend, path)
+                                     for name, path in model_cfg["adapters"].items()}
         if has_cuda():
             from engine.backends.vllm.memory import engine_share
 

@@ -31,6 +31,7 @@ from typing import Any
 from conformance.compare import assert_served_equal
 from conformance.kit.outputs import OutputRecord
 from engine.errors import EngineError
+from engine.types import ChatRequest
 
 IN_PROCESS, SERVED = "in-process", "served"
 """The two ways a check reaches a pooled engine (the ``reach`` parameter of ``servable`` checks)."""
@@ -127,6 +128,11 @@ def _jsonable(value: Any) -> bool:
     return True
 
 
+def _adapter(adapter: str | None) -> dict[str, Any]:
+    """The ``adapter`` keyword where a call names one (an engine without adapters, or a stand-in, never sees it)."""
+    return {} if adapter is None else {"adapter": adapter}
+
+
 def _plain(value: Any) -> Any:
     return dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else value
 
@@ -166,23 +172,28 @@ class ServedTwin:
         assert self._server is not None, "a reference has no server"
         return self._server()
 
-    def generate(self, requests: Any, *, options: Any = None, stop: Any = None, plugins: Any = None) -> Any:
-        """The check's call: in-process, or through the server as well (module doc); recorded either way."""
-        extension = {k: _plain(v) for k, v in (("options", options), ("stop", stop), ("plugins", plugins))
-                     if v is not None}
-        call = json.dumps([requests, extension], sort_keys=True) if _jsonable([requests, extension]) else None
+    def generate(self, requests: Any, *, options: Any = None, stop: Any = None, plugins: Any = None,
+                 adapter: str | None = None) -> Any:
+        """The check's call: in-process, or through the server as well (module doc); recorded either way.
+        ``adapter``: the call's LoRA adapter (rows may name their own: ``ChatRequest.adapter``)."""
+        extension = {k: _plain(v) for k, v in (("options", options), ("stop", stop), ("plugins", plugins),
+                                               ("adapter", adapter)) if v is not None}
+        plain = [_plain(r) if isinstance(r, ChatRequest) else r for r in requests]  # a row's own adapter or seed
+        call = json.dumps([plain, extension], sort_keys=True) if _jsonable([plain, extension]) else None
         record = self._reach.record
         subject = self.subject + (" served" if self._reach.served and self._server is not None and call else "")
         try:
-            results = self._generate(requests, extension, call, options=options, stop=stop, plugins=plugins)
+            results = self._generate(requests, extension, call, options=options, stop=stop, plugins=plugins,
+                                     adapter=adapter)
         except EngineError as err:
             if call is not None:
-                record.saw(subject, requests, extension, error=err)
+                record.saw(subject, plain, extension, error=err)
             raise
         if record.enabled and call is not None:
             began = time.perf_counter()
-            rendered, sampling = self.prepared(call, requests, options=options, stop=stop, plugins=plugins)
-            record.saw(subject, requests, extension, results=results, rendered=rendered, sampling=sampling)
+            rendered, sampling = self.prepared(call, requests, options=options, stop=stop, plugins=plugins,
+                                               **_adapter(adapter))
+            record.saw(subject, plain, extension, results=results, rendered=rendered, sampling=sampling)
             record.seconds += time.perf_counter() - began
         return results
 
@@ -234,7 +245,7 @@ class ServedTwin:
                 for own in row_seeds]
 
     def _generate(self, requests: Any, extension: dict[str, Any], call: str | None, *, options: Any, stop: Any,
-                  plugins: Any) -> Any:
+                  plugins: Any, adapter: str | None = None) -> Any:
         from engine.client import RolloutServerError
 
         if self._server is None and call in self._answers:  # a reference answers each call once per session
@@ -242,18 +253,20 @@ class ServedTwin:
         if not self._reach.served or call is None:
             if call is not None and self._server is not None:
                 self._reach.note(self, requests, extension, call)
-            results = self.local.generate(requests, options=options, stop=stop, plugins=plugins)
+            results = self.local.generate(requests, options=options, stop=stop, plugins=plugins,
+                                          **_adapter(adapter))
             if call is not None:
                 self._answers[call] = copy.deepcopy(results)
             return results
         if self._server is None:  # a reference's first sight of this call, under the served reach
-            results = self.local.generate(requests, options=options, stop=stop, plugins=plugins)
+            results = self.local.generate(requests, options=options, stop=stop, plugins=plugins,
+                                          **_adapter(adapter))
             self._answers[call] = copy.deepcopy(results)
             return results
         answer = self._served_answer(requests, extension, call)
         try:
             local = self._answers.get(call) or self.local.generate(requests, options=options, stop=stop,
-                                                                     plugins=plugins)
+                                                                     plugins=plugins, **_adapter(adapter))
         except EngineError as err:
             try:
                 answer.result()

@@ -1,0 +1,185 @@
+"""LoRA adapters (``model.adapters``, a request's ``adapter``) on every backend: the same trained adapter gives the
+same greedy tokens on HF + PEFT, vLLM and llama.cpp (its GGUF twin); adapter rows part from base rows on each backend
+(the checks' teeth: a backend that dropped the adapter would answer the base model's rows); a batch that mixes the
+base model and two adapters equals each row run alone (vLLM's CPU kernels fail this unaided: engine.backends.vllm.lora);
+stops, the repeat guard and min-length hold with an adapter active; logprobs agree; an unknown adapter name, and an
+adapter of another base model, are refused by name before anything is generated.
+
+The adapters are the ``smollm2-lora`` fixture's (seeded, not trained: rank 8 on the query and value projections,
+rank 16 on every projection; ``fixtures/lora.py``), on the text fixture they were made for.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conformance.compare import assert_same_results, check_logprobs_close, describe, divergence_steps, exact_pair
+from conformance.subjects.plan import engines, uses
+from engine.errors import ConfigError, RequestError
+from engine.types import ChatRequest
+from engine_fixtures import ensure, load_prompts
+
+SUBJECTS = uses(
+    engines("text", any_config="the LoRA fixture's adapters as model.adapters (folders known at run time)"),
+    engines("tiny", any_config="the SmolLM2 adapters on the tiny fixture: refused at load, before the backend starts"),
+)
+
+pytestmark = [pytest.mark.dtype_dependent]
+
+NAMES = ("r8", "r16")
+OPTIONS = {"max_new_tokens": 24, "logprobs": 5}
+
+
+def adapter_folders() -> dict[str, str]:
+    root = Path(ensure("smollm2-lora"))
+    return {name: str(root / name) for name in NAMES}
+
+
+@pytest.fixture(scope="module")
+def lora_engines(pool, backend_names, text_model):
+    """Every runnable backend's engine on the text fixture with both adapters loaded."""
+    return {b: pool.engine(b, text_model, model={"adapters": adapter_folders()}) for b in backend_names}
+
+
+def messages():
+    return [p["messages"] for p in load_prompts("chat")[:6]]
+
+
+def parity(outs, pool, prompts, summary_note, what):
+    """Every backend against the first: exact where the pair must be (HF and vLLM in fp32), else vLLM's rule."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(pool.options.model)
+    reference, *others = list(outs)
+    for other in others:
+        steps = divergence_steps(outs[reference], outs[other])
+        summary_note(f"{what} {reference} vs {other}: {steps.count(None)}/{len(steps)} token-identical")
+        if exact_pair(reference, other, pool.options.dtype):
+            detail = describe(outs[reference], outs[other], name_0=reference, name_1=other,
+                              labels=[str(i) for i in range(len(prompts))], tokenizer=tokenizer)
+            assert steps.count(None) == len(steps), "\n".join(detail)
+        else:
+            check_logprobs_close(outputs_0=outs[reference], outputs_1=outs[other], name_0=reference, name_1=other)
+
+
+@pytest.fixture(scope="module")
+def rows(lora_engines):
+    """Each backend's greedy rows of the chat prompts on the base model and with each adapter (one call each): what
+    the parity, teeth and mixed-batch checks compare."""
+    prompts = messages()
+    return {b: {name: e.generate(prompts, options=OPTIONS, adapter=name) for name in (None, *NAMES)}
+            for b, e in lora_engines.items()}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("adapter", NAMES)
+def test_greedy_parity_with_each_adapter(rows, pool, summary_note, adapter):
+    outs = {b: by_adapter[adapter] for b, by_adapter in rows.items()}
+    for b, results in outs.items():
+        assert all(r.meta.get("adapter") == adapter for r in results), f"{b}: rows do not say they ran with {adapter}"
+    parity(outs, pool, messages(), summary_note, f"greedy parity with adapter {adapter}")
+
+
+@pytest.mark.quick
+def test_adapter_rows_part_from_base_rows_on_every_backend(rows, summary_note):
+    """The teeth: on each backend, each adapter's greedy rows differ from the base model's (and from each other's)
+    on most prompts; a backend that dropped an adapter, or applied one to base rows, would answer alike."""
+    n = len(messages())
+    for backend, by_adapter in rows.items():
+        ids = {name: [r.token_ids for r in results] for name, results in by_adapter.items()}
+        apart = {name: sum(a != b for a, b in zip(ids[None], ids[name], strict=True)) for name in NAMES}
+        between = sum(a != b for a, b in zip(ids["r8"], ids["r16"], strict=True))
+        summary_note(f"{backend}: rows apart from the base model's: r8 {apart['r8']}/{n}, r16 {apart['r16']}/{n}; "
+                     f"r8 apart from r16: {between}/{n}")
+        assert min(apart.values()) >= n // 2 and between >= n // 2, (backend, apart, between)
+        assert all("adapter" not in r.meta for r in by_adapter[None]), f"{backend}: a base row names an adapter"
+
+
+@pytest.mark.quick
+def test_a_mixed_batch_equals_each_row_run_alone(lora_engines, rows, pool):
+    """Base rows beside rows of two adapters, in one call: each row equals the same request run with its adapter
+    alone (vLLM batches them in one step; HF and llama.cpp run one adapter per forward), and every backend agrees.
+    vLLM's CPU kernels alone would give the base rows the last loaded adapter's tokens here."""
+    prompts = messages()
+    picks = [(None, "r8", "r16")[i % 3] for i in range(len(prompts))]
+    mixed = [ChatRequest(tuple(m), adapter=pick) for m, pick in zip(prompts, picks, strict=True)]
+    outs = {}
+    for backend, engine in lora_engines.items():
+        together = engine.generate(mixed, options=OPTIONS)
+        alone = [rows[backend][pick][i] for i, pick in enumerate(picks)]
+        assert_same_results({f"{backend} mixed": together, f"{backend} alone": alone}, what="a mixed batch",
+                            dtype=pool.options.dtype)
+        assert [r.meta.get("adapter") for r in together] == picks
+        outs[backend] = together
+    reference, *others = list(outs)
+    for other in others:
+        if exact_pair(reference, other, pool.options.dtype):
+            assert divergence_steps(outs[reference], outs[other]).count(None) == len(prompts), (reference, other)
+
+
+@pytest.mark.gate_only(reason="test_greedy_parity_with_each_adapter carries the adapter path on every backend; the "
+                              "rules' own checks (test_stop, test_repeat, test_rule_ends) carry stops and guards")
+def test_stops_min_length_and_the_repeat_guard_hold_with_an_adapter(lora_engines, pool, text_model, summary_note):
+    """The engine's rules run beside the adapter: a stop string ends rows, min-length holds EOS back, the repeat
+    guard ends a looping row; every backend alike."""
+    prompts = messages()
+    guard = {"enabled": True, "max_consecutive_token_repeats": 2, "ngram_size": 2, "ngram_repeats": 2}
+    guarded = {b: pool.engine(b, text_model, model={"adapters": adapter_folders()}, repeat_terminate=guard)
+               for b in lora_engines}
+    calls = {"stop": (lora_engines, {"options": OPTIONS, "stop": {"strings": ["."]}}),
+             "min_length": (lora_engines, {"options": {**OPTIONS, "min_new_tokens": 12}}),
+             "guard": (guarded, {"options": {**OPTIONS, "max_new_tokens": 48}})}  # one chat row repeats by 48
+    for what, (subjects, call) in calls.items():
+        outs = {b: e.generate(prompts, adapter="r16", **call) for b, e in subjects.items()}
+        for backend, rows in outs.items():
+            if what == "stop":
+                assert any(r.stop_reason == "." for r in rows), f"{backend}: no row ended at the stop string"
+            elif what == "min_length":
+                assert all(len(r.token_ids) >= 12 for r in rows), f"{backend}: a row ended before min_new_tokens"
+            else:
+                assert any(r.stop_reason == "repeat_terminate" for r in rows), f"{backend}: the guard never ended a row"
+        parity(outs, pool, prompts, summary_note, f"{what} with adapter r16")
+
+
+def test_logprobs_with_an_adapter_agree_in_fp32(lora_engines, pool):
+    """The chosen tokens' raw log-probabilities under an adapter agree within 1e-3 in fp32 where the tokens agree
+    (the bound of test_parity.test_logprobs_agree_in_fp32)."""
+    if pool.options.dtype != "float32":
+        pytest.skip("the 1e-3 bound is float32's; lower precision is held to vLLM's rule by the parity checks")
+    msgs = messages()[:2]
+    outs = {b: e.generate(msgs, options={"max_new_tokens": 12, "logprobs": 3}, adapter="r8")
+            for b, e in lora_engines.items()}
+    reference, *others = list(outs)
+    for other in others:
+        for row, (a, b) in enumerate(zip(outs[reference], outs[other], strict=True)):
+            shared = divergence_steps([a], [b])[0]
+            for step, (la, lb) in enumerate(list(zip(a.logprobs, b.logprobs, strict=False))[:shared]):
+                chosen = a.token_ids[step]
+                assert abs(la[chosen] - lb[chosen]) < 1e-3, (other, row, step, la[chosen], lb[chosen])
+
+
+def test_an_unknown_adapter_is_refused_by_name_before_generation(lora_engines, count_backend_calls):
+    for backend, engine in lora_engines.items():
+        calls = count_backend_calls(engine.local)
+        with pytest.raises(RequestError) as info:
+            engine.local.generate(messages()[:1], adapter="r32")
+        assert info.value.field == "adapter" and "loaded: r16, r8" in str(info.value), (backend, str(info.value))
+        request = ChatRequest(tuple(messages()[0]), adapter="nope")
+        with pytest.raises(RequestError) as info:
+            engine.local.generate([messages()[0], request])
+        assert info.value.field == "requests[1].adapter", backend
+        assert calls == [], f"{backend} generated before refusing"
+
+
+def test_an_adapter_of_another_base_model_is_refused_at_load(pool, backend_names):
+    """SmolLM2's adapters on the tiny fixture (another hidden size): refused naming the adapter, on every backend
+    (HF and vLLM by the engine's shape check before the backend starts; llama.cpp by its own check on the GGUF)."""
+    from engine import GenerationEngine
+
+    for backend in backend_names:
+        config = pool.config(backend, pool.options.tiny_model, model={"adapters": adapter_folders()})
+        with pytest.raises(ConfigError) as info:
+            GenerationEngine(config)
+        assert info.value.field.startswith("model.adapters.r"), (backend, str(info.value))
