@@ -51,9 +51,10 @@ class Adapter:
         return self.alpha / self.rank
 
 
-def read_adapter(name: str, path: str, index: int) -> Adapter:
-    """``path``'s adapter config as an :class:`Adapter`, or a typed error naming ``model.adapters.<name>``."""
-    field = f"model.adapters.{name}"
+def read_adapter(name: str, path: str, index: int, field: str | None = None) -> Adapter:
+    """``path``'s adapter config as an :class:`Adapter`, or a typed error naming ``field`` (default
+    ``model.adapters.<name>``; a served load names its body's ``lora_path``)."""
+    field = field or f"model.adapters.{name}"
     folder = Path(path)
     config_file = folder / CONFIG_FILE
     if not config_file.is_file():
@@ -96,11 +97,16 @@ Fix: raise model.max_lora_rank to 32 or more (one of 1, 8, 16, 32, 64, 128, 256,
     if configured is None:
         return next((r for r in RANKS if r >= largest), largest)
     for adapter in adapters:
-        if adapter.rank > configured:
-            raise ConfigError(f"model.adapters.{adapter.name}", adapter.path, f"has rank {adapter.rank}, over "
-                              f"model.max_lora_rank {configured}", fix=f"raise model.max_lora_rank to "
-                              f"{adapter.rank} or more (one of {', '.join(map(str, RANKS))}), or train a smaller rank")
+        check_rank(adapter, configured)
     return configured
+
+
+def check_rank(adapter: Adapter, limit: int, field: str | None = None) -> None:
+    """Refuse an adapter whose rank is over the engine's limit (see :func:`rank_limit`)."""
+    if adapter.rank > limit:
+        raise ConfigError(field or f"model.adapters.{adapter.name}", adapter.path, f"has rank {adapter.rank}, over "
+                          f"model.max_lora_rank {limit}", fix=f"raise model.max_lora_rank to {adapter.rank} or more "
+                          f"(one of {', '.join(map(str, RANKS))}), or train a smaller rank")
 
 
 def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -119,7 +125,7 @@ def base_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_against_base(adapter: Adapter, base: Mapping[str, tuple[int, ...]]) -> None:
+def check_against_base(adapter: Adapter, base: Mapping[str, tuple[int, ...]], field: str | None = None) -> None:
     """Refuse an adapter whose A or B does not fit the base weight it changes (trained for another model): each
     ``lora_A`` is (rank, in), each ``lora_B`` (out, rank), for a base weight of (out, in). Adapters saved in another
     format (a GGUF twin) are checked by their backend when it loads them.
@@ -143,15 +149,15 @@ this model.path.
         module = name.split(".lora_A.")[0].removeprefix("base_model.model.")
         b_shape = shapes.get(name.replace(".lora_A.", ".lora_B."))
         if b_shape is None:
-            raise ConfigError(f"model.adapters.{adapter.name}", adapter.path, f"has {name} without its lora_B",
-                              fix="save the adapter again")
-        check_fit(adapter, module, a_shape, b_shape, base)
+            raise ConfigError(field or f"model.adapters.{adapter.name}", adapter.path, f"has {name} without its "
+                              "lora_B", fix="save the adapter again")
+        check_fit(adapter, module, a_shape, b_shape, base, field)
 
 
 def check_fit(adapter: Adapter, module: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...],
-              base: Mapping[str, tuple[int, ...]]) -> None:
+              base: Mapping[str, tuple[int, ...]], field: str | None = None) -> None:
     """One module's A and B against the base weight ``module + ".weight"`` (see :func:`check_against_base`)."""
-    field = f"model.adapters.{adapter.name}"
+    field = field or f"model.adapters.{adapter.name}"
     fix = "give an adapter trained on this model.path"
     weight = base.get(f"{module}.weight")
     if weight is None:
@@ -180,6 +186,24 @@ def load_adapters(adapters: Mapping[str, str], max_rank: int | None,
         for adapter in checked:
             check_against_base(adapter, base)
     return checked, limit
+
+
+def check_loadable(name: str, path: str, *, loaded: tuple[str, ...], limit: int, base_dir: str | None,
+                   replace: bool) -> Adapter:
+    """An adapter to load while the engine runs (``engine.load_adapter``, ``/v1/load_lora_adapter``), checked as one
+    of ``model.adapters`` is, the fields named as vLLM's route names them (``lora_name``, ``lora_path``); its id is the
+    backend's to give. A name already loaded needs ``replace`` (vLLM's ``load_inplace``)."""
+    from engine.config.engine_config import check_adapter_entry
+
+    check_adapter_entry(name, path, field="lora_name")
+    if name in loaded and not replace:
+        raise RequestError("lora_name", name, "is already loaded", fix="unload it first, or load it in place "
+                           "(load_inplace: true; engine.load_adapter(..., replace=True))")
+    adapter = read_adapter(name, path, 0, field="lora_path")
+    check_rank(adapter, limit, field="lora_path")
+    if base_dir is not None:
+        check_against_base(adapter, base_shapes(Path(base_dir)), field="lora_path")
+    return adapter
 
 
 def check_adapter_name(name: Any, known: Mapping[str, Adapter] | tuple[str, ...], at: str) -> None:
@@ -225,3 +249,59 @@ def by_adapter(adapters: list[str | None]) -> list[tuple[str | None, list[int]]]
     for i, name in enumerate(adapters):
         groups.setdefault(name, []).append(i)
     return list(groups.items())
+
+
+class AdapterSet:
+    """The adapters a backend holds: those of ``model.adapters`` (checked at start), and those loaded or dropped
+    while it runs, with the rank limit and the ids; each backend keeps one and does its own loading beside it.
+
+    Loading at run time needs LoRA on from the start, on every backend alike (vLLM sizes its LoRA slots when it
+    starts): ``model.adapters`` names one, or ``model.max_lora_rank`` is set.
+
+    >>> from engine.config import ModelConfig
+    >>> AdapterSet(ModelConfig(path="/m"), None).admit("x", "/x", replace=False)
+    Traceback (most recent call last):
+    ...
+    engine.errors.UnsupportedCapabilityError: this engine was started without LoRA adapters; loading one while it \
+runs needs them on from the start. Fix: start it with model.max_lora_rank set (or with model.adapters)
+    """
+
+    def __init__(self, model: Any, base_dir: str | None) -> None:
+        adapters, self.limit = load_adapters(model.adapters, model.max_lora_rank, base_dir)
+        self.enabled = bool(adapters) or model.max_lora_rank is not None
+        self.loaded: dict[str, Adapter] = {a.name: a for a in adapters}
+        self.base_dir = base_dir
+        self._next_id = len(adapters) + 1
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.loaded)
+
+    def take_id(self) -> int:
+        """A fresh positive id (never one given before: a reloaded adapter is a new one to vLLM's caches)."""
+        self._next_id += 1
+        return self._next_id - 1
+
+    def admit(self, name: str, path: str, *, replace: bool) -> Adapter:
+        """The checked adapter to load as ``name`` (with a fresh id); the backend loads it, then :meth:`keep`."""
+        from engine.errors import UnsupportedCapabilityError
+
+        if not self.enabled:
+            raise UnsupportedCapabilityError("this engine was started without LoRA adapters; loading one while it "
+                                             "runs needs them on from the start. Fix: start it with "
+                                             "model.max_lora_rank set (or with model.adapters)")
+        adapter = check_loadable(name, path, loaded=self.names, limit=self.limit, base_dir=self.base_dir,
+                                 replace=replace)
+        return Adapter(name=adapter.name, path=adapter.path, rank=adapter.rank, alpha=adapter.alpha,
+                       targets=adapter.targets, id=self.take_id())
+
+    def keep(self, adapter: Adapter) -> None:
+        self.loaded[adapter.name] = adapter
+
+    def drop(self, name: str) -> Adapter:
+        """The loaded adapter ``name``, forgotten (the backend unloads it); an unknown name is refused by field."""
+        if name not in self.loaded:
+            loaded = ", ".join(self.names) or "none"
+            raise RequestError("lora_name", name, f"is not a loaded adapter (loaded: {loaded})",
+                               fix="name one that GET /v1/models lists with a parent")
+        return self.loaded.pop(name)

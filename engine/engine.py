@@ -24,7 +24,7 @@ from engine.backends import (
     backend_class,
     spec,
 )
-from engine.backends.base import Prompt, prompts_of
+from engine.backends.base import AdapterLoading, Prompt, prompts_of
 from engine.backends.guard import check_guard_can_run
 from engine.completion import PromptLike, check_scored, plain_prompts
 from engine.config import EngineConfig, GenerationOptions, PixelBudget, StopPolicy
@@ -367,6 +367,21 @@ class GenerationEngine:
         if adapter is not None:
             rendered = [dataclasses.replace(r, adapter=adapter) for r in rendered]
         return rendered, plan
+
+    def load_adapter(self, name: str, path: str, *, replace: bool = False) -> None:
+        """Load LoRA adapter ``name`` from ``path`` while the engine runs (vLLM's ``/v1/load_lora_adapter``): checked
+        as ``model.adapters`` are (rank, shapes; the engine must have started with LoRA on: ``model.adapters`` or
+        ``model.max_lora_rank``), then loaded on the backend; requests may name it from then on. ``replace`` loads
+        it in place of the one of that name (vLLM's ``load_inplace``), no cached block of the old one reused."""
+        if not isinstance(self.backend, AdapterLoading):
+            raise UnsupportedCapabilityError(f"backend {self.backend.name!r} cannot load LoRA adapters")
+        self.backend.load_adapter(name, path, replace=replace)
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload adapter ``name`` (a ``RequestError`` naming ``lora_name`` when none is loaded by that name)."""
+        if not isinstance(self.backend, AdapterLoading):
+            raise UnsupportedCapabilityError(f"backend {self.backend.name!r} cannot load LoRA adapters")
+        self.backend.unload_adapter(name)
 
     def check_adapter(self, name: Any, at: str) -> None:
         """Refuse a LoRA adapter name the backend did not load (``engine.adapters``), naming ``at``."""

@@ -250,6 +250,19 @@ class WeightLoading(Protocol):
 
 
 @runtime_checkable
+class AdapterLoading(Protocol):
+    """A backend that loads and unloads LoRA adapters while it runs (``engine.adapters.AdapterSet`` checks each as
+    ``model.adapters`` are; ``capabilities.adapters`` follows). The served engine calls these off its event loop,
+    never during a ``generate`` of a backend that batches through it."""
+
+    def load_adapter(self, name: str, path: str, *, replace: bool = False) -> None:
+        ...
+
+    def unload_adapter(self, name: str) -> None:
+        ...
+
+
+@runtime_checkable
 class AsyncGenerating(Protocol):
     """A backend with its own asyncio batching (vLLM's ``AsyncLLM``): concurrent calls share it directly, no
     engine-side batcher."""

@@ -91,6 +91,28 @@ Fix: did you mean 'float16'? available: auto, bfloat16, float16, float32.
         check_adapters(self.adapters, self.max_lora_rank)
 
 
+ADAPTER_NAME_FIX = "name each adapter with letters, digits, '-', '_' or '.' (what requests pick it by)"
+
+
+def check_adapter_entry(name: Any, path: Any, field: str = "model.adapters") -> None:
+    """One adapter's name and folder (``model.adapters``, or a load at run time naming ``field``).
+
+    >>> check_adapter_entry("a b", "/x")
+    Traceback (most recent call last):
+    ...
+    engine.errors.ConfigError: model.adapters is not an adapter name, got 'a b'. Fix: name each adapter with letters, \
+digits, '-', '_' or '.' (what requests pick it by).
+    """
+    import re
+
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,128}", name):
+        raise ConfigError(field, name, "is not an adapter name", fix=ADAPTER_NAME_FIX)
+    at = f"model.adapters.{name}" if field == "model.adapters" else "lora_path"
+    check_type(at, path, str, "a folder path")
+    if not path:
+        raise ConfigError(at, path, "must not be empty", fix="give the adapter's folder")
+
+
 def check_adapters(adapters: Any, max_rank: Any) -> None:
     """The shape of ``model.adapters`` and ``model.max_lora_rank`` (their files are checked when a backend loads).
 
@@ -100,18 +122,11 @@ def check_adapters(adapters: Any, max_rank: Any) -> None:
     engine.errors.ConfigError: model.adapters has an empty adapter name, got {'': '/a'}. Fix: name each adapter \
 with letters, digits, '-', '_' or '.' (what requests pick it by).
     """
-    import re
-
     check_type("model.adapters", adapters, dict, "a mapping of adapter name -> folder")
-    fix = "name each adapter with letters, digits, '-', '_' or '.' (what requests pick it by)"
     for name, path in adapters.items():
         if not isinstance(name, str) or not name:
-            raise ConfigError("model.adapters", adapters, "has an empty adapter name", fix=fix)
-        if not re.fullmatch(r"[A-Za-z0-9_.\-]{1,128}", name):
-            raise ConfigError("model.adapters", name, "is not an adapter name", fix=fix)
-        check_type(f"model.adapters.{name}", path, str, "a folder path")
-        if not path:
-            raise ConfigError(f"model.adapters.{name}", path, "must not be empty", fix="give the adapter's folder")
+            raise ConfigError("model.adapters", adapters, "has an empty adapter name", fix=ADAPTER_NAME_FIX)
+        check_adapter_entry(name, path)
     if max_rank is not None:
         check_type("model.max_lora_rank", max_rank, int, "an integer")
         if max_rank not in LORA_RANKS:

@@ -10,6 +10,7 @@ are cut exactly there.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -167,30 +168,50 @@ class HfBackend(BackendBase, backend="hf"):
     def _load_adapters(self, model: ModelConfig) -> tuple[str, ...]:
         """Load every adapter of ``model.adapters`` with PEFT (checked first: ``engine.adapters``), unmerged; a row
         picks one per forward (:meth:`_with_adapter`)."""
-        from engine.adapters import load_adapters
+        from engine.adapters import AdapterSet
 
-        adapters, _limit = load_adapters(model.adapters, model.max_lora_rank, model.path)
-        if not adapters:
-            return ()
-        try:
-            from peft import PeftModel
-        except ImportError as err:
-            raise BackendUnavailableError(SPEC.name, "peft is not installed (model.adapters needs it)",
-                                          "pip install 'xbackend-engine[hf]'") from err
-        first, *rest = adapters
-        self.peft = PeftModel.from_pretrained(self.model, first.path, adapter_name=first.name, is_trainable=False)
-        for adapter in rest:
-            self.peft.load_adapter(adapter.path, adapter_name=adapter.name, is_trainable=False)
-        self.peft.eval()
-        return tuple(a.name for a in adapters)
+        self.adapter_set = AdapterSet(model, model.path)
+        for adapter in self.adapter_set.loaded.values():
+            self._peft_load(adapter)
+        return self.adapter_set.names
+
+    def _peft_load(self, adapter: Any) -> None:
+        """``adapter`` into the PEFT model (made on the first), replacing one of the same name."""
+        if self.peft is None:
+            try:
+                from peft import PeftModel
+            except ImportError as err:
+                raise BackendUnavailableError(SPEC.name, "peft is not installed (LoRA adapters need it)",
+                                              "pip install 'xbackend-engine[hf]'") from err
+            self.peft = PeftModel.from_pretrained(self.model, adapter.path, adapter_name=adapter.name,
+                                                  is_trainable=False)
+            self.peft.eval()
+            return
+        if adapter.name in self.peft.peft_config:
+            self.peft.delete_adapter(adapter.name)
+        self.peft.load_adapter(adapter.path, adapter_name=adapter.name, is_trainable=False)
+
+    def load_adapter(self, name: str, path: str, *, replace: bool = False) -> None:
+        """Load adapter ``name`` from ``path`` while serving (checked as ``model.adapters`` are); ``replace``: in
+        place of the one of that name. Never during a ``generate`` (the served engine runs it on the batcher)."""
+        adapter = self.adapter_set.admit(name, path, replace=replace)
+        self._peft_load(adapter)
+        self.adapter_set.keep(adapter)
+        self.capabilities = dataclasses.replace(self.capabilities, adapters=self.adapter_set.names)
+
+    def unload_adapter(self, name: str) -> None:
+        self.adapter_set.drop(name)
+        self.peft.delete_adapter(name)
+        self.capabilities = dataclasses.replace(self.capabilities, adapters=self.adapter_set.names)
 
     def _with_adapter(self, name: str | None) -> Any:
         """A context in which ``self.model`` computes with adapter ``name`` (None: the base model, adapters off)."""
         import contextlib
 
-        if self.peft is None:
+        if self.peft is None or not self.peft.peft_config:  # none loaded (all unloaded): the base model as it is
             return contextlib.nullcontext()
         if name is None:
+            self.peft.set_adapter(next(iter(self.peft.peft_config)))  # one that exists, then switched off
             return self.peft.disable_adapter()
         self.peft.set_adapter(name)
         return contextlib.nullcontext()

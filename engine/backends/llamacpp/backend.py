@@ -16,6 +16,7 @@ terminal id, a stop string (found on the row's text with the engine's stop rule;
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -137,26 +138,54 @@ class LlamaCppBackend(BackendBase, backend="llamacpp"):
 
     def _load_adapters(self, model: ModelConfig) -> dict[str, Any]:
         """Each adapter of ``model.adapters`` (checked: ``engine.adapters``; its folder holds one ``.gguf``, or it
-        is the ``.gguf``) loaded on the model; llama.cpp checks its tensors against the model's and refuses
-        another model's, which becomes a typed error naming the adapter."""
-        from engine.adapters import load_adapters
+        is the ``.gguf``) loaded on the model."""
+        from engine.adapters import AdapterSet
 
+        self.adapter_set = AdapterSet(model, None)  # llama.cpp checks the GGUF's tensors against the model's itself
+        return {a.name: self._init_adapter(a.name, a.path, f"model.adapters.{a.name}")
+                for a in self.adapter_set.loaded.values()}
+
+    def _init_adapter(self, name: str, path: str, field: str) -> Any:
+        """llama.cpp's adapter of the one ``.gguf`` in ``path``; llama.cpp refuses another model's, which becomes a
+        typed error naming ``field``."""
         llama_cpp = _import_llama_cpp()
-        checked, _limit = load_adapters(model.adapters, model.max_lora_rank)
-        loaded: dict[str, Any] = {}
-        for adapter in checked:
-            field = f"model.adapters.{adapter.name}"
-            found = sorted(Path(adapter.path).glob("*.gguf"))
-            if len(found) != 1:
-                raise ConfigError(field, adapter.path, f"holds {len(found)} .gguf files; the llamacpp backend loads "
-                                  "an adapter's GGUF (one in its folder)", fix="give the folder of the adapter's "
-                                  "GGUF twin (python -m engine_fixtures build smollm2-lora-gguf writes the fixtures')")
-            pointer = llama_cpp.llama_adapter_lora_init(self.llm.model, str(found[0]).encode())
-            if not pointer:
-                raise ConfigError(field, str(found[0]), "was refused by llama.cpp (not a LoRA GGUF of this model: "
-                                  "its log says which tensor)", fix="convert the adapter of this model.path to GGUF")
-            loaded[adapter.name] = pointer
-        return loaded
+        found = sorted(Path(path).glob("*.gguf"))
+        if len(found) != 1:
+            raise ConfigError(field, path, f"holds {len(found)} .gguf files; the llamacpp backend loads an adapter's "
+                              "GGUF (one in its folder)", fix="give the folder of the adapter's GGUF twin (python -m "
+                              "engine_fixtures build smollm2-lora-gguf writes the fixtures')")
+        pointer = llama_cpp.llama_adapter_lora_init(self.llm.model, str(found[0]).encode())
+        if not pointer:
+            raise ConfigError(field, str(found[0]), f"was refused by llama.cpp as adapter {name!r} (not a LoRA GGUF "
+                              "of this model: its log says which tensor)",
+                              fix="convert the adapter of this model.path to GGUF")
+        return pointer
+
+    def load_adapter(self, name: str, path: str, *, replace: bool = False) -> None:
+        """Load adapter ``name`` (its GGUF twin's folder) while serving; ``replace``: in place of the one of that
+        name, which is freed once no row computes with it."""
+        adapter = self.adapter_set.admit(name, path, replace=replace)
+        pointer = self._init_adapter(name, adapter.path, "lora_path")
+        with self._lock:
+            old = self._adapters.get(name)
+            self._adapters[name] = pointer
+            self._free_adapter(old)
+        self.adapter_set.keep(adapter)
+        self.capabilities = dataclasses.replace(self.capabilities, adapters=self.adapter_set.names)
+
+    def unload_adapter(self, name: str) -> None:
+        self.adapter_set.drop(name)
+        with self._lock:
+            self._free_adapter(self._adapters.pop(name))
+        self.capabilities = dataclasses.replace(self.capabilities, adapters=self.adapter_set.names)
+
+    def _free_adapter(self, pointer: Any) -> None:
+        """Free an adapter no context uses any more (under the lock: the decoding context lets go of it first)."""
+        if pointer is None:
+            return
+        if self._sequences is not None:
+            self._sequences.use_adapter(None)
+        _import_llama_cpp().llama_adapter_lora_free(pointer)
 
     def close(self) -> None:
         """Free the model once no row is inside llama.cpp: a row in progress (the batcher thread, a stream the

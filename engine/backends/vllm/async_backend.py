@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import time
 import uuid
@@ -21,6 +22,7 @@ from engine.backends.base import BackendBase, BackendOutput, Prompt, SamplingPla
 from engine.backends.host import has_cuda
 from engine.backends.vllm.backend import (
     SPEC,
+    add_adapter,
     backend_output,
     capabilities,
     checked_runner,
@@ -103,6 +105,24 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
             self._call(shutdown())
         self._stop_loop()
         self.lora.close()
+
+    # -- adapters ---------------------------------------------------------------------------------------
+
+    def load_adapter(self, name: str, path: str, *, replace: bool = False) -> None:
+        """As ``VllmBackend.load_adapter``, on ``AsyncLLM``."""
+        adapter, request, old = self.lora.admit(name, path, replace=replace)
+        add_adapter(lambda: self._call(self.llm.add_lora(request)), adapter)
+        self.lora.keep(adapter)
+        if old is not None:
+            self._call(self.llm.remove_lora(old.id))
+            self._call(self.llm.reset_prefix_cache())
+        self.capabilities = dataclasses.replace(self.capabilities, adapters=self.lora.names)
+
+    def unload_adapter(self, name: str) -> None:
+        old = self.lora.drop(name)
+        self._call(self.llm.remove_lora(old.id))
+        self._call(self.llm.reset_prefix_cache())
+        self.capabilities = dataclasses.replace(self.capabilities, adapters=self.lora.names)
 
     # -- generation ------------------------------------------------------------------------------------
 

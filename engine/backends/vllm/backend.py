@@ -10,6 +10,7 @@ own tokenizer instance from the same folder only to detect stop strings natively
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Sequence
@@ -171,6 +172,17 @@ def checked_runner(backend: Any, vllm_config: Any, plan: Any) -> str:
     return runner
 
 
+def add_adapter(add: Any, adapter: Any) -> Any:
+    """``add()`` (vLLM's ``add_lora``), its failure a typed error naming ``lora_path``."""
+    from engine.errors import ConfigError
+
+    try:
+        return add()
+    except Exception as err:  # vLLM's loader raises what the adapter's files give
+        raise ConfigError("lora_path", adapter.path, f"was refused by vLLM as adapter {adapter.name!r} ({err})",
+                          fix="give a PEFT LoRA adapter of the served model") from None
+
+
 def sampling_params(plan: SamplingPlan, **extra: Any) -> Any:
     """The complete ``SamplingParams`` for ``plan`` (``extra``: e.g. ``output_kind``); each row's seed and rules are
     added per request by :func:`request_params`."""
@@ -283,6 +295,24 @@ class VllmBackend(BackendBase, backend="vllm"):
     def sampling_params(self, plan: SamplingPlan) -> Any:
         """The complete ``SamplingParams`` for ``plan``."""
         return sampling_params(plan)
+
+    def load_adapter(self, name: str, path: str, *, replace: bool = False) -> None:
+        """Load adapter ``name`` while serving (checked as ``model.adapters`` are, then preloaded into vLLM); a
+        replaced one is removed and the prefix cache reset: vLLM keys cached blocks by adapter name and path, so
+        new weights under the same name and path would otherwise be answered from the old ones' blocks."""
+        adapter, request, old = self.lora.admit(name, path, replace=replace)
+        add_adapter(lambda: self.llm.llm_engine.add_lora(request), adapter)
+        self.lora.keep(adapter)
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.id)
+            self.llm.reset_prefix_cache()
+        self.capabilities = dataclasses.replace(self.capabilities, adapters=self.lora.names)
+
+    def unload_adapter(self, name: str) -> None:
+        old = self.lora.drop(name)
+        self.llm.llm_engine.remove_lora(old.id)
+        self.llm.reset_prefix_cache()
+        self.capabilities = dataclasses.replace(self.capabilities, adapters=self.lora.names)
 
     def generate(self, prompts: Sequence[Prompt], plan: SamplingPlan) -> list[BackendOutput]:
         import uuid

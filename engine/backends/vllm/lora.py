@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from engine.adapters import Adapter, load_adapters, zero_adapter
+from engine.adapters import Adapter, AdapterSet, zero_adapter
 from engine.config import ModelConfig, VllmConfig
 
 ZERO_NAME = "engine-base-zero"
@@ -28,54 +28,79 @@ checked by the engine; this one is not among them)."""
 
 
 class LoraRequests:
-    """The checked adapters of ``model.adapters`` and each row's ``LoRARequest`` (None: the base model, as it is).
+    """The adapters vLLM serves (``engine.adapters.AdapterSet``) and each row's ``LoRARequest`` (None: the base model,
+    as it is). Loading and unloading at run time is the backend's (``LLM`` and ``AsyncLLM`` differ): it asks
+    :meth:`admit` for the checked adapter and its request, adds it to vLLM, then calls :meth:`keep`.
 
     >>> LoraRequests(ModelConfig(path="/m"), VllmConfig(), cpu=True).start_arguments()
     {}
     """
 
     def __init__(self, model: ModelConfig, settings: VllmConfig, *, cpu: bool) -> None:
-        adapters, self.rank_limit = load_adapters(model.adapters, model.max_lora_rank, model.path)
-        self.adapters: dict[str, Adapter] = {a.name: a for a in adapters}
+        self.set = AdapterSet(model, model.path)
         self.settings = settings
+        self.cpu = cpu
         self.zero: Adapter | None = None
         self._zero_dir: str | None = None
-        if adapters and cpu:
-            self._zero_dir = tempfile.mkdtemp(prefix="engine-zero-lora-")
-            first = adapters[0]
-            path = zero_adapter(first, Path(self._zero_dir) / "adapter")
-            self.zero = Adapter(name=ZERO_NAME, path=str(path), rank=first.rank, alpha=first.alpha,
-                                targets=first.targets, id=len(adapters) + 1)
         self._requests: dict[str, Any] = {}
+        if self.set.loaded:
+            self._make_zero(next(iter(self.set.loaded.values())))
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(self.adapters)
+        return self.set.names
+
+    def _make_zero(self, like: Adapter) -> None:
+        """On CPU hosts, the zero adapter base rows run with (module doc), shaped like ``like``; made once."""
+        if not self.cpu or self.zero is not None:
+            return
+        self._zero_dir = tempfile.mkdtemp(prefix="engine-zero-lora-")
+        path = zero_adapter(like, Path(self._zero_dir) / "adapter")
+        self.zero = Adapter(name=ZERO_NAME, path=str(path), rank=like.rank, alpha=like.alpha, targets=like.targets,
+                            id=self.set.take_id())
 
     def start_arguments(self) -> dict[str, Any]:
-        """What ``vllm.LLM`` / ``AsyncEngineArgs`` need to serve the adapters (nothing without any): slots for
-        every adapter at once (and the zero adapter), unless ``vllm.max_loras`` says otherwise."""
-        if not self.adapters:
+        """What ``vllm.LLM`` / ``AsyncEngineArgs`` need to serve adapters (nothing when LoRA is off): slots for every
+        adapter at once (and the zero adapter), at least two, unless ``vllm.max_loras`` says otherwise."""
+        if not self.set.enabled:
             return {}
-        slots = self.settings.max_loras or len(self.adapters) + (1 if self.zero is not None else 0)
-        return {"enable_lora": True, "max_lora_rank": self.rank_limit, "max_loras": slots,
-                "max_cpu_loras": max(slots, len(self.adapters) + 1)}
+        slots = self.settings.max_loras or max(2, len(self.set.loaded) + (1 if self.cpu else 0))
+        return {"enable_lora": True, "max_lora_rank": self.set.limit, "max_loras": slots,
+                "max_cpu_loras": max(slots, len(self.set.loaded) + 1)}
+
+    def admit(self, name: str, path: str, *, replace: bool) -> tuple[Adapter, Any, Adapter | None]:
+        """(the checked adapter, its ``LoRARequest``, the adapter it replaces or None) for a load at run time."""
+        adapter = self.set.admit(name, path, replace=replace)
+        self._make_zero(adapter)
+        return adapter, self._request_of(adapter), self.set.loaded.get(name)
+
+    def keep(self, adapter: Adapter) -> None:
+        self.set.keep(adapter)
+        self._requests.pop(adapter.name, None)
+
+    def drop(self, name: str) -> Adapter:
+        self._requests.pop(name, None)
+        return self.set.drop(name)
+
+    @staticmethod
+    def _request_of(adapter: Adapter) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(adapter.name, adapter.id, adapter.path)
 
     def request(self, name: str | None) -> Any:
-        """The ``LoRARequest`` of a row with adapter ``name`` (None: the base model; on CPU with adapters loaded,
-        the zero adapter)."""
-        adapter = self.zero if name is None else self.adapters[name]
+        """The ``LoRARequest`` of a row with adapter ``name`` (None: the base model; on CPU with adapters about, the
+        zero adapter)."""
+        adapter = self.zero if name is None else self.set.loaded[name]
         if adapter is None:
             return None
         if adapter.name not in self._requests:
-            from vllm.lora.request import LoRARequest
-
-            self._requests[adapter.name] = LoRARequest(adapter.name, adapter.id, adapter.path)
+            self._requests[adapter.name] = self._request_of(adapter)
         return self._requests[adapter.name]
 
     def requests(self, names: list[str | None]) -> Any:
-        """``lora_request`` for ``LLM.generate`` of rows with these adapters: None when no row needs one."""
-        if not self.adapters:
+        """``lora_request`` for ``LLM.generate`` of rows with these adapters: None when LoRA is off."""
+        if not self.set.enabled:
             return None
         return [self.request(name) for name in names]
 
