@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conformance.compare import assert_same_results, check_logprobs_close, describe, divergence_steps, exact_pair
-from conformance.subjects.plan import engines, uses
+from conformance.subjects.plan import engines, servers, uses
 from engine.errors import ConfigError, RequestError
 from engine.types import ChatRequest
 from engine_fixtures import ensure, load_prompts
@@ -24,9 +24,10 @@ from engine_fixtures import ensure, load_prompts
 SUBJECTS = uses(
     engines("text", any_config="the LoRA fixture's adapters as model.adapters (folders known at run time)"),
     engines("tiny", any_config="the SmolLM2 adapters on the tiny fixture: refused at load, before the backend starts"),
+    servers("text", any_config="the adapters at start, and serve.adapter_loading for vLLM's LoRA routes"),
 )
 
-pytestmark = [pytest.mark.dtype_dependent]
+# float32, as issue 78 asks: not marked dtype_dependent, so the bfloat16 pass (nox -s conformance-bf16) leaves it out
 
 NAMES = ("r8", "r16")
 OPTIONS = {"max_new_tokens": 24, "logprobs": 5}
@@ -183,3 +184,102 @@ def test_an_adapter_of_another_base_model_is_refused_at_load(pool, backend_names
         with pytest.raises(ConfigError) as info:
             GenerationEngine(config)
         assert info.value.field.startswith("model.adapters.r"), (backend, str(info.value))
+
+
+# -- served: the OpenAI model field, /v1/models, vLLM's LoRA routes, swift's adapter_request ------------------------
+
+
+@pytest.fixture
+def lora_server(pool, backend, text_model):
+    """The pool's server of ``backend`` with both adapters loaded at start and vLLM's LoRA routes on."""
+    from conformance.kit.availability import unavailable_reason
+
+    if unavailable_reason(backend):
+        pytest.skip(unavailable_reason(backend))
+    key, config = pool.servers.served_config(backend, text_model, model={"adapters": adapter_folders()},
+                                             serve={"adapter_loading": True})
+    return pool.servers.server(key, config)
+
+
+def chat_ids(client, model, prompts, max_tokens=24):
+    """Each prompt's greedy token ids through ``/v1/chat/completions`` (vLLM's ``return_token_ids``)."""
+    out = []
+    for messages in prompts:
+        answer = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
+                                                extra_body={"return_token_ids": True})
+        out.append(tuple(answer.choices[0].token_ids))
+        assert answer.model == model, (answer.model, model)
+    return out
+
+
+@pytest.mark.on_servers
+@pytest.mark.quick_on("hf", reason="the model field, /v1/models and /infer/'s adapter_request are the served engine's "
+                                   "own code, alike on every backend; HF's server starts in seconds")
+def test_the_model_field_picks_an_adapter_as_vllm_serve_does(lora_server, lora_engines, backend):
+    """The official ``openai`` client: ``GET /v1/models`` lists each adapter with the served model as its parent; a
+    chat call with ``model: r8`` answers r8's in-process rows (and names r8 as its model), the served model's name its
+    base rows; swift's ``adapter_request`` on ``/infer/`` picks a loaded adapter, an unknown name is refused by
+    field."""
+    import httpx
+    import openai
+
+    client = openai.OpenAI(base_url=f"{lora_server.url}/v1", api_key="none", max_retries=0)
+    cards = {m.id: m for m in client.models.list().data}
+    base = next(name for name, card in cards.items() if getattr(card, "parent", None) is None)
+    assert {name: getattr(cards[name], "parent", None) for name in NAMES} == {name: base for name in NAMES}
+    prompts = messages()[:3]
+    local = lora_engines[backend].local
+    for model, adapter in ((NAMES[0], NAMES[0]), (base, None)):
+        want = [r.token_ids for r in local.generate(prompts, options=OPTIONS, adapter=adapter)]
+        assert chat_ids(client, model, prompts) == want, (backend, model)
+    infer = {"infer_requests": [{"messages": m} for m in prompts], "adapter_request": {"name": "r16", "path": "/x"},
+             "request_config": {"max_tokens": 24, "temperature": 0, "return_details": True}}
+    answer = httpx.post(f"{lora_server.url}/infer/", json=infer, timeout=120).json()
+    items = [item.get("response", item) for item in answer]
+    want = [r.token_ids for r in local.generate(prompts, options=OPTIONS, adapter="r16")]
+    assert [tuple(i["choices"][0]["token_ids"]) for i in items] == want
+    refused = httpx.post(f"{lora_server.url}/infer/", json={**infer, "adapter_request": {"name": "r64", "path": "/x"}},
+                         timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "adapter_request.name", refused.text
+
+
+@pytest.mark.on_servers
+@pytest.mark.quick_on("vllm", reason="vLLM keys its prefix cache by adapter name and path: a reload in place is where "
+                                     "an answer could come from the old weights' blocks")
+def test_load_reload_in_place_and_unload_over_vllms_routes(lora_server, lora_engines, backend, tmp_path, pool):
+    """vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``, bodies and answers as ``vllm serve``'s: a
+    folder loaded as ``live`` answers its rows; new weights written into the same folder and loaded in place answer
+    the new rows, never the old ones' cached blocks (the same prompts asked before and after); a second load without
+    ``load_inplace`` is a 400; after the unload the name is a 404, and unloading it again too."""
+    import shutil
+
+    import httpx
+    import openai
+
+    url, folder = lora_server.url, tmp_path / "live"
+    source = {name: pool.model_for(backend, path) for name, path in adapter_folders().items()}  # llama.cpp: GGUF twins
+    shutil.copytree(source["r16"], folder)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    prompts, local = messages()[:3], lora_engines[backend].local
+    want = {name: [r.token_ids for r in local.generate(prompts, options=OPTIONS, adapter=name)] for name in NAMES}
+
+    def post(route, body):
+        return httpx.post(f"{url}/v1/{route}", json=body, timeout=120)
+
+    loaded = post("load_lora_adapter", {"lora_name": "live", "lora_path": str(folder)})
+    assert loaded.status_code == 200 and loaded.text == "Success: LoRA adapter 'live' added successfully.", loaded.text
+    assert chat_ids(client, "live", prompts) == want["r16"]
+    again = post("load_lora_adapter", {"lora_name": "live", "lora_path": str(folder)})
+    assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name", again.text
+    shutil.rmtree(folder)
+    shutil.copytree(source["r8"], folder)  # new weights, the same name and path
+    inplace = post("load_lora_adapter", {"lora_name": "live", "lora_path": str(folder), "load_inplace": True})
+    assert inplace.status_code == 200, inplace.text
+    assert chat_ids(client, "live", prompts) == want["r8"], "a reload in place answered from the old weights"
+    gone = post("unload_lora_adapter", {"lora_name": "live"})
+    assert gone.status_code == 200 and gone.text == "Success: LoRA adapter 'live' removed successfully.", gone.text
+    with pytest.raises(openai.NotFoundError):
+        chat_ids(client, "live", prompts[:1])
+    missing = post("unload_lora_adapter", {"lora_name": "live"})
+    assert missing.status_code == 404 and missing.json()["error"]["message"] == \
+        "The lora adapter 'live' cannot be found.", missing.text

@@ -128,7 +128,8 @@ def base_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
 def check_against_base(adapter: Adapter, base: Mapping[str, tuple[int, ...]], field: str | None = None) -> None:
     """Refuse an adapter whose A or B does not fit the base weight it changes (trained for another model): each
     ``lora_A`` is (rank, in), each ``lora_B`` (out, rank), for a base weight of (out, in). Adapters saved in another
-    format (a GGUF twin) are checked by their backend when it loads them.
+    format (a GGUF twin) are checked by their backend when it loads them; a backend that reads PEFT's files takes
+    safetensors weights only.
 
     >>> a = Adapter("x", "/x", 8, 16.0, ("q_proj",), 1)
     >>> check_fit(a, "model.layers.0.self_attn.q_proj", (8, 64), (576, 8), {"model.layers.0.self_attn.q_proj.weight":
@@ -140,7 +141,12 @@ weight is (576, 576) in model.path (an adapter of another base model), got '/x'.
 this model.path.
     """
     weights = Path(adapter.path) / WEIGHTS_FILE
-    if not weights.is_file() or not base:
+    if not weights.is_file():
+        pickled = any((Path(adapter.path) / name).is_file() for name in ("adapter_model.bin", "adapter_model.pt"))
+        raise ConfigError(field or f"model.adapters.{adapter.name}", adapter.path, f"holds no {WEIGHTS_FILE}" + (
+                          " (its pickled adapter_model.bin is not read: unpickling a file can run code)" if pickled
+                          else ""), fix="save the adapter with safetensors (PEFT's default, safe_serialization=True)")
+    if not base:
         return
     shapes = safetensors_shapes(weights)
     for name, a_shape in sorted(shapes.items()):

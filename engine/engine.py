@@ -387,7 +387,7 @@ class GenerationEngine:
         """Refuse a LoRA adapter name the backend did not load (``engine.adapters``), naming ``at``."""
         from engine.adapters import check_adapter_name
 
-        check_adapter_name(name, self.backend.capabilities.adapters, at)
+        check_adapter_name(name, tuple(getattr(self.backend.capabilities, "adapters", ())), at)
 
     def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int],
               top: int | None = None, processing: ProcessingLike = None) -> list[TokenScores]:

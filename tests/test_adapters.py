@@ -131,3 +131,14 @@ def test_vllm_max_loras_is_a_positive_integer():
     with pytest.raises(ConfigError) as info:
         EngineConfig.from_dict({"backend": "vllm", "model": "/m", "vllm": {"max_loras": 0}})
     assert info.value.field == "vllm.max_loras"
+
+
+def test_an_adapter_with_pickled_weights_only_is_refused_by_name(tmp_path):
+    """PEFT falls back to ``adapter_model.bin`` (a pickle) where no safetensors file exists: the engine never reads
+    one, at start or on a served load, so a folder a client names cannot run code in the server."""
+    base = write_base(tmp_path / "base")
+    folder = write_adapter(tmp_path / "a")
+    (folder / "adapter_model.safetensors").rename(folder / "adapter_model.bin")
+    with pytest.raises(ConfigError) as info:
+        load_adapters({"a": str(folder)}, None, str(base))
+    assert info.value.field == "model.adapters.a" and "unpickling" in str(info.value)

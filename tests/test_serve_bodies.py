@@ -86,7 +86,8 @@ def openapi_document():
     from engine.serve.service import ServedEngine
 
     class Idle:
-        config = EngineConfig.from_dict({"backend": "hf", "model": {"path": "/models/idle"}})
+        config = EngineConfig.from_dict({"backend": "hf", "model": {"path": "/models/idle"},
+                                         "serve": {"adapter_loading": True}})  # vLLM's LoRA routes exist
         backend = SimpleNamespace(name="hf", capabilities=SimpleNamespace(max_model_len=64))
         tokenizer = None
 

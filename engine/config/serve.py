@@ -149,6 +149,10 @@ got 'response'. Fix: pick another key, e.g. 'coordexp'.
     weight_sync_session_max_s: float = 120.0
     """The longest one push session may hold new generations, pushes or not, in (0, 3600]: a learner that keeps
     pushing without ever ending its session (no cache reset, no finish) has it ended here, and the rollouts run."""
+    adapter_loading: bool = False
+    """Serve vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (``--allow-adapter-loading``; vLLM's
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): a client then loads adapters from folders this server can read. Off: the
+    routes do not exist (404), and ``/infer/``'s ``adapter_request`` may name loaded adapters only."""
     chat: PatternCConfig = field(default_factory=PatternCConfig)
     """Defaults of the Pattern C ``POST /chat`` endpoint."""
 
@@ -174,6 +178,7 @@ got 'response'. Fix: pick another key, e.g. 'coordexp'.
         check_type("serve.batch_wait_max_ms", self.batch_wait_max_ms, (int, float), "a number")
         check_range("serve.batch_wait_max_ms", self.batch_wait_max_ms, low=self.batch_wait_ms, high=1000,
                     fix=f"give a value in [{self.batch_wait_ms:g}, 1000]: at least serve.batch_wait_ms")
+        check_type("serve.adapter_loading", self.adapter_loading, bool, "true or false")
         check_type("serve.max_batch_size", self.max_batch_size, int, "an integer")
         check_range("serve.max_batch_size", self.max_batch_size, low=1)
         check_type("serve.drain_timeout_s", self.drain_timeout_s, (int, float), "a number")

@@ -46,6 +46,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", nargs="+", metavar="NAME", help="override: serve.model_name (the first "
                    "name, the one answers report) and serve.model_aliases (the others), as vllm serve takes them; "
                    "requests may name any of them or the model's path")
+    p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", help="LoRA adapters loaded at start, as vllm "
+                   "serve takes them: adds each to model.adapters")
+    p.add_argument("--max-lora-rank", type=int, help="override: model.max_lora_rank (LoRA on, for adapters loaded "
+                   "later)")
+    p.add_argument("--enable-lora", action="store_true", help="LoRA on with vllm serve's default rank limit (16) "
+                   "unless --max-lora-rank or the config says otherwise")
+    p.add_argument("--allow-adapter-loading", action="store_true", help="serve.adapter_loading: serve "
+                   "/v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
     p.add_argument("--host", help="override: serve.host (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="override: serve.port (0: any free port)")
     p.add_argument("--namespace", help="override: serve.namespace ('none' for bare responses)")
@@ -79,7 +87,8 @@ def served_config(args: argparse.Namespace, environ: Any = None) -> tuple[Any, A
         raise ConfigError("--model", args.model, f"differs from the positional model {tag!r}",
                           fix="give the model once")
     args.model = args.model or tag
-    if args.model or args.dtype or args.logprobs_mode:
+    lora = lora_settings(args)
+    if args.model or args.dtype or args.logprobs_mode or lora or getattr(args, "enable_lora", False):
         model = data.get("model") or {}
         model = {"path": model} if isinstance(model, str) else section(model, "model")
         if args.model:
@@ -88,6 +97,10 @@ def served_config(args: argparse.Namespace, environ: Any = None) -> tuple[Any, A
             model["dtype"] = args.dtype
         if args.logprobs_mode:
             model["logprobs_mode"] = args.logprobs_mode
+        adapters = {**(model.get("adapters") or {}), **lora.pop("adapters", {})}
+        model.update({**lora, **({"adapters": adapters} if adapters else {})})
+        if "max_lora_rank" not in model and getattr(args, "enable_lora", False):
+            model["max_lora_rank"] = 16  # vllm serve's default limit
         data["model"] = model
     serve = section(data.get("serve"), "serve")
     for key in ("host", "port"):
@@ -98,6 +111,8 @@ def served_config(args: argparse.Namespace, environ: Any = None) -> tuple[Any, A
         serve["model_name"], serve["model_aliases"] = names[0], list(names[1:])
     if args.namespace is not None:
         serve["namespace"] = None if args.namespace.lower() == "none" else args.namespace
+    if getattr(args, "allow_adapter_loading", False):
+        serve["adapter_loading"] = True
     chat = section(serve.get("chat"), "serve.chat")
     serve["chat"] = chat_environment(chat, os.environ if environ is None else environ)
     data["serve"] = serve
@@ -108,6 +123,27 @@ def served_config(args: argparse.Namespace, environ: Any = None) -> tuple[Any, A
     config = EngineConfig.from_dict(data)
     create_plugins(config.plugins)  # unknown names and bad parameters fail before binding (nothing is loaded)
     return config, activation
+
+
+def lora_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The model settings of ``--lora-modules`` (``adapters``), ``--max-lora-rank`` and ``--enable-lora``.
+
+    >>> lora_settings(argparse.Namespace(lora_modules=["math=/a/math"], max_lora_rank=None, enable_lora=False))
+    {'adapters': {'math': '/a/math'}}
+    >>> lora_settings(argparse.Namespace(lora_modules=["math"], max_lora_rank=None, enable_lora=False))
+    Traceback (most recent call last):
+    ...
+    engine.errors.ConfigError: --lora-modules must be NAME=PATH, got 'math'. Fix: write each adapter as name=folder.
+    """
+    out: dict[str, Any] = {}
+    for item in getattr(args, "lora_modules", None) or ():
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError("--lora-modules", item, "must be NAME=PATH", fix="write each adapter as name=folder")
+        out.setdefault("adapters", {})[name] = path
+    if getattr(args, "max_lora_rank", None) is not None:
+        out["max_lora_rank"] = args.max_lora_rank
+    return out
 
 
 def section(value: Any, name: str) -> dict[str, Any]:

@@ -83,9 +83,25 @@ class ServedEngine:
         return self.serve.model_name or Path(self.engine.config.model.path).name
 
     def serves(self, name: str) -> bool:
-        """Whether a request's ``model`` names this model: its name, an alias (``serve.model_aliases``), or its path
-        as configured (what a client of ``vllm serve <path>`` sends)."""
-        return name == self.model_name or name in self.serve.model_aliases or name == self.engine.config.model.path
+        """Whether a request's ``model`` names this model: its name, an alias (``serve.model_aliases``), its path
+        as configured (what a client of ``vllm serve <path>`` sends), or a loaded LoRA adapter (:meth:`adapter_of`)."""
+        return (name == self.model_name or name in self.serve.model_aliases or name == self.engine.config.model.path
+                or self.adapter_of(name) is not None)
+
+    def adapter_of(self, name: str | None) -> str | None:
+        """The loaded LoRA adapter a request's ``model`` names (as ``vllm serve`` picks one), or None: the model."""
+        return name if name in self.adapters else None
+
+    def adapter_path(self, name: str) -> str:
+        """The folder adapter ``name`` was loaded from (``/v1/models``' ``root`` for a caller with the key)."""
+        backend = self.engine.backend
+        held = getattr(backend, "adapter_set", None) or getattr(getattr(backend, "lora", None), "set", None)
+        return held.loaded[name].path if held is not None and name in held.loaded else name
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters the backend has loaded (``capabilities.adapters``; none for a backend without them)."""
+        return tuple(getattr(self.engine.backend.capabilities, "adapters", ()))
 
     @property
     def guard_active(self) -> int:

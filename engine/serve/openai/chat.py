@@ -60,7 +60,7 @@ class CompletionCall(Sampling):
 def prepare(call: CompletionCall, served: Any) -> Any:
     """The engine's own checks of a chat call and its rendered prompts (run by the call path off the event loop: the
     chat template and the tokenizer), which the route then runs without preparing them again."""
-    return served.engine.prepare([call.request] * call.n, **call.kwargs)
+    return served.engine.prepare([call.request] * call.n, **call.kwargs, adapter=served.adapter_of(call.model))
 
 
 def parse_chat(body: ChatCompletionRequest, served: Any = None) -> CompletionCall:

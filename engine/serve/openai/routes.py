@@ -39,12 +39,15 @@ def router(served: ServedEngine) -> APIRouter:
     async def models(request: Request) -> dict[str, Any]:
         """Every name the model answers to (``--served-model-name``), as ``vllm serve`` lists them; ``root`` is the
         model's path for a caller that sent the API key, its name otherwise (a keyless server shows no path)."""
-        root = engine.config.model.path if served.sent_the_key(request.scope["headers"]) else model
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(served.started),
-                                            "owned_by": "engine", "root": root,
-                                            "max_model_len": engine.backend.capabilities.max_model_len,
-                                            "logprobs_mode": engine.config.model.logprobs_mode}
-                                           for name in (model, *served.serve.model_aliases)]}
+        keyed = served.sent_the_key(request.scope["headers"])
+        root = engine.config.model.path if keyed else model
+        card = {"object": "model", "created": int(served.started), "owned_by": "engine",
+                "max_model_len": engine.backend.capabilities.max_model_len,
+                "logprobs_mode": engine.config.model.logprobs_mode}
+        adapters = [{"id": name, **card, "root": served.adapter_path(name) if keyed else name, "parent": model}
+                    for name in served.adapters]  # vLLM's LoRA cards: each names the served model as its parent
+        return {"object": "list", "data": [{"id": name, **card, "root": root}
+                                           for name in (model, *served.serve.model_aliases)] + adapters}
 
     @api.get("/server_info")
     async def show_server_info(request: Request, config_format: str = "text") -> Any:
@@ -54,23 +57,25 @@ def router(served: ServedEngine) -> APIRouter:
     @chats.route(api, "/v1/chat/completions")
     async def chat_completions(call: Call) -> Any:
         c = call.parsed
+        answering = served.adapter_of(c.model) or model  # an adapter's calls answer with its name, as vLLM's
         if not c.stream:
             return await call.whole(lambda: engine.agenerate([c.request] * c.n, **c.kwargs, prepared=call.prepared),
                                     body=lambda results:
-                                    chat.completion_body(results, c, model=model, tokenizer=engine.tokenizer))
+                                    chat.completion_body(results, c, model=answering, tokenizer=engine.tokenizer))
         cid, created = chat.completion_id(), int(time.time())
 
         async def open_stream() -> tuple[Any, list[Any]]:  # validation raises here, before any generation
             prompt_ids = list(call.prepared[0][0].token_ids) if c.return_token_ids else None
-            role = chat.chunk(cid, created, model, c, delta={"role": "assistant", "content": ""}, prompt_ids=prompt_ids)
+            role = chat.chunk(cid, created, answering, c, delta={"role": "assistant", "content": ""},
+                              prompt_ids=prompt_ids)
             return engine.astream(c.request, **c.kwargs, prepared=call.prepared), [role]
 
         def events(part: Any) -> list[Any]:
-            out = [chat.chunk(cid, created, model, c, delta={"content": part.delta})] if part.delta else []
+            out = [chat.chunk(cid, created, answering, c, delta={"content": part.delta})] if part.delta else []
             if part.result is not None:
-                out.append(chat.chunk(cid, created, model, c, result=part.result, tokenizer=engine.tokenizer))
+                out.append(chat.chunk(cid, created, answering, c, result=part.result, tokenizer=engine.tokenizer))
                 if c.include_usage:
-                    out.append(chat.chunk(cid, created, model, c, result=part.result, usage_only=True))
+                    out.append(chat.chunk(cid, created, answering, c, result=part.result, usage_only=True))
             return out
 
         return await call.stream(open_stream, events)
@@ -78,6 +83,7 @@ def router(served: ServedEngine) -> APIRouter:
     @texts.route(api, "/v1/completions")
     async def completions(call: Call) -> Any:
         c = call.parsed
+        answering = served.adapter_of(c.model) or model  # an adapter's calls answer with its name, as vLLM's
 
         async def prompt_scores() -> list[Any]:
             sequences = [c.prompts[i] for i in c.scored]
@@ -95,7 +101,8 @@ def router(served: ServedEngine) -> APIRouter:
                 return await engine.acomplete(c.rows, **c.kwargs, prepared=call.prepared), scores
 
             return await call.whole(run, counted=lambda out: [r for r in out[0] if r is not None], body=lambda out:
-                                    text.completion_body(c, out[0], out[1], model=model, tokenizer=engine.tokenizer))
+                                    text.completion_body(c, out[0], out[1], model=answering,
+                                                         tokenizer=engine.tokenizer))
         cid, created = text.completion_id(), int(time.time())
 
         unsent = [c.prompts[0]] if c.return_token_ids else []  # the prompt's ids, until a chunk carries them
@@ -112,17 +119,17 @@ def router(served: ServedEngine) -> APIRouter:
             if not c.echo:
                 return stream, []
             echoed = text.choice_logprobs(c, 0, None, (await prompt_scores())[0], engine.tokenizer, answer=False)
-            return stream, [text.chunk(cid, created, model, text=text.shown_prompt(c, 0), logprobs=echoed,
+            return stream, [text.chunk(cid, created, answering, text=text.shown_prompt(c, 0), logprobs=echoed,
                                        ids=ids([]))]
 
         def events(part: Any) -> list[Any]:
-            out = [text.chunk(cid, created, model, text=part.delta, ids=ids([]))] if part.delta else []
+            out = [text.chunk(cid, created, answering, text=part.delta, ids=ids([]))] if part.delta else []
             if part.result is not None:
                 logprobs = text.choice_logprobs(c, 0, part.result, None, engine.tokenizer, prompt=False)
-                out.append(text.chunk(cid, created, model, logprobs=logprobs, finish_reason=part.result.finish_reason,
-                                      ids=ids(list(part.result.token_ids))))
+                out.append(text.chunk(cid, created, answering, logprobs=logprobs,
+                                      finish_reason=part.result.finish_reason, ids=ids(list(part.result.token_ids))))
                 if c.include_usage:
-                    out.append(text.chunk(cid, created, model, usage=usage(part.result)))
+                    out.append(text.chunk(cid, created, answering, usage=usage(part.result)))
             return out
 
         return await call.stream(open_stream, events)

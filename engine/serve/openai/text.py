@@ -167,7 +167,12 @@ def prepare(call: TextCompletionCall, served: Any) -> Any:
                            f"max_tokens {call.options['max_new_tokens']})",
                            fix="send one prompt and max_tokens >= 1 per streamed request, or stream: false")
     engine = served.engine
-    prepared = engine.prepare_plain(call.rows, **call.kwargs)
+    adapter = served.adapter_of(call.model)
+    prepared = engine.prepare_plain(call.rows, **call.kwargs, adapter=adapter)
+    if call.scores_prompt and adapter is not None:
+        raise RequestError("model", call.model, "is a LoRA adapter, and echoed prompts are scored with the served "
+                           "model only here", fix="send echo without logprobs for an adapter, or name the served "
+                           "model to score")
     if call.scores_prompt:
         sequences = [call.prompts[i] for i in call.scored]
         scored, budget = sum(len(seq) for seq in sequences), served.serve.max_scored_tokens

@@ -58,7 +58,8 @@ class InferRequest(Body):
     request_config: Annotated[RequestConfig | None, Wire("swift's sampling settings")] = None
     metrics: Annotated[list[Any] | None, Neutral(([],))] = None
     use_tqdm: Annotated[bool | None, Wire("accepted and ignored")] = None
-    adapter_request: Annotated[dict[str, Any] | None, Neutral((None,))] = None
+    adapter_request: Annotated[dict[str, Any] | None,
+                               Wire("swift's AdapterRequest: {name, path} of a loaded adapter")] = None
     engine: Annotated[EngineExtension | None, Wire("the engine extension")] = None
 
 

@@ -50,6 +50,8 @@ class InferCall:
     logprobs: bool = False
     model: None = None
     """swift's protocol names no model."""
+    adapter: str | None = None
+    """swift's ``adapter_request.name``: a LoRA adapter the server has loaded (None: the served model)."""
 
     @property
     def prompt_count(self) -> int:
@@ -59,7 +61,7 @@ class InferCall:
     def kwargs(self) -> dict[str, Any]:
         """The engine call's keyword arguments."""
         return {"options": self.options or None, "stop": self.stop, "plugins": self.plugins,
-                "repeat_terminate": self.repeat_terminate}
+                "repeat_terminate": self.repeat_terminate, "adapter": self.adapter}
 
 
 def leave_it_at(name: str, allowed: tuple[Any, ...]) -> str:
@@ -88,9 +90,7 @@ the prompt several times for several samples).
     if body.metrics:
         raise RequestError("metrics", body.metrics, "is not supported by this server",
                            fix="leave it null; compute metrics on the learner")
-    if body.adapter_request is not None:
-        raise RequestError("adapter_request", body.adapter_request, "is not supported (no LoRA serving)",
-                           fix="leave it null")
+    adapter = None if body.adapter_request is None else adapter_name(body.adapter_request, served)
     config = body.request_config
     options: dict[str, Any] = {}
     logprobs, top, details, stop = False, None, False, None
@@ -109,7 +109,25 @@ the prompt several times for several samples).
                                                      stop_field="request_config.stop")
     return InferCall(requests=[_messages(i, item) for i, item in enumerate(body.infer_requests)], options=options,
                      stop=stop, plugins=plugins, repeat_terminate=guard, return_details=details, top_logprobs=top,
-                     logprobs=logprobs)
+                     logprobs=logprobs, adapter=adapter)
+
+
+def adapter_name(request: dict[str, Any], served: Any) -> str:
+    """swift's ``adapter_request`` (``{"name", "path"}``, its ``AdapterRequest``): the name of an adapter this server
+    has loaded. swift's own engine loads an unknown name from its path on first use; this server reads adapter files
+    only at start (``model.adapters``, ``--lora-modules``) and on ``/v1/load_lora_adapter``, never on a generation
+    route, so an unknown name is refused by field with where to load it."""
+    name = request.get("name")
+    if not isinstance(name, str) or not name:
+        raise RequestError("adapter_request.name", name, "must name a loaded LoRA adapter",
+                           fix="send {'name': <adapter>, 'path': <folder>} as swift's AdapterRequest")
+    loaded = getattr(served, "adapters", ())
+    if name not in loaded:
+        raise RequestError("adapter_request.name", name, f"is not a loaded adapter (loaded: "
+                           f"{', '.join(loaded) or 'none'})", fix="load it first (POST /v1/load_lora_adapter on a "
+                           "server started with --allow-adapter-loading), or start the server with it "
+                           "(--lora-modules name=path)")
+    return name
 
 
 def _messages(i: int, item: InferItem) -> list[dict[str, Any]]:

@@ -5,7 +5,7 @@ call path (:mod:`engine.serve.shared.calls`), the weight-sync routes, the API-ke
 handlers. :data:`STATUS` is the whole table, first match wins:
 
 >>> [(kind.__name__, status) for kind, status, _ in STATUS]  # doctest: +NORMALIZE_WHITESPACE
-[('Unauthenticated', 401), ('UnknownModel', 404), ('ClientGone', 499), ('EngineDead', 503),
+[('Unauthenticated', 401), ('UnknownModel', 404), ('UnknownAdapter', 404), ('ClientGone', 499), ('EngineDead', 503),
  ('WeightSyncConflict', 409), ('WeightSyncFailed', 500), ('RequestTimedOut', 408),
  ('RequestTooLarge', 413), ('EngineError', 400), ('Exception', 500)]
 >>> status_of(RequestTooLarge("stop.strings", 3, "holds too many")), status_of(RequestTooLarge("body", 9, "is big"))
@@ -26,6 +26,18 @@ class UnknownModel(RequestError):
         super().__init__("model", name, f"does not exist: this server serves {served!r}",
                          fix="send the served model's name (GET /v1/models lists it)")
         self.message = f"The model {name!r} does not exist: this server serves {served!r} (GET /v1/models)."
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class UnknownAdapter(RequestError):
+    """A LoRA adapter name this server has not loaded, on vLLM's unload route (404 with vLLM's message)."""
+
+    def __init__(self, name: Any, loaded: Any) -> None:
+        super().__init__("lora_name", name, f"is not a loaded adapter (loaded: {', '.join(loaded) or 'none'})",
+                         fix="name one that GET /v1/models lists with a parent")
+        self.message = f"The lora adapter {name!r} cannot be found."
 
     def __str__(self) -> str:
         return self.message
@@ -69,6 +81,7 @@ class WeightSyncFailed(EngineError):
 STATUS: tuple[tuple[type[BaseException], int, str], ...] = (
     (Unauthenticated, 401, "authentication_error"),
     (UnknownModel, 404, "NotFoundError"),
+    (UnknownAdapter, 404, "NotFoundError"),
     (ClientGone, 499, "invalid_request_error"),
     (EngineDead, 503, "server_error"),
     (WeightSyncConflict, 409, "conflict_error"),
