@@ -50,6 +50,8 @@ class BenchPool(EnginePool):
                 pytest.skip(f"{backend}: the benchmarked model {model} has no GGUF twin fixture")
             model_cfg["path"] = self.gguf_twin()
         model_cfg.update(sections.pop("model", {}))
+        if SPECS[backend].model_format == "gguf" and model_cfg.get("adapters"):  # each adapter's GGUF twin
+            model_cfg["adapters"] = {name: self.twins.get(path, path) for name, path in model_cfg["adapters"].items()}
         vllm = {"max_num_seqs": max(self.size.batches),
                 "gpu_memory_utilization": engine_share(self.options.gpu_vllm_engines),
                 "enforce_eager": not self.size.vllm_compiled, **sections.pop("vllm", {})}

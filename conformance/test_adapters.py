@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conformance.compare import assert_same_results, check_logprobs_close, describe, divergence_steps, exact_pair
-from conformance.subjects.plan import engines, servers, uses
+from conformance.subjects.plan import engines, processes, servers, uses
 from engine.errors import ConfigError, RequestError
 from engine.types import ChatRequest
 from engine_fixtures import ensure, load_prompts
@@ -25,6 +25,8 @@ SUBJECTS = uses(
     engines("text", any_config="the LoRA fixture's adapters as model.adapters (folders known at run time)"),
     engines("tiny", any_config="the SmolLM2 adapters on the tiny fixture: refused at load, before the backend starts"),
     servers("text", any_config="the adapters at start, and serve.adapter_loading for vLLM's LoRA routes"),
+    processes("stock vllm serve", why="stock vllm serve --enable-lora --lora-modules with the guard's plugin, beside "
+                                      "ours"),
 )
 
 # float32, as issue 78 asks: not marked dtype_dependent, so the bfloat16 pass (nox -s conformance-bf16) leaves it out
@@ -161,6 +163,58 @@ def test_logprobs_with_an_adapter_agree_in_fp32(lora_engines, pool):
                 assert abs(la[chosen] - lb[chosen]) < 1e-3, (other, row, step, la[chosen], lb[chosen])
 
 
+@pytest.fixture(scope="module")
+def peft_trainer(pool):
+    """The trainer's view, built with PEFT itself and nothing of the engine: the text fixture in float32 with both
+    adapters, as a LoRA trainer holds it."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(pool.options.model, dtype=torch.float32).eval()
+    folders = adapter_folders()
+    model = PeftModel.from_pretrained(base, folders["r8"], adapter_name="r8", is_trainable=False)
+    model.load_adapter(folders["r16"], adapter_name="r16", is_trainable=False)
+    return model.eval()
+
+
+def peft_logprobs(model, adapter, rollout):
+    """Each rollout row's tokens, teacher-forced through the PEFT model with ``adapter`` active."""
+    import torch
+
+    model.set_adapter(adapter)
+    out = []
+    with torch.no_grad():
+        for row in rollout:
+            ids = torch.tensor([list(row.prompt_token_ids) + list(row.token_ids)])
+            logits = model(input_ids=ids).logits[0, len(row.prompt_token_ids) - 1 : -1].float()
+            chosen = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(list(row.token_ids))[:, None])[:, 0]
+            out.append(chosen.tolist())
+    return out
+
+
+@pytest.mark.quick
+def test_rollout_logprobs_with_an_adapter_equal_the_peft_trainers_rescoring(lora_engines, peft_trainer, pool,
+                                                                            summary_note):
+    """Rollout vs trainer with LoRA: each backend's sampled rollout with adapter r16 (temperature, top-p, a repetition
+    penalty: the reported logprobs are the model's raw ones) re-scored teacher-forced by PEFT's own model with r16;
+    in float32 every token within 2e-3 and every sequence's importance ratio within 1 %, the band of
+    test_divergences.py::test_rollout_logprobs_equal_the_trainers_rescoring. A rollout that dropped its adapter is
+    far outside it."""
+    from engine.trainer.mismatch import chosen_logprobs, logprob_mismatch
+
+    options = {"max_new_tokens": 24, "temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.3, "seed": 5,
+               "logprobs": 0}
+    for backend, engine in lora_engines.items():
+        rollout = engine.generate(messages()[:4], options=options, adapter="r16")
+        got = logprob_mismatch([chosen_logprobs(r) for r in rollout], peft_logprobs(peft_trainer, "r16", rollout))
+        summary_note(f"rollout {backend} with adapter r16 vs PEFT trainer ({pool.options.dtype}, sampled): "
+                     f"{got.line()}")
+        if pool.options.dtype == "float32":
+            assert got.max < 2e-3, f"{backend}: a token's logprob is {got.max:.1e} off the PEFT trainer's"
+            assert all(abs(x) < 0.01 for x in got.log_ratios), f"{backend}: importance ratios {got.line()}"
+
+
 def test_an_unknown_adapter_is_refused_by_name_before_generation(lora_engines, count_backend_calls):
     for backend, engine in lora_engines.items():
         calls = count_backend_calls(engine.local)
@@ -283,3 +337,68 @@ def test_load_reload_in_place_and_unload_over_vllms_routes(lora_server, lora_eng
     missing = post("unload_lora_adapter", {"lora_name": "live"})
     assert missing.status_code == 404 and missing.json()["error"]["message"] == \
         "The lora adapter 'live' cannot be found.", missing.text
+
+
+GUARD_XARGS = {"repeat_terminate.enabled": True, "repeat_terminate.max_consecutive_token_repeats": 2,
+               "repeat_terminate.ngram_size": 2, "repeat_terminate.ngram_repeats": 2}
+"""The guard of test_stops_min_length_and_the_repeat_guard_hold_with_an_adapter, as the plugin's per-request keys."""
+
+
+@pytest.mark.gate_only(reason="test_the_model_field_picks_an_adapter_as_vllm_serve_does carries the served adapter "
+                              "path; a stock vllm serve with LoRA beside ours is a second vLLM server (about 35 s)")
+def test_stock_vllm_serve_with_lora_modules_and_the_guard_plugin_answers_as_ours(pool, backend_names, text_model,
+                                                                                 lora_engines, summary_note):
+    """Stock ``vllm serve --enable-lora --lora-modules r8=... r16=...`` with the guard's plugin
+    (``--logits-processors``), beside the suite's vLLM server with the same adapters: the same chat requests naming
+    r8, r16 and the base model answer the same token ids on both (and the in-process engine's); the guard plugin with
+    adapter r16 active ends the looping row where the in-process guarded engine with r16 does. What stock vLLM does
+    with a base request that lands in a batch beside an adapter request on CPU (the last adapter's rows:
+    docs/divergences.md) is written into the summary, not asserted: whether two concurrent requests share a step
+    is the scheduler's."""
+    import concurrent.futures
+
+    import httpx
+    import openai
+
+    from conformance.subjects.stock import start_vllm_serve
+    from engine.vllm_plugin import PROCESSOR
+
+    if "vllm" not in backend_names:
+        pytest.skip(f"stock vllm serve runs vLLM; backends here: {backend_names}")
+    key, config = pool.servers.served_config("vllm", text_model, model={"adapters": adapter_folders()},
+                                             serve={"adapter_loading": True})
+    ours = pool.servers.server(key, config)
+    name = openai.OpenAI(base_url=f"{ours.url}/v1", api_key="none").models.list().data[0].id
+    modules = [f"{n}={p}" for n, p in adapter_folders().items()]
+    theirs = start_vllm_serve(config, name, extra=["--enable-lora", "--lora-modules", *modules, "--max-lora-rank",
+                                                   "16", "--max-loras", "2", "--logits-processors", PROCESSOR])
+    try:
+        clients = {side: openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
+                   for side, server in (("stock", theirs), ("ours", ours))}
+        prompts, local = messages()[:3], lora_engines["vllm"].local
+        for model, adapter in (("r8", "r8"), ("r16", "r16"), (name, None)):
+            want = [r.token_ids for r in local.generate(prompts, options=OPTIONS, adapter=adapter)]
+            for side, client in clients.items():
+                assert chat_ids(client, model, prompts) == want, (side, model)
+        looping = messages()[4]
+        guarded = pool.engine("vllm", text_model, model={"adapters": adapter_folders()}, repeat_terminate={
+            k.split(".")[1]: v for k, v in GUARD_XARGS.items()}).local
+        want = guarded.generate([looping], options={"max_new_tokens": 48}, adapter="r16")[0]
+        assert want.stop_reason == "repeat_terminate", "the guard must end this row with r16 for the check to see it"
+        body = {"model": "r16", "prompt": list(want.prompt_token_ids), "max_tokens": 48, "temperature": 0,
+                "return_token_ids": True, "vllm_xargs": GUARD_XARGS}
+        answer = httpx.post(f"{theirs.url}/v1/completions", json=body, timeout=300).json()
+        assert tuple(answer["choices"][0]["token_ids"]) == tuple(want.token_ids), answer["choices"][0]
+
+        base_alone = chat_ids(clients["stock"], name, prompts[:1])[0]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool_:
+            mixed = [pool_.submit(chat_ids, clients["stock"], model, prompts[:1])
+                     for model in (name, "r16", name, "r16")]
+            base_rows = [mixed[0].result()[0], mixed[2].result()[0]]
+            mixed[1].result(), mixed[3].result()
+        moved = sum(row != base_alone for row in base_rows)
+        summary_note(f"stock vllm serve (vLLM {local.backend.version}, CPU host: {local.backend.lora.cpu}): "
+                     f"{moved}/2 base requests sent beside r16 requests answered other ids than the base request "
+                     f"alone")
+    finally:
+        theirs.stop()

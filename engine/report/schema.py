@@ -11,7 +11,7 @@ Bump :data:`SCHEMA_VERSION` on any change of a column's name, type or meaning, a
 >>> [c.name for c in COLUMNS][:3]
 ['schema_version', 'run_id', 'timestamp']
 >>> sorted(RATIO_COLUMNS)
-['batch_over_single', 'constrained_over_free', 'engine_over_raw', 'engine_over_raw_cached', \
+['adapter_over_base', 'batch_over_single', 'constrained_over_free', 'engine_over_raw', 'engine_over_raw_cached', \
 'fast_over_reference', 'guard_on_over_off', 'llamacpp_over_hf', 'llamacpp_over_vllm', 'ours_over_native', \
 'ours_over_stock', 'pattern_c_over_chat', 'plugin_idle_over_without', 'portable_over_native', 'served_over_inprocess', \
 'streamed_over_plain', 'trainer_agreement']
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SCHEMA_VERSION = 14
+SCHEMA_VERSION = 15
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ RUN_COLUMNS = (
 CASE_COLUMNS = (
     Column("benchmark", "string", "case id: group[backend-bN-prompt-oN-guard]; the comparison key with variant"),
     Column("group", "string", "throughput, repeat_vs_native, rule_cost, served, served_vs_vllm_serve, chat_stream, "
-                              "pattern_c, constrained, backends, rollout_vs_trainer or sampler_cost"),
+                              "pattern_c, constrained, backends, rollout_vs_trainer, sampler_cost or adapter_cost"),
     Column("backend", "string", "hf, vllm or llamacpp (backends: llamacpp, the subject of every ratio of the case)"),
     Column("model", "string", "model name (fixture name or folder name)"),
     Column("dtype", "string", "model dtype"),
@@ -122,6 +122,8 @@ RATIO_COLUMNS = {
                          "exactly what the rollout drew",
     "fast_over_reference": "rule_cost: speed of a rule's fast path (byte table, vectorized ids) / its reference "
                            "path (decode per token, per-row Python), same token stream",
+    "adapter_over_base": "adapter_cost: speed of the engine's rows with a LoRA adapter (smollm2-lora r16) / the same "
+                         "rows on the base model, one loaded engine, greedy, fixed length",
     "portable_over_native": "sampler_cost: speed of the engine sampling with generation.sampler portable (the "
                             "counter-based Gumbel draw, engine.rules.portable_sampler) / with the backend's own "
                             "sampler, same seeded requests, fixed length",
@@ -149,7 +151,8 @@ FIGURE_COLUMNS = {
     "temp_only_weight_mean": "rollout_vs_trainer: mean token weight when the trainer re-scores with the temperature "
                              "only, full vocabulary (ms-swift's trainer), whatever the rollout's mode",
     "added_us_per_token": "sampler_cost: what the portable sampler adds per generated token per row, in us "
-                          "((subject median - reference median) / (batch x new_tokens))",
+                          "((subject median - reference median) / (batch x new_tokens)); adapter_cost: what the "
+                          "adapter adds, alike",
     "temp_only_outside_frac": "rollout_vs_trainer: fraction of tokens whose weight against the temperature-only "
                               "trainer is outside [0.9, 1.1]",
 }
@@ -176,6 +179,7 @@ ADDED_IN: dict[int, tuple[str, ...]] = {
     12: ("plugin_idle_over_without",),
     13: ("portable_over_native", "added_us_per_token"),
     14: ("engine_over_raw_cached",),
+    15: ("adapter_over_base",),
 }
 """The columns each version added (every change so far added columns; none was renamed or retyped), so a report of
 any earlier version reads as this one: what it lacks is absent (NaN, '' or 0 rounds confirmed), never invented.

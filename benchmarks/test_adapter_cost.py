@@ -1,0 +1,88 @@
+"""What a LoRA adapter costs: one engine with the ``smollm2-lora`` adapters loaded, rows with adapter ``r16`` (rank 16
+on every projection) against the same rows on the base model, per backend, at the size's batches (1, 8 and 64 in the
+full size).
+
+Both variants generate the same greedy requests to a fixed length (EOS held back), interleaved in one run, on the
+one loaded engine (so the ratio is the adapter's arithmetic, not a second model). The case records
+``adapter_over_base`` (speed ratio) and ``added_us_per_token`` ((adapter median - base median) / (batch x
+new_tokens), in microseconds). Reported, not gated: what an adapter costs is the backend's (vLLM's punica kernels,
+PEFT's extra matmuls, llama.cpp's adapter graph). On CPU hosts the engine's vLLM base rows run with a zero adapter
+(``engine.backends.vllm.lora``), so there both variants pay the LoRA arithmetic.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks.conftest import SESSION_KEY
+from benchmarks.harness import Variant
+from benchmarks.test_throughput import Case  # the same case shape and id: adapter_cost[hf-b8-short-o16-none]
+from benchmarks.workload import batch_messages, fixed_length
+
+ADAPTER = "r16"
+ADAPTER_FIXTURE = "smollm2-lora"
+BASE_FIXTURE = "smollm2-135m-instruct"
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "adapter_case" not in metafunc.fixturenames:
+        return
+    bench = metafunc.config.stash.get(SESSION_KEY, None)
+    if bench is None:  # not opted in: one placeholder case, skipped by the conftest
+        cases = [Case("hf", 1, "short", 16, "none")]
+    else:
+        backends = dict.fromkeys((*bench.backends, "llamacpp"))
+        cases = [Case(b, n, "short", o, "none") for b in backends for n in bench.size.batches
+                 for o in bench.size.new_tokens]
+    metafunc.parametrize("adapter_case", cases, ids=[c.id for c in cases])
+
+
+def adapter_engine(bench, backend: str) -> object:
+    """The run's model with both fixture adapters loaded (llama.cpp: their GGUF twins), kept for the run."""
+    from engine_fixtures import ensure
+    from engine_fixtures.build import ADAPTER_TWINS
+
+    if bench.model_arg != BASE_FIXTURE:
+        pytest.skip(f"the adapter fixtures ({ADAPTER_FIXTURE}) are {BASE_FIXTURE}'s; --benchmark-model is "
+                    f"{bench.model_arg}")
+    hf_root = Path(ensure(ADAPTER_FIXTURE))
+    adapters = {name: str(hf_root / name) for name in ("r8", "r16")}
+    if backend == "llamacpp":  # the pool loads each adapter's GGUF twin there, as it loads the model's
+        gguf_root = Path(ensure(ADAPTER_TWINS[ADAPTER_FIXTURE]))
+        bench.pool.twins.update({path: str(gguf_root / name) for name, path in adapters.items()})
+    return bench.pool.loaded(backend, bench.model_path, model={"adapters": adapters})
+
+
+def generating(name: str, role: str, engine: object, messages: list, options: dict, adapter: str | None) -> Variant:
+    def run() -> int:
+        return sum(len(r.token_ids) for r in engine.generate(messages, options=options,  # type: ignore[attr-defined]
+                                                             adapter=adapter))
+
+    return Variant(name, role, run)
+
+
+def test_adapter_cost(bench, benchmark, adapter_case: Case) -> None:
+    case = adapter_case
+    if case.backend == "llamacpp":
+        pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install "
+                            "'xbackend-engine[llamacpp]'; nox installs it)")
+    engine = adapter_engine(bench, case.backend)
+    messages = batch_messages(case.batch, "short")
+    options = fixed_length(case.new_tokens)
+    base = generating("base", "reference", engine, messages, options, None)
+    adapted = generating("adapter", "subject", engine, messages, options, ADAPTER)
+    rounds = bench.measure(benchmark, f"adapter_cost[{case.id}]", [base, adapted], gated=False)
+    expected = case.batch * case.new_tokens
+    for variant in (base, adapted):  # fixed length: a variant that stopped early would flatter the ratio
+        assert rounds.tokens(variant.name) == {expected}, (variant.name, rounds.tokens(variant.name), expected)
+    added = (rounds.median_wall("adapter") - rounds.median_wall("base")) / expected * 1e6
+    rendered, _ = engine.prepare(messages, options=options)
+    bench.record({"benchmark": f"adapter_cost[{case.id}]", "group": "adapter_cost", "backend": case.backend,
+                  "batch": case.batch, "prompt_len": "short",
+                  "prompt_tokens": sum(len(r.token_ids) for r in rendered), "new_tokens": case.new_tokens,
+                  "fixed_length": True, "guard_set": "none"},
+                 rounds, {"adapter_over_base": rounds.speed_ratio("adapter", "base"),
+                          "added_us_per_token": added}, benchmark)
+    bench.progress(f"adapter_cost[{case.id}]: adapter {ADAPTER} adds {added:.1f} us per token per row")
