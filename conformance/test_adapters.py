@@ -402,3 +402,40 @@ def test_stock_vllm_serve_with_lora_modules_and_the_guard_plugin_answers_as_ours
                      f"alone")
     finally:
         theirs.stop()
+
+
+@pytest.mark.on_servers
+@pytest.mark.quick_on("hf", reason="TRL's client is the same against every server; HF's adapter server is the one the "
+                                   "quick tier starts for this module's model-field check")
+def test_trls_async_grpo_loads_its_lora_policy_and_generates_with_it(lora_server, lora_engines, backend, pool):
+    """TRL 1.16's async GRPO against the served engine, as its trainer and rollout worker run (``conformance/
+    trl_probe.py``, TRL's own code in its own environment): ``/server_info`` reports ``lora_config``, so TRL's own
+    ``select_adapter_sync`` picks adapter-only sync for a PEFT policy; its client loads the adapter under a versioned
+    name; the worker's ``/v1/completions`` body naming that version answers the in-process rows of that adapter, with
+    their logprobs; after TRL's unload the name is a 404."""
+    import json
+    import subprocess
+    import sys
+
+    from conformance.test_logprobs_mode import TRL_VERSION, trl_environment
+
+    env = trl_environment()
+    if env is None:
+        pytest.skip(f"TRL {TRL_VERSION} is installed by nox -s conformance (ENGINE_TRL_PATH) or in the vLLM 0.31 venv "
+                    "of nox -s vllm-versions; this environment has neither")
+    want = lora_engines[backend].local.generate(messages()[:1], options={"max_new_tokens": 16, "logprobs": 0},
+                                                adapter="r16")[0]
+    served_path = pool.model_for(backend, adapter_folders()["r16"])  # what the server loads (llama.cpp: the twin)
+    job = {"mode": "async_grpo_lora", "url": lora_server.url, "base": pool.options.model,
+           "lora_path": adapter_folders()["r16"], "served_path": served_path, "prompt": list(want.prompt_token_ids),
+           "max_tokens": 16}
+    done = subprocess.run([sys.executable, "-m", "conformance.trl_probe"], input=json.dumps(job), env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, f"TRL's client failed:\n{done.stderr[-3000:]}"
+    answer = json.loads(done.stdout)
+    assert answer["trl"].startswith(TRL_VERSION) and answer["adapter_sync"] is True, answer
+    assert answer["lora_config"]["max_lora_rank"] >= 16 and answer["model"] == "trl-policy-v1"
+    assert tuple(answer["token_ids"]) == want.token_ids
+    chosen = [step[token] for step, token in zip(want.logprobs, want.token_ids, strict=True)]
+    assert max(abs(a - b) for a, b in zip(answer["token_logprobs"], chosen, strict=True)) < 1e-3
+    assert answer["after_unload"] == 404

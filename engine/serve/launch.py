@@ -52,6 +52,7 @@ def parser() -> argparse.ArgumentParser:
                    "later)")
     p.add_argument("--enable-lora", action="store_true", help="LoRA on with vllm serve's default rank limit (16) "
                    "unless --max-lora-rank or the config says otherwise")
+    p.add_argument("--max-loras", type=int, help="override: vllm.max_loras (adapters vLLM computes with in one step)")
     p.add_argument("--allow-adapter-loading", action="store_true", help="serve.adapter_loading: serve "
                    "/v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
     p.add_argument("--host", help="override: serve.host (default 127.0.0.1)")
@@ -116,6 +117,8 @@ def served_config(args: argparse.Namespace, environ: Any = None) -> tuple[Any, A
     chat = section(serve.get("chat"), "serve.chat")
     serve["chat"] = chat_environment(chat, os.environ if environ is None else environ)
     data["serve"] = serve
+    if getattr(args, "max_loras", None) is not None:
+        data["vllm"] = {**section(data.get("vllm"), "vllm"), "max_loras": args.max_loras}
     served = SPECS.get(data.get("backend"))  # type: ignore[arg-type]
     if served is not None and served.served_settings:  # vLLM: concurrent requests share continuous batching
         data[served.name] = {**section(data.get(served.name), served.name), **served.served_settings}

@@ -55,10 +55,27 @@ a tree, or leave it out for text.
         "parallel_config": {"tensor_parallel_size": world, "pipeline_parallel_size": 1, "data_parallel_size": 1,
                             "world_size": world},
         "weight_transfer_config": transfer_config(engine.backend),
-        "lora_config": None,
+        "lora_config": lora_config(served),
         "engine": {"backend": engine.backend.name},
     }
     return {"vllm_config": config if config_format == "json" else str(config), "vllm_env": {}, "system_env": {}}
+
+
+def lora_config(served: Any) -> dict[str, Any] | None:
+    """vLLM's ``lora_config`` (what TRL's async GRPO reads to push adapters instead of merged weights): None unless
+    the engine started with LoRA on (``model.adapters`` or ``model.max_lora_rank``). ``max_loras`` is vLLM's slot
+    count on vLLM; HF and llama.cpp hold every loaded adapter at once and report the count the engine's vLLM backend
+    would get for the same config (``vllm.max_loras``, or one per adapter at start plus one, at least two), so a client
+    sizes itself alike against every backend's server."""
+    backend = served.engine.backend
+    held = getattr(backend, "adapter_set", None) or getattr(getattr(backend, "lora", None), "set", None)
+    if held is None or not held.enabled:
+        return None
+    lora = getattr(backend, "lora", None)
+    slots = lora.start_arguments()["max_loras"] if lora is not None else (
+        served.engine.config.vllm.max_loras or max(2, len(served.engine.config.model.adapters) + 1))
+    return {"max_lora_rank": held.limit, "max_loras": slots, "max_cpu_loras": slots, "lora_dtype": "auto",
+            "fully_sharded_loras": False}
 
 
 def transfer_config(backend: Any) -> dict[str, str] | None:
