@@ -122,6 +122,26 @@ def test_a_mixed_batch_equals_each_row_run_alone(lora_engines, rows, pool):
             assert divergence_steps(outs[reference], outs[other]).count(None) == len(prompts), (reference, other)
 
 
+@pytest.mark.gate_only(reason="hf.merge_adapters is one backend's option; test_greedy_parity_with_each_adapter "
+                              "carries the unmerged path every backend shares")
+def test_hf_merged_adapters_answer_the_unmerged_rows_and_restore_the_base_exactly(rows, pool, text_model,
+                                                                                  summary_note):
+    """``hf.merge_adapters``: each adapter's rows equal the unmerged ones (token for token where float rounding does
+    not part them, else by vLLM's rule at the divergence), and the base rows after merged calls are the unmerged
+    engine's base rows exactly (every merged weight restored from its original, not subtracted back)."""
+    if "hf" not in rows:
+        pytest.skip("hf is not among this session's backends")
+    merged = pool.engine("hf", text_model, model={"adapters": adapter_folders()}, hf={"merge_adapters": True})
+    for name in NAMES:
+        got = merged.generate(messages(), options=OPTIONS, adapter=name)
+        steps = divergence_steps(rows["hf"][name], got)
+        summary_note(f"hf merged vs unmerged, adapter {name}: {steps.count(None)}/{len(steps)} token-identical")
+        check_logprobs_close(outputs_0=rows["hf"][name], outputs_1=got, name_0="unmerged", name_1="merged")
+    base = merged.generate(messages(), options=OPTIONS)
+    assert [r.token_ids for r in base] == [r.token_ids for r in rows["hf"][None]]
+    assert [r.logprobs for r in base] == [r.logprobs for r in rows["hf"][None]], "a merged weight was not restored"
+
+
 @pytest.mark.gate_only(reason="test_greedy_parity_with_each_adapter carries the adapter path on every backend; the "
                               "rules' own checks (test_stop, test_repeat, test_rule_ends) carry stops and guards")
 def test_stops_min_length_and_the_repeat_guard_hold_with_an_adapter(lora_engines, pool, text_model, summary_note):

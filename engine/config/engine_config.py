@@ -140,8 +140,14 @@ class HfConfig:
 
     max_batch_size: int | None = None
     """Most requests per ``generate`` call; larger batches are split. None: the whole batch at once."""
+    merge_adapters: bool = False
+    """LoRA adapters (``model.adapters``) merged into the weights for the rows that use them (no LoRA arithmetic per
+    token), and the weights restored exactly after, instead of PEFT's unmerged forward (the default). Costs a copy of
+    every weight an adapter changes; the rows equal the unmerged ones up to float rounding
+    (``conformance/test_adapters.py``)."""
 
     def __post_init__(self) -> None:
+        check_type("hf.merge_adapters", self.merge_adapters, bool, "true or false")
         if self.max_batch_size is not None:
             check_type("hf.max_batch_size", self.max_batch_size, int, "an integer")
             check_range("hf.max_batch_size", self.max_batch_size, low=1)

@@ -10,6 +10,7 @@ are cut exactly there.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -158,6 +159,8 @@ class HfBackend(BackendBase, backend="hf"):
         self.vocab_size = int(text_config.vocab_size)
         self.peft: Any = None
         """The PEFT model holding ``model.adapters`` (injected into ``self.model``'s layers, unmerged), or None."""
+        self._originals: dict[Any, Any] = {}
+        """``hf.merge_adapters``: each LoRA layer's base weight as loaded, restored after every merged forward."""
         names = self._load_adapters(model)
         self.capabilities = Capabilities(name=self.name, logprobs=True, supports_vlm=processor is not None, hooks=HOOKS,
                                          max_model_len=min(lengths) if lengths else None, scoring=processor is None,
@@ -191,6 +194,27 @@ class HfBackend(BackendBase, backend="hf"):
             self.peft.delete_adapter(adapter.name)
         self.peft.load_adapter(adapter.path, adapter_name=adapter.name, is_trainable=False)
 
+    @contextlib.contextmanager
+    def _merged(self, name: str) -> Any:
+        """Adapter ``name`` merged into every base weight it changes (PEFT's ``merge``), then each of those weights
+        copied back from the original kept on the first merge: exact, where PEFT's ``unmerge`` subtracts and leaves
+        float rounding behind."""
+        from peft.tuners.lora import LoraLayer
+
+        self.peft.set_adapter(name)
+        layers = [m for m in self.model.modules() if isinstance(m, LoraLayer) and name in m.lora_A]
+        for layer in layers:
+            weight = layer.get_base_layer().weight
+            if layer not in self._originals:
+                self._originals[layer] = weight.detach().clone()
+            layer.merge(adapter_names=[name])
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.get_base_layer().weight.data.copy_(self._originals[layer])
+                layer.merged_adapters.clear()
+
     def load_adapter(self, name: str, path: str, *, replace: bool = False) -> None:
         """Load adapter ``name`` from ``path`` while serving (checked as ``model.adapters`` are); ``replace``: in
         place of the one of that name. Never during a ``generate`` (the served engine runs it on the batcher)."""
@@ -205,9 +229,10 @@ class HfBackend(BackendBase, backend="hf"):
         self.capabilities = dataclasses.replace(self.capabilities, adapters=self.adapter_set.names)
 
     def _with_adapter(self, name: str | None) -> Any:
-        """A context in which ``self.model`` computes with adapter ``name`` (None: the base model, adapters off)."""
-        import contextlib
-
+        """A context in which ``self.model`` computes with adapter ``name`` (None: the base model, adapters off);
+        with ``hf.merge_adapters``, ``name`` merged into the weights for the context (:meth:`_merged`)."""
+        if name is not None and self.settings.merge_adapters:
+            return self._merged(name)
         if self.peft is None or not self.peft.peft_config:  # none loaded (all unloaded): the base model as it is
             return contextlib.nullcontext()
         if name is None:
@@ -287,6 +312,7 @@ class HfBackend(BackendBase, backend="hf"):
         with torch.no_grad():
             for name, tensor in received:
                 state[name].copy_(tensor.to(device=state[name].device, dtype=state[name].dtype))
+        self._originals.clear()  # merged adapters restore the new weights from now on
         return len(received)
 
     def finish_weights(self) -> None:
