@@ -142,3 +142,34 @@ def test_an_adapter_with_pickled_weights_only_is_refused_by_name(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_adapters({"a": str(folder)}, None, str(base))
     assert info.value.field == "model.adapters.a" and "unpickling" in str(info.value)
+
+
+def test_an_adapter_set_admits_checked_adapters_with_fresh_ids_and_drops_by_name(tmp_path):
+    from engine.adapters import AdapterSet
+    from engine.config import ModelConfig
+    from engine.errors import UnsupportedCapabilityError
+
+    base = write_base(tmp_path / "base")
+    first = write_adapter(tmp_path / "a")
+    held = AdapterSet(ModelConfig(path=str(base), adapters={"a": str(first)}), str(base))
+    assert held.enabled and held.names == ("a",) and held.limit == 8
+    again = held.admit("a", str(first), replace=True)
+    assert again.id != held.loaded["a"].id  # a reload is a new adapter to vLLM's caches
+    with pytest.raises(RequestError) as info:
+        held.admit("a", str(first), replace=False)
+    assert info.value.field == "lora_name"
+    with pytest.raises(ConfigError) as info:
+        held.admit("big", str(write_adapter(tmp_path / "big", rank=16)), replace=False)
+    assert info.value.field == "lora_path" and "over model.max_lora_rank 8" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        held.admit("other", str(write_adapter(tmp_path / "other", out=8)), replace=False)
+    assert info.value.field == "lora_path" and "another base model" in str(info.value)
+    held.keep(again)
+    assert held.drop("a") == again and held.names == ()
+    with pytest.raises(RequestError, match="is not a loaded adapter"):
+        held.drop("a")
+    off = AdapterSet(ModelConfig(path=str(base)), str(base))
+    with pytest.raises(UnsupportedCapabilityError):
+        off.admit("a", str(first), replace=False)
+    on = AdapterSet(ModelConfig(path=str(base), max_lora_rank=16), str(base))
+    assert on.enabled and on.admit("a", str(first), replace=False).rank == 2
