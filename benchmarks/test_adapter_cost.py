@@ -2,12 +2,15 @@
 on every projection) against the same rows on the base model, per backend, at the size's batches (1, 8 and 64 in the
 full size).
 
-Both variants generate the same greedy requests to a fixed length (EOS held back), interleaved in one run, on the
-one loaded engine (so the ratio is the adapter's arithmetic, not a second model). The case records
-``adapter_over_base`` (speed ratio) and ``added_us_per_token`` ((adapter median - base median) / (batch x
-new_tokens), in microseconds). Reported, not gated: what an adapter costs is the backend's (vLLM's punica kernels,
-PEFT's extra matmuls, llama.cpp's adapter graph). On CPU hosts the engine's vLLM base rows run with a zero adapter
-(``engine.backends.vllm.lora``), so there both variants pay the LoRA arithmetic.
+Three variants generate the same greedy requests to a fixed length (EOS held back), interleaved in one run: rows
+with the adapter and base rows on the one engine with adapters loaded, and the same rows on the run's plain engine
+(no LoRA at all). The case records ``adapter_over_base`` (the adapter's arithmetic on one loaded model),
+``adapter_over_plain`` (what serving a LoRA policy costs against serving the plain model: LoRA's kernels on every row
+of a LoRA-enabled engine, the adapter's on its own) and ``added_us_per_token`` ((adapter median - base median) /
+(batch x new_tokens), in microseconds). Measured with the release gate's round count (``gated_full``: the full tier
+runs it) but held to no minimum: what an adapter costs is the backend's (vLLM's punica kernels, PyTorch ops on CPU;
+PEFT's extra matmuls; llama.cpp's adapter graph). On CPU hosts the engine's vLLM base rows run with a zero adapter
+(``engine.backends.vllm.lora``), so there base rows pay the LoRA arithmetic too.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from benchmarks.conftest import SESSION_KEY
 from benchmarks.harness import Variant
 from benchmarks.test_throughput import Case  # the same case shape and id: adapter_cost[hf-b8-short-o16-none]
 from benchmarks.workload import batch_messages, fixed_length
+
+pytestmark = pytest.mark.gated_full  # the full tier's run, its round count; no minimum reads its ratios
 
 ADAPTER = "r16"
 ADAPTER_FIXTURE = "smollm2-lora"
@@ -73,9 +78,10 @@ def test_adapter_cost(bench, benchmark, adapter_case: Case) -> None:
     options = fixed_length(case.new_tokens)
     base = generating("base", "reference", engine, messages, options, None)
     adapted = generating("adapter", "subject", engine, messages, options, ADAPTER)
-    rounds = bench.measure(benchmark, f"adapter_cost[{case.id}]", [base, adapted], gated=False)
+    plain = generating("plain", "reference", bench.engine(case.backend), messages, options, None)
+    rounds = bench.measure(benchmark, f"adapter_cost[{case.id}]", [base, adapted, plain], gates={})
     expected = case.batch * case.new_tokens
-    for variant in (base, adapted):  # fixed length: a variant that stopped early would flatter the ratio
+    for variant in (base, adapted, plain):  # fixed length: a variant that stopped early would flatter the ratio
         assert rounds.tokens(variant.name) == {expected}, (variant.name, rounds.tokens(variant.name), expected)
     added = (rounds.median_wall("adapter") - rounds.median_wall("base")) / expected * 1e6
     rendered, _ = engine.prepare(messages, options=options)
@@ -84,5 +90,6 @@ def test_adapter_cost(bench, benchmark, adapter_case: Case) -> None:
                   "prompt_tokens": sum(len(r.token_ids) for r in rendered), "new_tokens": case.new_tokens,
                   "fixed_length": True, "guard_set": "none"},
                  rounds, {"adapter_over_base": rounds.speed_ratio("adapter", "base"),
+                          "adapter_over_plain": rounds.speed_ratio("adapter", "plain"),
                           "added_us_per_token": added}, benchmark)
     bench.progress(f"adapter_cost[{case.id}]: adapter {ADAPTER} adds {added:.1f} us per token per row")

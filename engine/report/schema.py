@@ -11,10 +11,11 @@ Bump :data:`SCHEMA_VERSION` on any change of a column's name, type or meaning, a
 >>> [c.name for c in COLUMNS][:3]
 ['schema_version', 'run_id', 'timestamp']
 >>> sorted(RATIO_COLUMNS)
-['adapter_over_base', 'batch_over_single', 'constrained_over_free', 'engine_over_raw', 'engine_over_raw_cached', \
-'fast_over_reference', 'guard_on_over_off', 'llamacpp_over_hf', 'llamacpp_over_vllm', 'ours_over_native', \
-'ours_over_stock', 'pattern_c_over_chat', 'plugin_idle_over_without', 'portable_over_native', 'served_over_inprocess', \
-'streamed_over_plain', 'trainer_agreement']
+['adapter_over_base', 'adapter_over_plain', 'batch_over_single', 'constrained_over_free', 'engine_over_raw', \
+'engine_over_raw_cached', 'fast_over_reference', 'guard_on_over_off', 'llamacpp_over_hf', \
+'llamacpp_over_vllm', 'ours_over_native', 'ours_over_stock', 'pattern_c_over_chat', \
+'plugin_idle_over_without', 'portable_over_native', 'served_over_inprocess', 'streamed_over_plain', \
+'trainer_agreement']
 """
 
 from __future__ import annotations
@@ -124,6 +125,8 @@ RATIO_COLUMNS = {
                            "path (decode per token, per-row Python), same token stream",
     "adapter_over_base": "adapter_cost: speed of the engine's rows with a LoRA adapter (smollm2-lora r16) / the same "
                          "rows on the base model, one loaded engine, greedy, fixed length",
+    "adapter_over_plain": "adapter_cost: speed of the rows with the adapter / the same rows on the run's plain engine "
+                          "(no LoRA loaded), greedy, fixed length",
     "portable_over_native": "sampler_cost: speed of the engine sampling with generation.sampler portable (the "
                             "counter-based Gumbel draw, engine.rules.portable_sampler) / with the backend's own "
                             "sampler, same seeded requests, fixed length",
@@ -179,7 +182,7 @@ ADDED_IN: dict[int, tuple[str, ...]] = {
     12: ("plugin_idle_over_without",),
     13: ("portable_over_native", "added_us_per_token"),
     14: ("engine_over_raw_cached",),
-    15: ("adapter_over_base",),
+    15: ("adapter_over_base", "adapter_over_plain"),
 }
 """The columns each version added (every change so far added columns; none was renamed or retyped), so a report of
 any earlier version reads as this one: what it lacks is absent (NaN, '' or 0 rounds confirmed), never invented.
@@ -203,7 +206,7 @@ def upgrade(frame: Any, *, source: str = "report") -> Any:
     >>> old = pd.DataFrame({"schema_version": [8], "wall_s": [1.0]})
     >>> new = upgrade(old)
     >>> int(new["schema_version"][0]), int(new["confirm_rounds"][0]), new.attrs["read_from_versions"]
-    (14, 0, [8])
+    (15, 0, [8])
     >>> bool(pd.isna(new["trainer_agreement"][0])), "dlogprob_mean" in new  # added in 10; 8 already had it
     (True, False)
     >>> upgrade(pd.DataFrame({"schema_version": [13], "variant": ["llamacpp-raw"]}))["variant"].tolist()
