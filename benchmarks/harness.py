@@ -173,3 +173,30 @@ class Rounds:
                     row["p50_ttft_ms"] = percentile(self.ttfts[name][i], 50) * 1e3
                 out.append(row)
         return out
+
+
+def generating(name: str, role: str, engine: Any, messages: list, options: dict, **call: Any) -> Variant:
+    """A variant that runs ``engine.generate(messages, options=options, **call)`` and counts the generated tokens."""
+
+    def run() -> int:
+        return sum(len(r.token_ids) for r in engine.generate(messages, options=options, **call))
+
+    return Variant(name, role, run)
+
+
+def record_per_token_cost(bench: Any, benchmark: Any, group: str, case: Any, engine: Any, messages: list,
+                          options: dict, rounds: Any, ratios: Mapping[str, float], subject: str,
+                          reference: str) -> float:
+    """Record a fixed-length cost case of ``group`` (every variant generated ``batch x new_tokens`` tokens, asserted:
+    one that stopped early would flatter its ratio) with its ``ratios`` and ``added_us_per_token`` ((``subject``
+    median - ``reference`` median) / tokens, in microseconds), which it returns."""
+    expected = case.batch * case.new_tokens
+    for name in (v.name for v in rounds.variants):
+        assert rounds.tokens(name) == {expected}, (name, rounds.tokens(name), expected)
+    added = (rounds.median_wall(subject) - rounds.median_wall(reference)) / expected * 1e6
+    rendered, _ = engine.prepare(messages, options=options)
+    bench.record({"benchmark": f"{group}[{case.id}]", "group": group, "backend": case.backend, "batch": case.batch,
+                  "prompt_len": "short", "prompt_tokens": sum(len(r.token_ids) for r in rendered),
+                  "new_tokens": case.new_tokens, "fixed_length": True, "guard_set": "none"},
+                 rounds, {**ratios, "added_us_per_token": added}, benchmark)
+    return added

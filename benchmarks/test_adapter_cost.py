@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.conftest import SESSION_KEY
-from benchmarks.harness import Variant
+from benchmarks.harness import generating, record_per_token_cost
 from benchmarks.test_throughput import Case  # the same case shape and id: adapter_cost[hf-b8-short-o16-none]
 from benchmarks.workload import batch_messages, fixed_length
 
@@ -60,14 +60,6 @@ def adapter_engine(bench, backend: str) -> object:
     return bench.pool.loaded(backend, bench.model_path, model={"adapters": adapters})
 
 
-def generating(name: str, role: str, engine: object, messages: list, options: dict, adapter: str | None) -> Variant:
-    def run() -> int:
-        return sum(len(r.token_ids) for r in engine.generate(messages, options=options,  # type: ignore[attr-defined]
-                                                             adapter=adapter))
-
-    return Variant(name, role, run)
-
-
 def test_adapter_cost(bench, benchmark, adapter_case: Case) -> None:
     case = adapter_case
     if case.backend == "llamacpp":
@@ -76,20 +68,11 @@ def test_adapter_cost(bench, benchmark, adapter_case: Case) -> None:
     engine = adapter_engine(bench, case.backend)
     messages = batch_messages(case.batch, "short")
     options = fixed_length(case.new_tokens)
-    base = generating("base", "reference", engine, messages, options, None)
-    adapted = generating("adapter", "subject", engine, messages, options, ADAPTER)
-    plain = generating("plain", "reference", bench.engine(case.backend), messages, options, None)
+    base = generating("base", "reference", engine, messages, options)
+    adapted = generating("adapter", "subject", engine, messages, options, adapter=ADAPTER)
+    plain = generating("plain", "reference", bench.engine(case.backend), messages, options)
     rounds = bench.measure(benchmark, f"adapter_cost[{case.id}]", [base, adapted, plain], gates={})
-    expected = case.batch * case.new_tokens
-    for variant in (base, adapted, plain):  # fixed length: a variant that stopped early would flatter the ratio
-        assert rounds.tokens(variant.name) == {expected}, (variant.name, rounds.tokens(variant.name), expected)
-    added = (rounds.median_wall("adapter") - rounds.median_wall("base")) / expected * 1e6
-    rendered, _ = engine.prepare(messages, options=options)
-    bench.record({"benchmark": f"adapter_cost[{case.id}]", "group": "adapter_cost", "backend": case.backend,
-                  "batch": case.batch, "prompt_len": "short",
-                  "prompt_tokens": sum(len(r.token_ids) for r in rendered), "new_tokens": case.new_tokens,
-                  "fixed_length": True, "guard_set": "none"},
-                 rounds, {"adapter_over_base": rounds.speed_ratio("adapter", "base"),
-                          "adapter_over_plain": rounds.speed_ratio("adapter", "plain"),
-                          "added_us_per_token": added}, benchmark)
+    added = record_per_token_cost(bench, benchmark, "adapter_cost", case, engine, messages, options, rounds,
+                                  {"adapter_over_base": rounds.speed_ratio("adapter", "base"),
+                                   "adapter_over_plain": rounds.speed_ratio("adapter", "plain")}, "adapter", "base")
     bench.progress(f"adapter_cost[{case.id}]: adapter {ADAPTER} adds {added:.1f} us per token per row")

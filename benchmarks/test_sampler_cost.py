@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.conftest import SESSION_KEY
-from benchmarks.harness import Variant
+from benchmarks.harness import generating, record_per_token_cost
 from benchmarks.test_throughput import Case  # the same case shape and id: sampler_cost[hf-b8-short-o16-none]
 from benchmarks.workload import batch_messages, fixed_length
 
@@ -34,13 +34,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize("sampler_case", cases, ids=[c.id for c in cases])
 
 
-def sampling(name: str, role: str, engine: object, messages: list, options: dict) -> Variant:
-    def run() -> int:
-        return sum(len(r.token_ids) for r in engine.generate(messages, options=options))  # type: ignore[attr-defined]
-
-    return Variant(name, role, run)
-
-
 def test_sampler_cost(bench, benchmark, sampler_case: Case) -> None:
     case = sampler_case
     if case.backend == "llamacpp":
@@ -49,19 +42,11 @@ def test_sampler_cost(bench, benchmark, sampler_case: Case) -> None:
     engine = bench.engine(case.backend)
     messages = batch_messages(case.batch, "short")
     options = {**fixed_length(case.new_tokens), **SAMPLED}
-    native = sampling("native", "reference", engine, messages, {**options, "sampler": "native"})
-    portable = sampling("portable", "subject", engine, messages, {**options, "sampler": "portable"})
+    native = generating("native", "reference", engine, messages, {**options, "sampler": "native"})
+    portable = generating("portable", "subject", engine, messages, {**options, "sampler": "portable"})
     rounds = bench.measure(benchmark, f"sampler_cost[{case.id}]", [native, portable],
                            gates={"portable_over_native": ("portable", "native")})
-    expected = case.batch * case.new_tokens
-    for variant in (native, portable):  # fixed length: a variant that stopped early would flatter the ratio
-        assert rounds.tokens(variant.name) == {expected}, (variant.name, rounds.tokens(variant.name), expected)
-    added = (rounds.median_wall("portable") - rounds.median_wall("native")) / expected * 1e6
-    rendered, _ = engine.prepare(messages, options=options)
-    bench.record({"benchmark": f"sampler_cost[{case.id}]", "group": "sampler_cost", "backend": case.backend,
-                  "batch": case.batch, "prompt_len": "short",
-                  "prompt_tokens": sum(len(r.token_ids) for r in rendered), "new_tokens": case.new_tokens,
-                  "fixed_length": True, "guard_set": "none"},
-                 rounds, {"portable_over_native": rounds.speed_ratio("portable", "native"),
-                          "added_us_per_token": added}, benchmark)
+    added = record_per_token_cost(bench, benchmark, "sampler_cost", case, engine, messages, options, rounds,
+                                  {"portable_over_native": rounds.speed_ratio("portable", "native")},
+                                  "portable", "native")
     bench.progress(f"sampler_cost[{case.id}]: the portable draw adds {added:.1f} us per token per row")

@@ -149,3 +149,19 @@ def assert_served_equal(served: Sequence[Any], local: Sequence[Any], *, what: st
             assert set(ls) == set(lr), f"{what}: request {i} step {step}: top-k ids {sorted(ls)} vs {sorted(lr)}"
             worst = max(0.0 if ls[k] == lr[k] else abs(ls[k] - lr[k]) for k in ls)  # -inf == -inf
             assert worst <= logprob_tol, f"{what}: request {i} step {step}: logprobs differ by {worst:.2e}"
+
+
+ROLLOUT_TOKEN_BOUND = 2e-3
+"""float32: the most a rollout token's logprob may be off the trainer's teacher-forced one."""
+ROLLOUT_RATIO_BOUND = 0.01
+"""float32: the most a sequence's log importance ratio (sum trainer - sum rollout) may be off 0."""
+
+
+def check_rollout_band(got: Any, *, what: str, dtype: str, note: Any) -> None:
+    """The training-inference mismatch of one rollout (``engine.trainer.mismatch.Mismatch``), written into the summary
+    as ``what``; in float32 a bound: every token within :data:`ROLLOUT_TOKEN_BOUND`, every sequence's importance ratio
+    within :data:`ROLLOUT_RATIO_BOUND`."""
+    note(f"{what} ({dtype}, sampled): {got.line()}")
+    if dtype == "float32":
+        assert got.max < ROLLOUT_TOKEN_BOUND, f"{what}: a token's logprob is {got.max:.1e} off the trainer's"
+        assert all(abs(x) < ROLLOUT_RATIO_BOUND for x in got.log_ratios), f"{what}: importance ratios {got.line()}"
