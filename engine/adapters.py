@@ -14,6 +14,7 @@ llama.cpp's adapter API on a GGUF twin of the adapter (its folder holds ``adapte
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -66,6 +67,8 @@ def read_adapter(name: str, path: str, index: int, field: str | None = None) -> 
     except (OSError, ValueError) as err:
         raise ConfigError(field, path, f"has an unreadable {CONFIG_FILE} ({err})",
                           fix="save the adapter again") from None
+    if not isinstance(config, dict):
+        raise ConfigError(field, path, f"has a {CONFIG_FILE} that is not an object", fix="save the adapter again")
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
         raise ConfigError(field, path, f"is a {config.get('peft_type')} adapter; the engine loads LoRA adapters only",
                           fix="train a LoRA adapter (peft.LoraConfig)")
@@ -75,9 +78,16 @@ def read_adapter(name: str, path: str, index: int, field: str | None = None) -> 
     rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise ConfigError(field, path, f"has rank r={rank!r} in {CONFIG_FILE}", fix="save it with a positive rank")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
+        raise ConfigError(field, path, f"has lora_alpha={alpha!r} in {CONFIG_FILE}",
+                          fix="save it with a positive finite lora_alpha")
     targets = config.get("target_modules") or ()
-    targets = (targets,) if isinstance(targets, str) else tuple(sorted(targets))
-    return Adapter(name=name, path=str(folder.resolve()), rank=rank, alpha=float(alpha), targets=targets,
+    if isinstance(targets, str):
+        targets = (targets,)
+    elif not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise ConfigError(field, path, f"has target_modules={targets!r} in {CONFIG_FILE}",
+                          fix="save it with a list of module names")
+    return Adapter(name=name, path=str(folder.resolve()), rank=rank, alpha=float(alpha), targets=tuple(sorted(targets)),
                    id=index + 1)
 
 
@@ -109,12 +119,57 @@ def check_rank(adapter: Adapter, limit: int, field: str | None = None) -> None:
                           f"(one of {', '.join(map(str, RANKS))}), or train a smaller rank")
 
 
+MAX_HEADER_BYTES = 100 * 2**20
+"""The largest safetensors header read (the safetensors library's own limit): a header claiming more is refused
+before anything is read."""
+
+
 def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape from a ``.safetensors`` file's header (no tensor is read)."""
+    """Tensor name -> shape from a ``.safetensors`` file's header (no tensor is read); a header that is not one
+    (too short, over :data:`MAX_HEADER_BYTES`, not JSON, an entry without a shape) raises ``ValueError``."""
     with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError("shorter than a safetensors header")
+        (size,) = struct.unpack("<Q", head)
+        if size > MAX_HEADER_BYTES:
+            raise ValueError(f"claims a {size}-byte header")
         header = json.loads(f.read(size))
-    return {name: tuple(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
+    if not isinstance(header, dict):
+        raise ValueError("its header is not an object")
+    shapes = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+            raise ValueError(f"{name} has no shape")
+        shapes[name] = tuple(shape)
+    return shapes
+
+
+def check_weights(adapter: Adapter, field: str) -> dict[str, tuple[int, ...]]:
+    """The adapter's weight shapes, every value read and checked finite and floating first: a NaN or inf in an
+    adapter would reach every row that uses it as NaN logits (vLLM's sampler fails the engine core on them); a file
+    that is no safetensors file is refused by field, never a loader's exception."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    weights = Path(adapter.path) / WEIGHTS_FILE
+    try:
+        shapes = safetensors_shapes(weights)
+        tensors = load_file(str(weights))
+    except Exception as err:  # the file is the client's: any failure to read it is this field's 400
+        raise ConfigError(field, adapter.path, f"holds an unreadable {WEIGHTS_FILE} ({err})",
+                          fix="save the adapter again with PEFT's save_pretrained") from None
+    for name, tensor in sorted(tensors.items()):
+        if tensor.dtype.kind != "f":
+            raise ConfigError(field, adapter.path, f"has {name} of dtype {tensor.dtype}, not floating point",
+                              fix="save the adapter's weights as float32, bfloat16 or float16")
+        if not np.isfinite(tensor).all():
+            raise ConfigError(field, adapter.path, f"has {name} with non-finite values (NaN or inf)",
+                              fix="save the adapter from a trainer step whose weights are finite")
+    return shapes
 
 
 def base_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
@@ -146,9 +201,9 @@ this model.path.
         raise ConfigError(field or f"model.adapters.{adapter.name}", adapter.path, f"holds no {WEIGHTS_FILE}" + (
                           " (its pickled adapter_model.bin is not read: unpickling a file can run code)" if pickled
                           else ""), fix="save the adapter with safetensors (PEFT's default, safe_serialization=True)")
+    shapes = check_weights(adapter, field or f"model.adapters.{adapter.name}")
     if not base:
         return
-    shapes = safetensors_shapes(weights)
     for name, a_shape in sorted(shapes.items()):
         if ".lora_A." not in name:
             continue

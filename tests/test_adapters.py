@@ -173,3 +173,68 @@ def test_an_adapter_set_admits_checked_adapters_with_fresh_ids_and_drops_by_name
         off.admit("a", str(first), replace=False)
     on = AdapterSet(ModelConfig(path=str(base), max_lora_rank=16), str(base))
     assert on.enabled and on.admit("a", str(first), replace=False).rank == 2
+
+
+def _rewrite_weights(folder: Path, fill) -> None:
+    path = folder / "adapter_model.safetensors"
+    save_file({name: fill(t) for name, t in load_file(str(path)).items()}, str(path))
+
+
+@pytest.mark.parametrize(("damage", "says"), [
+    ("alpha nan", "lora_alpha=nan"),
+    ("alpha text", "lora_alpha='16'"),
+    ("targets dict", "target_modules="),
+    ("config list", "not an object"),
+    ("nan weight", "non-finite values"),
+    ("inf weight", "non-finite values"),
+    ("int weight", "not floating point"),
+    ("truncated", "unreadable adapter_model.safetensors"),
+    ("huge header", "unreadable adapter_model.safetensors"),
+])
+def test_a_damaged_adapter_is_refused_by_field_before_any_backend_reads_it(tmp_path, damage, says):
+    """What a client may point ``/v1/load_lora_adapter`` at: every damage is a ``ConfigError`` naming the field,
+    never an exception inside PEFT, vLLM's engine core or a sampler (a NaN weight gives NaN logits)."""
+    import struct
+
+    base = write_base(tmp_path / "base")
+    folder = write_adapter(tmp_path / "a")
+    config = folder / "adapter_config.json"
+    weights = folder / "adapter_model.safetensors"
+    if damage == "alpha nan":
+        config.write_text(config.read_text().replace('"lora_alpha": 4', '"lora_alpha": NaN'))
+    elif damage == "alpha text":
+        config.write_text(config.read_text().replace('"lora_alpha": 4', '"lora_alpha": "16"'))
+    elif damage == "targets dict":
+        config.write_text(config.read_text().replace('["q_proj"]', '{"q_proj": 1}'))
+    elif damage == "config list":
+        config.write_text("[1, 2]")
+    elif damage == "nan weight":
+        _rewrite_weights(folder, lambda t: np.full_like(t, np.nan))
+    elif damage == "inf weight":
+        _rewrite_weights(folder, lambda t: np.full_like(t, np.inf))
+    elif damage == "int weight":
+        _rewrite_weights(folder, lambda t: t.astype(np.int32))
+    elif damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:5])
+    else:
+        weights.write_bytes(struct.pack("<Q", 2**62) + b"{}")
+    with pytest.raises(ConfigError) as info:
+        load_adapters({"a": str(folder)}, None, str(base))
+    assert info.value.field == "model.adapters.a" and says in str(info.value), str(info.value)
+
+
+def test_a_served_load_names_lora_path_and_refuses_a_nul_in_it(tmp_path):
+    from engine.adapters import check_loadable
+
+    base = write_base(tmp_path / "base")
+    folder = write_adapter(tmp_path / "a")
+    _rewrite_weights(folder, lambda t: np.full_like(t, np.nan))
+    with pytest.raises(ConfigError) as info:
+        check_loadable("a", str(folder), loaded=(), limit=8, base_dir=str(base), replace=False)
+    assert info.value.field == "lora_path"
+    with pytest.raises(ConfigError) as info:
+        check_loadable("a", "/x\x00y", loaded=(), limit=8, base_dir=str(base), replace=False)
+    assert info.value.field == "lora_path" and "no NUL" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.from_dict({"backend": "vllm", "model": "/m", "vllm": {"max_loras": 10**9}})
+    assert info.value.field == "vllm.max_loras"

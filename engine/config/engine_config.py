@@ -16,6 +16,8 @@ from engine.errors import ConfigError
 
 BACKENDS = tuple(SPECS)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+MAX_LORA_SLOTS = 256
+"""The most LoRA slots ``vllm.max_loras`` may ask for (vLLM allocates each at start, at ``max_lora_rank``)."""
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The LoRA ranks vLLM sizes its slots for (``model.max_lora_rank`` must be one of them): the engine's limit is the
 smallest of these that holds the largest configured adapter, unless ``model.max_lora_rank`` says otherwise."""
@@ -109,8 +111,9 @@ digits, '-', '_' or '.' (what requests pick it by).
         raise ConfigError(field, name, "is not an adapter name", fix=ADAPTER_NAME_FIX)
     at = f"model.adapters.{name}" if field == "model.adapters" else "lora_path"
     check_type(at, path, str, "a folder path")
-    if not path:
-        raise ConfigError(at, path, "must not be empty", fix="give the adapter's folder")
+    if not path or "\x00" in path or len(path) > 4096:
+        raise ConfigError(at, path[:64], "must be a folder path (not empty, no NUL, at most 4096 characters)",
+                          fix="give the adapter's folder")
 
 
 def check_adapters(adapters: Any, max_rank: Any) -> None:
@@ -222,7 +225,8 @@ class VllmConfig:
             check_range("vllm.max_num_seqs", self.max_num_seqs, low=1)
         if self.max_loras is not None:
             check_type("vllm.max_loras", self.max_loras, int, "an integer")
-            check_range("vllm.max_loras", self.max_loras, low=1)
+            check_range("vllm.max_loras", self.max_loras, low=1, high=MAX_LORA_SLOTS,
+                        fix=f"give a value in [1, {MAX_LORA_SLOTS}] (vLLM allocates every slot at start)")
         check_type("vllm.limit_images_per_prompt", self.limit_images_per_prompt, int, "an integer")
         check_range("vllm.limit_images_per_prompt", self.limit_images_per_prompt, low=0, high=1,
                     fix="the engine's VLM path takes exactly one image per request")
