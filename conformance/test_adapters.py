@@ -463,3 +463,63 @@ def test_trls_async_grpo_loads_its_lora_policy_and_generates_with_it(lora_server
     chosen = [step[token] for step, token in zip(want.logprobs, want.token_ids, strict=True)]
     assert max(abs(a - b) for a, b in zip(answer["token_logprobs"], chosen, strict=True)) < 1e-3
     assert answer["after_unload"] == 404
+
+
+@pytest.mark.on_servers
+@pytest.mark.quick_on("vllm", reason="swift's trainer syncs its adapter into a vLLM rollout server, where the tensors "
+                                     "arrive in the engine core's workers; HF's receiving is its weight-sync path")
+def test_a_learner_pushes_its_adapter_alone_as_swifts_trainer_does(lora_server, lora_engines, backend):
+    """Adapter-only weight sync (``/update_adapter_flattened_param/``, ``/update_adapter_param/``): the learner
+    (this process; swift's own ``peft_config_to_dict`` and ``FlattenedTensorBucket``, PEFT's ``LoraConfig``) pushes
+    r8's tensors as one bucket, then swift's client resets the prefix cache as its trainer does after a sync:
+    ``/infer/`` without ``adapter_request`` answers r8's in-process rows, as swift's ``GRPOVllmEngine`` uses its
+    loaded adapter. Then r16's tensors, one broadcast each, under the same name: the same prompts answer r16's rows,
+    never the first push's cached blocks. ``/v1/models`` lists the pushed adapter with its parent; once it is
+    unloaded ``/infer/`` answers the base rows again. llama.cpp is refused by name."""
+    import httpx
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+    from swift.rlhf_trainers.utils import FlattenedTensorBucket, peft_config_to_dict
+    from swift.rlhf_trainers.vllm_client import VLLMClient
+
+    from engine.adapters import SYNCED
+    from engine.weights.sync import WeightSyncClient
+
+    url, prompts = lora_server.url, messages()[:3]
+    folders = adapter_folders()
+    peft_configs = {name: peft_config_to_dict(LoraConfig.from_pretrained(folders[name])) for name in NAMES}
+    if backend == "llamacpp":  # no weight loading there: refused by name before anything joins
+        reply = httpx.post(f"{url}/update_adapter_param/", json={"peft_config": peft_configs["r8"],
+                                                                "lora_tensors_metadata": [{"name": "x.lora_A.weight",
+                                                                                           "dtype": "torch.float32",
+                                                                                           "shape": [8, 576]}]})
+        assert reply.status_code == 400 and "cannot load a learner's weights" in reply.text, reply.text
+        return
+    local = lora_engines[backend].local
+    want = {name: [r.token_ids for r in local.generate(prompts, options=OPTIONS, adapter=name)]
+            for name in (None, *NAMES)}
+    infer = {"infer_requests": [{"messages": m} for m in prompts],
+             "request_config": {"max_tokens": OPTIONS["max_new_tokens"], "temperature": 0, "return_details": True}}
+
+    def answers():
+        items = httpx.post(f"{url}/infer/", json=infer, timeout=300).json()
+        return [tuple(item.get("response", item)["choices"][0]["token_ids"]) for item in items]
+
+    assert answers() == want[None], "before any push /infer/ answers the base model"
+    tensors = {name: load_file(str(Path(folders[name]) / "adapter_model.safetensors")) for name in NAMES}
+    try:
+        with WeightSyncClient(url, transport="tcp") as sync:
+            bucket = FlattenedTensorBucket(named_tensors=list(tensors["r8"].items()))
+            sync.update_adapter_flattened_param(peft_configs["r8"], bucket.get_metadata(),
+                                                bucket.get_flattened_tensor())
+            swift = VLLMClient(base_urls=[url], connection_timeout=30)
+            swift.reset_prefix_cache()
+            assert answers() == want["r8"], "after pushing r8, /infer/ does not answer r8's rows"
+            sync.update_adapter_param(peft_configs["r16"], tensors["r16"])
+            swift.reset_prefix_cache()
+            assert answers() == want["r16"], "the second push answered from the first push's adapter"
+        cards = {m["id"]: m for m in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]}
+        assert cards[SYNCED]["parent"] is not None and cards[SYNCED]["parent"] in cards, cards
+    finally:
+        httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": SYNCED}, timeout=120)
+    assert answers() == want[None], "after the pushed adapter is unloaded /infer/ answers the base model"

@@ -67,28 +67,54 @@ def read_adapter(name: str, path: str, index: int, field: str | None = None) -> 
     except (OSError, ValueError) as err:
         raise ConfigError(field, path, f"has an unreadable {CONFIG_FILE} ({err})",
                           fix="save the adapter again") from None
+    return adapter_of_config(config, name, str(folder.resolve()), index, field, where=CONFIG_FILE)
+
+
+UNSHARED = {"use_rslora": "rank-stabilised scaling", "rank_pattern": "per-module ranks",
+            "alpha_pattern": "per-module alphas", "modules_to_save": "whole modules trained beside the adapter",
+            "bias": "trained biases"}
+"""PEFT LoRA options an adapter is refused for, by name: the engine scales every adapter by ``lora_alpha / r`` with
+one rank and only ``lora_A``/``lora_B`` weights, the same on HF, vLLM and llama.cpp."""
+
+
+def adapter_of_config(config: Any, name: str, path: str, index: int, field: str, *, where: str) -> Adapter:
+    """A PEFT LoRA config (``adapter_config.json``'s object, or the ``peft_config`` a learner sends with an
+    adapter-only weight push) as an :class:`Adapter`, or a typed error naming ``field``; ``where`` names the config
+    in the message.
+
+    >>> adapter_of_config({"r": 8, "lora_alpha": 16, "target_modules": ["v_proj", "q_proj"]}, "a", "/a", 0,
+    ...                   "peft_config", where="peft_config").targets
+    ('q_proj', 'v_proj')
+    >>> adapter_of_config({"r": 0}, "a", "/a", 0, "peft_config", where="peft_config")
+    Traceback (most recent call last):
+    ...
+    engine.errors.ConfigError: peft_config has rank r=0 in peft_config, got '/a'. Fix: save it with a positive rank.
+    """
     if not isinstance(config, dict):
-        raise ConfigError(field, path, f"has a {CONFIG_FILE} that is not an object", fix="save the adapter again")
-    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        raise ConfigError(field, path, f"has a {where} that is not an object", fix="save the adapter again")
+    if str(config.get("peft_type") or "LORA").upper() != "LORA":
         raise ConfigError(field, path, f"is a {config.get('peft_type')} adapter; the engine loads LoRA adapters only",
                           fix="train a LoRA adapter (peft.LoraConfig)")
     if config.get("use_dora"):
         raise ConfigError(field, path, "is a DoRA adapter, which vLLM and llama.cpp do not load",
                           fix="train it without use_dora")
+    for key, why in UNSHARED.items():
+        if config.get(key) not in (None, False, {}, [], "none"):
+            raise ConfigError(field, path, f"sets {key}={config[key]!r} in {where} ({why}), which the engine does "
+                              "not load on every backend alike", fix=f"train the adapter without {key}")
     rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise ConfigError(field, path, f"has rank r={rank!r} in {CONFIG_FILE}", fix="save it with a positive rank")
+        raise ConfigError(field, path, f"has rank r={rank!r} in {where}", fix="save it with a positive rank")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha) or alpha <= 0:
-        raise ConfigError(field, path, f"has lora_alpha={alpha!r} in {CONFIG_FILE}",
+        raise ConfigError(field, path, f"has lora_alpha={alpha!r} in {where}",
                           fix="save it with a positive finite lora_alpha")
-    targets = config.get("target_modules") or ()
+    targets = config.get("target_modules") or []
     if isinstance(targets, str):
         targets = (targets,)
     elif not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
-        raise ConfigError(field, path, f"has target_modules={targets!r} in {CONFIG_FILE}",
+        raise ConfigError(field, path, f"has target_modules={targets!r} in {where}",
                           fix="save it with a list of module names")
-    return Adapter(name=name, path=str(folder.resolve()), rank=rank, alpha=float(alpha), targets=tuple(sorted(targets)),
-                   id=index + 1)
+    return Adapter(name=name, path=path, rank=rank, alpha=float(alpha), targets=tuple(sorted(targets)), id=index + 1)
 
 
 def rank_limit(adapters: tuple[Adapter, ...], configured: int | None) -> int:
@@ -201,7 +227,13 @@ this model.path.
         raise ConfigError(field or f"model.adapters.{adapter.name}", adapter.path, f"holds no {WEIGHTS_FILE}" + (
                           " (its pickled adapter_model.bin is not read: unpickling a file can run code)" if pickled
                           else ""), fix="save the adapter with safetensors (PEFT's default, safe_serialization=True)")
-    shapes = check_weights(adapter, field or f"model.adapters.{adapter.name}")
+    check_shapes(adapter, check_weights(adapter, field or f"model.adapters.{adapter.name}"), base, field)
+
+
+def check_shapes(adapter: Adapter, shapes: Mapping[str, tuple[int, ...]], base: Mapping[str, tuple[int, ...]],
+                 field: str | None = None) -> None:
+    """Each ``lora_A`` of ``shapes`` (tensor name -> shape: a file's, or what a learner announces) with its
+    ``lora_B``, against the base weight it changes (:func:`check_fit`); nothing to compare with an empty ``base``."""
     if not base:
         return
     for name, a_shape in sorted(shapes.items()):
@@ -265,6 +297,54 @@ def check_loadable(name: str, path: str, *, loaded: tuple[str, ...], limit: int,
     if base_dir is not None:
         check_against_base(adapter, base_shapes(Path(base_dir)), field="lora_path")
     return adapter
+
+
+SYNCED = "swift_lora"
+"""The name of the adapter a learner pushes over the weight routes (``/update_adapter_flattened_param/``,
+``/update_adapter_param/``): listed in ``GET /v1/models`` like any loaded adapter, replaced in place by each push."""
+
+
+def check_pushed(config: Any, tensors: list[tuple[str, str, list[int]]], *, limit: int,
+                 base_dir: str | None) -> Adapter:
+    """An adapter a learner announces (its ``peft_config`` and ``(field, name, shape)`` of every tensor), checked as
+    a saved one is, before a byte of it is received: a LoRA config within the engine's rank limit, only ``lora_A`` and
+    ``lora_B`` weights, each pair fitting the base weight it changes. The values are checked (finite, floating) when
+    the received adapter is loaded (:func:`check_loadable`).
+
+    >>> check_pushed({"r": 4, "target_modules": ["q_proj"]}, [("metadatas[0].name", "lm_head.weight", [8, 4])],
+    ...              limit=8, base_dir=None)
+    Traceback (most recent call last):
+    ...
+    engine.errors.RequestError: metadatas[0].name is not a LoRA A or B weight, got 'lm_head.weight'. Fix: push \
+only the adapter's lora_A and lora_B weights (peft.get_peft_model_state_dict), as swift's trainer does.
+    """
+    adapter = adapter_of_config(config, SYNCED, "peft_config", 0, "peft_config", where="peft_config")
+    check_rank(adapter, limit, field="peft_config.r")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for field, name, shape in tensors:
+        if ".lora_A." not in name and ".lora_B." not in name:
+            raise RequestError(field, name, "is not a LoRA A or B weight", fix="push only the adapter's lora_A and "
+                               "lora_B weights (peft.get_peft_model_state_dict), as swift's trainer does")
+        shapes[name] = tuple(shape)
+    if base_dir is not None:
+        check_shapes(adapter, shapes, base_shapes(Path(base_dir)), field="metadatas")
+    return adapter
+
+
+def write_adapter(folder: str, config: Mapping[str, Any], tensors: list[tuple[str, Any]]) -> None:
+    """A received adapter saved as PEFT saves one (``adapter_config.json`` beside ``adapter_model.safetensors``), so
+    every backend loads it through the one loading rule (:meth:`AdapterSet.admit`). The config written holds only
+    what :func:`adapter_of_config` read (rank, alpha, target modules): nothing a learner sent besides reaches a
+    loader."""
+    from safetensors.torch import save_file
+
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors}, str(out / WEIGHTS_FILE))
+    (out / CONFIG_FILE).write_text(json.dumps({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": config["r"],
+                                               "lora_alpha": config.get("lora_alpha", config["r"]),
+                                               "target_modules": config.get("target_modules"), "lora_dropout": 0.0,
+                                               "bias": "none"}))
 
 
 def check_adapter_name(name: Any, known: Mapping[str, Adapter] | tuple[str, ...], at: str) -> None:

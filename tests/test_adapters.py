@@ -14,6 +14,7 @@ from safetensors.numpy import load_file, save_file
 from engine.adapters import (
     by_adapter,
     check_adapter_name,
+    check_pushed,
     load_adapters,
     rank_limit,
     read_adapter,
@@ -238,3 +239,42 @@ def test_a_served_load_names_lora_path_and_refuses_a_nul_in_it(tmp_path):
     with pytest.raises(ConfigError) as info:
         EngineConfig.from_dict({"backend": "vllm", "model": "/m", "vllm": {"max_loras": 10**9}})
     assert info.value.field == "vllm.max_loras"
+
+
+PUSHED = "base_model.model.model.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize(("config", "tensors", "field", "says"), [
+    ({"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], "use_dora": True}, [], "peft_config", "DoRA"),
+    ({"r": 2, "use_rslora": True}, [], "peft_config", "use_rslora=True"),
+    ({"r": 2, "modules_to_save": ["lm_head"]}, [], "peft_config", "modules_to_save"),
+    ({"r": 2, "bias": "lora_only"}, [], "peft_config", "bias='lora_only'"),
+    ({"r": 32}, [], "peft_config.r", "over model.max_lora_rank 16"),
+    ({"r": 2}, [("metadatas[0].name", "model.norm.weight", [16])], "metadatas[0].name", "not a LoRA A or B"),
+    ({"r": 2}, [("m[0]", f"{PUSHED}.lora_A.weight", [2, 10]), ("m[1]", f"{PUSHED}.lora_B.weight", [16, 2])],
+     "metadatas", "as (16, 10), but that weight is (16, 12)"),
+    ({"r": 4}, [("m[0]", f"{PUSHED}.lora_A.weight", [2, 12]), ("m[1]", f"{PUSHED}.lora_B.weight", [16, 2])],
+     "metadatas", "says r=4"),
+])
+def test_a_pushed_adapter_is_refused_by_field_before_any_tensor_is_received(tmp_path, config, tensors, field, says):
+    base = write_base(tmp_path / "base")
+    with pytest.raises((ConfigError, RequestError)) as info:
+        check_pushed(config, tensors, limit=16, base_dir=str(base))
+    assert info.value.field == field and says in str(info.value), str(info.value)
+
+
+def test_a_pushed_adapter_that_fits_is_admitted_and_saved_with_only_what_was_read(tmp_path):
+    import torch
+
+    from engine.adapters import write_adapter as save_pushed
+
+    base = write_base(tmp_path / "base")
+    config = {"r": 2, "lora_alpha": 8, "target_modules": ["q_proj"], "layers_pattern": None, "init_lora_weights": True}
+    tensors = [("m[0]", f"{PUSHED}.lora_A.weight", [2, 12]), ("m[1]", f"{PUSHED}.lora_B.weight", [16, 2])]
+    adapter = check_pushed(config, tensors, limit=16, base_dir=str(base))
+    assert (adapter.name, adapter.rank, adapter.scale) == ("swift_lora", 2, 4.0)
+    save_pushed(str(tmp_path / "pushed"), config, [(name, torch.ones(shape)) for _, name, shape in tensors])
+    saved = read_adapter("swift_lora", str(tmp_path / "pushed"), 0)
+    assert (saved.rank, saved.alpha, saved.targets) == (2, 8.0, ("q_proj",))
+    assert "init_lora_weights" not in json.loads((tmp_path / "pushed" / "adapter_config.json").read_text())
+    assert set(load_file(str(tmp_path / "pushed" / "adapter_model.safetensors"))) == {n for _, n, _ in tensors}

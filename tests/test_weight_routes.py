@@ -60,6 +60,10 @@ class Recording:
             raise RuntimeError("the learner sent nothing")
         return 1
 
+    def receive_adapter(self, announced, folder, config, within_s=300.0):
+        self._note("receive adapter")
+        return 1
+
     def finish_weights(self):
         self._note("finish")
 
@@ -402,3 +406,22 @@ def test_the_weight_version_is_the_groups_to_set_and_is_printable():
         ("POST", "/finish_weight_update", {"weight_version": "step-3"}), ("GET", "/weight_info", None)])
     assert poisoned.status_code == 400 and poisoned.json()["error"]["param"] == "weight_version", poisoned.text
     assert fine.status_code == 200 and info.json() == {"weight_version": "step-3"}
+
+
+PEFT = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+
+
+@pytest.mark.parametrize(("path", "body", "status", "says"), [
+    ("/update_adapter_flattened_param/", {"peft_config": PEFT, "metadatas": META}, 400, "without LoRA adapters"),
+    ("/update_adapter_param/", {"peft_config": PEFT, "lora_tensors_metadata": []}, 400, "lora_tensors_metadata"),
+    ("/update_adapter_param/", {"peft_config": PEFT, "lora_tensors_metadata": [{"name": "a", "shape": [2],
+                                                                               "dtype": "torch.int8"}]},
+     400, "lora_tensors_metadata[0].dtype"),
+    ("/update_adapter_flattened_param/", {"peft_config": PEFT, "metadatas": []}, 400, "metadatas"),
+    ("/update_adapter_flattened_param/", {"metadatas": META}, 400, "peft_config"),
+])
+def test_an_adapter_push_is_refused_by_field_before_anything_joins(path, body, status, says):
+    backend = Recording()
+    (reply,) = session(backend, [("POST", path, body)])
+    assert reply.status_code == status and says in reply.text, reply.text
+    assert not [c for c in backend.calls if c.startswith("load")]

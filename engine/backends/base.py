@@ -227,6 +227,13 @@ class WeightLoading(Protocol):
         the number of tensors loaded."""
         ...
 
+    def receive_adapter(self, announced: dict[str, Any], folder: str, config: dict[str, Any],
+                        within_s: float = 300.0) -> int:
+        """Receive what ``announced`` describes (a LoRA adapter's ``lora_A``/``lora_B`` tensors, pushed alone) and
+        save it with ``config`` into ``folder`` as PEFT saves an adapter (``engine.adapters.write_adapter``), for
+        ``AdapterLoading.load_adapter`` to load through the one admission rule; the number of tensors received."""
+        ...
+
     def load_checkpoint(self, path: str) -> int:
         """Load every tensor of a saved checkpoint folder (``engine.weights.checkpoint``) into the model, in effect
         at once; the number of tensors loaded."""

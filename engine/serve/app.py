@@ -20,6 +20,7 @@ from engine.serve.openai import lora as lora_routes
 from engine.serve.openai import routes as openai_routes
 from engine.serve.openai import tokenize as tokenize_routes
 from engine.serve.pattern_c import routes as pattern_c_routes
+from engine.serve.rollout import adapter_sync as adapter_sync_routes
 from engine.serve.rollout import routes as rollout_routes
 from engine.serve.rollout import transfer as transfer_routes
 from engine.serve.rollout import weights as weights_routes
@@ -29,8 +30,8 @@ from engine.serve.shared.access import AccessLog
 from engine.serve.shared.auth import ApiKeyGate
 from engine.serve.shared.errors import error_body, error_response, status_of
 
-SURFACES = (rollout_routes, openai_routes, pattern_c_routes, weights_routes, transfer_routes, tokenize_routes,
-            lora_routes)
+SURFACES = (rollout_routes, openai_routes, pattern_c_routes, weights_routes, transfer_routes, adapter_sync_routes,
+            tokenize_routes, lora_routes)
 """Each gives ``router(served)`` and ``BODIES`` (path -> the body model its POST route reads)."""
 
 log = logging.getLogger(__name__)

@@ -37,6 +37,8 @@ class ServedEngine:
         """What must finish before the next generation starts (a learner's weight push: ``weights_routes``)."""
         self.in_flight = 0
         self.started = time.time()
+        self.synced_adapter = False
+        """A learner pushed an adapter over the weight routes (``rollout/adapter_sync.py``)."""
 
     async def idle(self) -> None:
         """Wait until no generation is in flight (a weight push waits for it; new generations wait at the gates)."""
@@ -94,9 +96,29 @@ class ServedEngine:
 
     def adapter_path(self, name: str) -> str:
         """The folder adapter ``name`` was loaded from (``/v1/models``' ``root`` for a caller with the key)."""
-        backend = self.engine.backend
-        held = getattr(backend, "adapter_set", None) or getattr(getattr(backend, "lora", None), "set", None)
+        held = self.adapter_set
         return held.loaded[name].path if held is not None and name in held.loaded else name
+
+    @property
+    def adapter_set(self) -> Any:
+        """The backend's :class:`engine.adapters.AdapterSet` (None for a backend without adapters)."""
+        backend = self.engine.backend
+        return getattr(backend, "adapter_set", None) or getattr(getattr(backend, "lora", None), "set", None)
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the engine started with LoRA on (``model.adapters`` or ``model.max_lora_rank``)."""
+        held = self.adapter_set
+        return bool(held is not None and held.enabled)
+
+    @property
+    def default_adapter(self) -> str | None:
+        """The adapter ``/infer/`` computes with when a request names none: the one a learner last pushed over the
+        weight routes (``engine.adapters.SYNCED``) while it is loaded, as swift's ``GRPOVllmEngine.infer`` picks
+        its loaded LoRA; otherwise None (the model)."""
+        from engine.adapters import SYNCED
+
+        return SYNCED if self.synced_adapter and SYNCED in self.adapters else None
 
     @property
     def adapters(self) -> tuple[str, ...]:

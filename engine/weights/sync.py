@@ -366,6 +366,35 @@ def check_metadatas(metadatas: Any) -> list[dict[str, Any]]:
     return [dict(m) for m in metadatas]
 
 
+MAX_ADAPTER_TENSORS = 100_000
+"""Most tensors one adapter push may list (a LoRA adapter of every projection of a 100-layer model has ~1,400)."""
+
+
+def check_listed(items: Any, field: str = "lora_tensors_metadata") -> dict[str, Any]:
+    """swift's ``/update_adapter_param/`` list (one ``{name, dtype, shape, ...}`` per tensor, broadcast one after
+    another in that order) as the announced push the backends receive: ``{"tensors": [{name, dtype, shape}, ...]}``.
+
+    >>> check_listed([{"name": "a.lora_A.weight", "dtype": "torch.float32", "shape": [8, 64], "numel": 512}])
+    {'tensors': [{'name': 'a.lora_A.weight', 'dtype': 'torch.float32', 'shape': [8, 64]}]}
+    """
+    if not isinstance(items, list) or not items or len(items) > MAX_ADAPTER_TENSORS:
+        raise RequestError(field, items, f"must be a non-empty list of at most {MAX_ADAPTER_TENSORS} tensors",
+                           fix="send swift's metadata of each adapter tensor, in broadcast order")
+    tensors = []
+    for i, meta in enumerate(items):
+        if not isinstance(meta, Mapping) or not {"name", "shape", "dtype"} <= set(meta):
+            raise RequestError(f"{field}[{i}]", meta, "must hold name, shape and dtype",
+                               fix="send swift's TensorMetadata fields")
+        if not isinstance(meta["name"], str) or not meta["name"]:
+            raise RequestError(f"{field}[{i}].name", meta["name"], "must be a parameter name",
+                               fix="e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")
+        torch_dtype(meta["dtype"], f"{field}[{i}].dtype")
+        tensors.append({"name": meta["name"], "dtype": str(meta["dtype"]),
+                        "shape": check_shape(list(meta["shape"]) if isinstance(meta["shape"], tuple)
+                                             else meta["shape"], f"{field}[{i}].shape")})
+    return {"tensors": tensors}
+
+
 class LearnerClient:
     """What the learner's halves share (:class:`WeightSyncClient`, swift's routes; ``engine.weights.transfer.
     WeightTransferClient``, vLLM's): the server's address, the transport, the group's address, the HTTP client, and a
@@ -448,10 +477,27 @@ class WeightSyncClient(LearnerClient):
 
     def update_flattened_params(self, metadatas: Sequence[Any], flattened_tensor: Any) -> None:
         """One bucket: ``metadatas`` as swift builds them (``FlattenedTensorMetadata`` or dicts) and its buffer."""
-        dumped = [m.model_dump() if hasattr(m, "model_dump") else dict(m) for m in metadatas]
-        self._call("POST", "/update_flattened_params/", json={"metadatas": [
-            {**m, "shape": list(m["shape"])} for m in dumped]})
+        self._call("POST", "/update_flattened_params/", json={"metadatas": _metadata_dicts(metadatas)})
         self._send(flattened_tensor)
+
+    def update_adapter_flattened_param(self, peft_config: Any, metadatas: Sequence[Any],
+                                       flattened_tensor: Any) -> None:
+        """A LoRA adapter alone, as one bucket (swift's trainer with ``vllm_enable_lora``): ``peft_config`` a
+        ``peft.LoraConfig`` or its dict; the server loads it as adapter ``swift_lora``."""
+        self._call("POST", "/update_adapter_flattened_param/", json={
+            "peft_config": _config_dict(peft_config), "metadatas": _metadata_dicts(metadatas)})
+        self._send(flattened_tensor)
+
+    def update_adapter_param(self, peft_config: Any, lora_params: Mapping[str, Any]) -> None:
+        """A LoRA adapter alone, one broadcast per tensor then one barrier (swift's unflattened form)."""
+        metadata = [{"name": name, "dtype": str(t.dtype), "shape": list(t.shape), "numel": t.numel()}
+                    for name, t in lora_params.items()]
+        self._call("POST", "/update_adapter_param/", json={"peft_config": _config_dict(peft_config),
+                                                             "lora_tensors_metadata": metadata})
+        for tensor in lora_params.values():
+            self.communicator.broadcast(tensor.detach().to(self.communicator.device).contiguous(),
+                                        src=self.communicator.rank)
+        self.communicator.group.barrier()
 
     def reset_prefix_cache(self) -> None:
         self._call("POST", "/reset_prefix_cache/")
@@ -463,3 +509,25 @@ class WeightSyncClient(LearnerClient):
         if self.communicator is not None:
             self._call("POST", "/close_communicator/")
             self.communicator = None
+
+
+def _metadata_dicts(metadatas: Sequence[Any]) -> list[dict[str, Any]]:
+    """swift's ``FlattenedTensorMetadata`` (or dicts) as JSON objects."""
+    dumped = [m.model_dump() if hasattr(m, "model_dump") else dict(m) for m in metadatas]
+    return [{**m, "shape": list(m["shape"])} for m in dumped]
+
+
+def _config_dict(config: Any) -> dict[str, Any]:
+    """A ``peft.LoraConfig`` (or a dict) as JSON: sets become sorted lists, enums their values."""
+    import dataclasses
+    import enum
+
+    raw = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+    plain: dict[str, Any] = {}
+    for key, value in raw.items():
+        if isinstance(value, (set, frozenset)):
+            value = sorted(value)
+        elif isinstance(value, enum.Enum):
+            value = value.value
+        plain[key] = value
+    return plain

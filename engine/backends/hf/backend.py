@@ -288,6 +288,15 @@ class HfBackend(BackendBase, backend="hf"):
         check_finite(received)  # before any is copied in: a refused push leaves the model as it was
         return self._copy_in(received)
 
+    def receive_adapter(self, announced: dict[str, Any], folder: str, config: dict[str, Any],
+                        within_s: float = 300.0) -> int:
+        from engine.adapters import write_adapter
+        from engine.weights.sync import receive
+
+        received = receive(getattr(self, "weights", None), announced, within_s)
+        write_adapter(folder, config, received)
+        return len(received)
+
     def load_checkpoint(self, path: str) -> int:
         """Every tensor of the checkpoint, checked (names, shapes) before any is copied in."""
         from pathlib import Path

@@ -255,6 +255,12 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
     def load_weights(self, announced: dict[str, Any], within_s: float = 300.0) -> int:
         return int(self._call(self.llm.collective_rpc("engine_load_weights", args=(announced, within_s)))[0])
 
+    def receive_adapter(self, announced: dict[str, Any], folder: str, config: dict[str, Any],
+                        within_s: float = 300.0) -> int:
+        """Received in the engine core's workers (the learner's group is theirs), saved there by the first."""
+        return int(self._call(self.llm.collective_rpc("engine_receive_adapter",
+                                                      args=(announced, folder, config, within_s)))[0])
+
     def load_checkpoint(self, path: str) -> int:
         """Every tensor of the folder, checked by its headers (names, shapes, whole fused layers, dtypes) before the
         engine core reads it: a failed reload there leaves no old weights to serve."""

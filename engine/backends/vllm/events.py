@@ -1,5 +1,6 @@
 """The worker side of the engine: a vLLM ``worker_extension_cls`` that hands the engine the events the row-rule
-processor recorded in this worker's process, and receives the learner's weights (``engine.weights.sync``).
+processor recorded in this worker's process, and receives the learner's weights (``engine.weights.sync``): the
+model's own, or a LoRA adapter's alone.
 
 ``VllmBackend`` starts vLLM with ``worker_extension_cls="engine.backends.vllm.events.RuleEventsWorker"`` and,
 after a batch, calls ``llm.collective_rpc("engine_rule_events", args=(keys,))``. The call reaches the worker
@@ -56,6 +57,18 @@ class RuleEventsWorker:
         check_finite(weights)  # before the reload starts: a refused push leaves the layers as they were
         self._engine_load(weights)
         return len(weights)
+
+    def engine_receive_adapter(self, announced: dict[str, Any], folder: str, config: dict[str, Any],
+                               within_s: float = 300.0) -> int:
+        """Receive a LoRA adapter's tensors (every worker takes the broadcast) and save them into ``folder`` (the
+        first worker; the server loads the folder as an adapter). Returns the tensor count."""
+        from engine.adapters import write_adapter
+        from engine.weights.sync import receive
+
+        tensors = receive(getattr(self, "engine_weights", None), announced, within_s)
+        if self.rank == 0:  # type: ignore[attr-defined]
+            write_adapter(folder, config, tensors)
+        return len(tensors)
 
     def engine_load_checkpoint(self, path: str) -> int:
         """Every tensor of a saved checkpoint folder, loaded as one whole session (in effect on return)."""

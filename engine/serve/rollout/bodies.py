@@ -87,6 +87,23 @@ class UpdateFlattenedParamsRequest(Body):
     metadatas: Annotated[list[dict[str, Any]], Wire("the tensors in the buffer")]
 
 
+class UpdateAdapterFlattenedParamRequest(Body):
+    """``POST /update_adapter_flattened_param/``: a LoRA adapter alone (swift's trainer with ``vllm_enable_lora``),
+    its tensors announced with its PEFT config; one flat buffer follows over the communicator."""
+
+    peft_config: Annotated[dict[str, Any], Wire("the adapter's LoraConfig (swift's peft_config_to_dict)")]
+    metadatas: Annotated[list[dict[str, Any]], Wire("the adapter's tensors in the buffer")]
+    lora_int_id: Annotated[int | None, Wire("accepted and ignored: the adapter is named swift_lora")] = None
+
+
+class UpdateAdapterParamRequest(Body):
+    """``POST /update_adapter_param/``: a LoRA adapter alone, one broadcast per tensor, then one barrier."""
+
+    peft_config: Annotated[dict[str, Any], Wire("the adapter's LoraConfig (swift's peft_config_to_dict)")]
+    lora_tensors_metadata: Annotated[list[dict[str, Any]], Wire("the adapter's tensors, in broadcast order")]
+    lora_int_id: Annotated[int | None, Wire("accepted and ignored: the adapter is named swift_lora")] = None
+
+
 class InitWeightTransferRequest(Body):
     """``POST /init_weight_transfer_engine`` (vLLM's weight transfer; TRL 1.16's ``VLLMClient``)."""
 

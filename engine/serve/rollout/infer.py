@@ -90,7 +90,8 @@ the prompt several times for several samples).
     if body.metrics:
         raise RequestError("metrics", body.metrics, "is not supported by this server",
                            fix="leave it null; compute metrics on the learner")
-    adapter = None if body.adapter_request is None else adapter_name(body.adapter_request, served)
+    adapter = (getattr(served, "default_adapter", None) if body.adapter_request is None
+               else adapter_name(body.adapter_request, served))
     config = body.request_config
     options: dict[str, Any] = {}
     logprobs, top, details, stop = False, None, False, None

@@ -44,7 +44,7 @@ def router(served: ServedEngine) -> APIRouter:
     async def engine_type() -> dict[str, Any]:
         # Every backend takes concurrent /infer/ calls and batches them (AsyncLLM, or the engine's batcher).
         return {"engine_type": "AsyncLLMEngine", "backend": engine.backend.name, "enable_multi_turn": False,
-                "use_gym_env": False, "enable_lora": False}
+                "use_gym_env": False, "enable_lora": served.lora_enabled}  # swift's trainer then pushes adapters
 
     @api.get("/metrics")
     async def metrics() -> PlainTextResponse:
