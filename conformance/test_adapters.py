@@ -5,6 +5,11 @@ base model and two adapters equals each row run alone (vLLM's CPU kernels fail t
 stops, the repeat guard and min-length hold with an adapter active; logprobs agree; an unknown adapter name, and an
 adapter of another base model, are refused by name before anything is generated.
 
+The parity, mixed-batch, rules, logprobs and rollout checks are ``servable``: their served twins send the same calls
+through each backend's server (``/infer/`` with swift's ``adapter_request``; a mixed call as one ``/infer/`` per
+adapter at once) and hold every answer equal to the in-process one. The served checks below drive the OpenAI
+``model`` field, vLLM's LoRA routes, the adapter-only weight sync, stock ``vllm serve`` and TRL's client.
+
 The adapters are the ``smollm2-lora`` fixture's (seeded, not trained: rank 8 on the query and value projections,
 rank 16 on every projection; ``fixtures/lora.py``), on the text fixture they were made for.
 """
@@ -24,6 +29,7 @@ from conformance.compare import (
     exact_pair,
 )
 from conformance.subjects.plan import engines, processes, servers, uses
+from conformance.subjects.served import SERVED
 from engine.errors import ConfigError, RequestError
 from engine.types import ChatRequest
 from engine_fixtures import ensure, load_prompts
@@ -47,10 +53,24 @@ def adapter_folders() -> dict[str, str]:
     return {name: str(root / name) for name in NAMES}
 
 
+def lora(**sections):
+    """The sections of this module's engines: both adapters at load; their servers (the served twins', and the
+    served checks') with vLLM's LoRA routes on too (``serve`` is per request in process: no second engine)."""
+    return {"model": {"adapters": adapter_folders()}, "serve": {"adapter_loading": True}, **sections}
+
+
 @pytest.fixture(scope="module")
 def lora_engines(pool, backend_names, text_model):
     """Every runnable backend's engine on the text fixture with both adapters loaded."""
-    return {b: pool.engine(b, text_model, model={"adapters": adapter_folders()}) for b in backend_names}
+    return {b: pool.engine(b, text_model, **lora()) for b in backend_names}
+
+
+def answers_of(rows, lora_engines, reach, adapter):
+    """Each backend's rows with ``adapter`` (None: the base model): in process the module's rows; for a served
+    twin the same calls through each backend's server, which the twin holds equal to the in-process rows."""
+    if reach != SERVED:
+        return {b: by_adapter[adapter] for b, by_adapter in rows.items()}
+    return {b: e.generate(messages(), options=OPTIONS, adapter=adapter) for b, e in lora_engines.items()}
 
 
 def messages():
@@ -83,10 +103,10 @@ def rows(lora_engines):
             for b, e in lora_engines.items()}
 
 
-@pytest.mark.quick
+@pytest.mark.servable  # the quick tier runs its first variant, r8 in process; the mixed batch check carries r16
 @pytest.mark.parametrize("adapter", NAMES)
-def test_greedy_parity_with_each_adapter(rows, pool, summary_note, adapter):
-    outs = {b: by_adapter[adapter] for b, by_adapter in rows.items()}
+def test_greedy_parity_with_each_adapter(rows, lora_engines, reach, pool, summary_note, adapter):
+    outs = answers_of(rows, lora_engines, reach, adapter)
     for b, results in outs.items():
         assert all(r.meta.get("adapter") == adapter for r in results), f"{b}: rows do not say they ran with {adapter}"
     parity(outs, pool, messages(), summary_note, f"greedy parity with adapter {adapter}")
@@ -107,7 +127,7 @@ def test_adapter_rows_part_from_base_rows_on_every_backend(rows, summary_note):
         assert all("adapter" not in r.meta for r in by_adapter[None]), f"{backend}: a base row names an adapter"
 
 
-@pytest.mark.quick
+@pytest.mark.servable  # the quick tier runs it in process (its first variant); its served twin in the full gate
 def test_a_mixed_batch_equals_each_row_run_alone(lora_engines, rows, pool):
     """Base rows beside rows of two adapters, in one call: each row equals the same request run with its adapter
     alone (vLLM batches them in one step; HF and llama.cpp run one adapter per forward), and every backend agrees.
@@ -138,7 +158,7 @@ def test_hf_merged_adapters_answer_the_unmerged_rows_and_restore_the_base_exactl
     engine's base rows exactly (every merged weight restored from its original, not subtracted back)."""
     if "hf" not in rows:
         pytest.skip("hf is not among this session's backends")
-    merged = pool.engine("hf", text_model, model={"adapters": adapter_folders()}, hf={"merge_adapters": True})
+    merged = pool.engine("hf", text_model, **lora(hf={"merge_adapters": True}))
     for name in NAMES:
         got = merged.generate(messages(), options=OPTIONS, adapter=name)
         steps = divergence_steps(rows["hf"][name], got)
@@ -149,6 +169,7 @@ def test_hf_merged_adapters_answer_the_unmerged_rows_and_restore_the_base_exactl
     assert [r.logprobs for r in base] == [r.logprobs for r in rows["hf"][None]], "a merged weight was not restored"
 
 
+@pytest.mark.servable
 @pytest.mark.gate_only(reason="test_greedy_parity_with_each_adapter carries the adapter path on every backend; the "
                               "rules' own checks (test_stop, test_repeat, test_rule_ends) carry stops and guards")
 def test_stops_min_length_and_the_repeat_guard_hold_with_an_adapter(lora_engines, pool, text_model, summary_note):
@@ -156,8 +177,7 @@ def test_stops_min_length_and_the_repeat_guard_hold_with_an_adapter(lora_engines
     guard ends a looping row; every backend alike."""
     prompts = messages()
     guard = {"enabled": True, "max_consecutive_token_repeats": 2, "ngram_size": 2, "ngram_repeats": 2}
-    guarded = {b: pool.engine(b, text_model, model={"adapters": adapter_folders()}, repeat_terminate=guard)
-               for b in lora_engines}
+    guarded = {b: pool.engine(b, text_model, **lora(repeat_terminate=guard)) for b in lora_engines}
     calls = {"stop": (lora_engines, {"options": OPTIONS, "stop": {"strings": ["."]}}),
              "min_length": (lora_engines, {"options": {**OPTIONS, "min_new_tokens": 12}}),
              "guard": (guarded, {"options": {**OPTIONS, "max_new_tokens": 48}})}  # one chat row repeats by 48
@@ -173,6 +193,7 @@ def test_stops_min_length_and_the_repeat_guard_hold_with_an_adapter(lora_engines
         parity(outs, pool, prompts, summary_note, f"{what} with adapter r16")
 
 
+@pytest.mark.servable
 def test_logprobs_with_an_adapter_agree_in_fp32(lora_engines, pool):
     """The chosen tokens' raw log-probabilities under an adapter agree within 1e-3 in fp32 where the tokens agree
     (the bound of test_parity.test_logprobs_agree_in_fp32)."""
@@ -220,7 +241,7 @@ def peft_logprobs(model, adapter, rollout):
     return out
 
 
-@pytest.mark.quick
+@pytest.mark.servable  # the quick tier runs it in process (its first variant); its served twin in the full gate
 def test_rollout_logprobs_with_an_adapter_equal_the_peft_trainers_rescoring(lora_engines, peft_trainer, pool,
                                                                             summary_note):
     """Rollout vs trainer with LoRA: each backend's sampled rollout with adapter r16 (temperature, top-p, a repetition
@@ -274,9 +295,7 @@ def lora_server(pool, backend, text_model):
 
     if unavailable_reason(backend):
         pytest.skip(unavailable_reason(backend))
-    key, config = pool.servers.served_config(backend, text_model, model={"adapters": adapter_folders()},
-                                             serve={"adapter_loading": True})
-    return pool.servers.server(key, config)
+    return pool.servers.server(*pool.servers.served_config(backend, text_model, **lora()))
 
 
 def chat_ids(client, model, prompts, max_tokens=24):
@@ -389,8 +408,7 @@ def test_stock_vllm_serve_with_lora_modules_and_the_guard_plugin_answers_as_ours
 
     if "vllm" not in backend_names:
         pytest.skip(f"stock vllm serve runs vLLM; backends here: {backend_names}")
-    key, config = pool.servers.served_config("vllm", text_model, model={"adapters": adapter_folders()},
-                                             serve={"adapter_loading": True})
+    key, config = pool.servers.served_config("vllm", text_model, **lora())
     ours = pool.servers.server(key, config)
     name = openai.OpenAI(base_url=f"{ours.url}/v1", api_key="none").models.list().data[0].id
     modules = [f"{n}={p}" for n, p in adapter_folders().items()]
@@ -405,8 +423,8 @@ def test_stock_vllm_serve_with_lora_modules_and_the_guard_plugin_answers_as_ours
             for side, client in clients.items():
                 assert chat_ids(client, model, prompts) == want, (side, model)
         looping = messages()[4]
-        guarded = pool.engine("vllm", text_model, model={"adapters": adapter_folders()}, repeat_terminate={
-            k.split(".")[1]: v for k, v in GUARD_XARGS.items()}).local
+        guarded = pool.engine("vllm", text_model, **lora(repeat_terminate={
+            k.split(".")[1]: v for k, v in GUARD_XARGS.items()})).local
         want = guarded.generate([looping], options={"max_new_tokens": 48}, adapter="r16")[0]
         assert want.stop_reason == "repeat_terminate", "the guard must end this row with r16 for the check to see it"
         body = {"model": "r16", "prompt": list(want.prompt_token_ids), "max_tokens": 48, "temperature": 0,

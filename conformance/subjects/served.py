@@ -133,6 +133,16 @@ def _adapter(adapter: str | None) -> dict[str, Any]:
     return {} if adapter is None else {"adapter": adapter}
 
 
+def _row(request: Any, adapter: str | None) -> tuple[str | None, Any]:
+    """(the row's adapter, what ``/infer/`` sends of it): a ``ChatRequest`` travels as its messages and its adapter
+    (``adapter_request``); its other fields have no ``/infer/`` field and fail here by name."""
+    if not isinstance(request, ChatRequest):
+        return adapter, request
+    assert dataclasses.replace(request, adapter=None) == ChatRequest(request.messages), \
+        f"only a ChatRequest's messages and adapter travel over /infer/, got {request}"
+    return request.adapter or adapter, list(request.messages)
+
+
 def _plain(value: Any) -> Any:
     return dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else value
 
@@ -305,14 +315,32 @@ class ServedTwin:
 
     def ask_server(self, url: str, requests: Any, extension: dict[str, Any]) -> Any:
         """One call through ``/infer/`` (with the engine's guard where the server was started without it); safe to
-        run from a replay thread (a client of its own)."""
+        run from a replay thread (a client of its own). ``/infer/`` takes one adapter per call (swift's
+        ``adapter_request``): a call whose rows name different adapters is sent as one ``/infer/`` per adapter, all
+        at once (the server batches them as it would concurrent clients), and the rows put back in order."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from engine.adapters import by_adapter
         from engine.client import RolloutClient
 
         learner = None if self._guard is not None else self.local.config.repeat_terminate
         if self._guard is not None:
             extension = {**extension, "repeat_terminate": self._guard}
+        called = extension.get("adapter")
+        extension = {k: v for k, v in extension.items() if k != "adapter"}
+        rows = [_row(r, called) for r in requests]
+        groups = by_adapter([adapter for adapter, _ in rows])
         with RolloutClient(url, repeat_terminate=learner, batch_size=10_000, health_timeout=30) as client:
-            return client.infer(requests, engine=extension)
+            if len(groups) == 1:
+                return client.infer([messages for _, messages in rows], engine=extension, adapter=groups[0][0])
+            with ThreadPoolExecutor(len(groups)) as threads:
+                parts = list(threads.map(lambda g: client.infer([rows[i][1] for i in g[1]], engine=extension,
+                                                                adapter=g[0]), groups))
+        out: list[Any] = [None] * len(rows)
+        for (_, indices), part in zip(groups, parts, strict=True):
+            for i, result in zip(indices, part, strict=True):
+                out[i] = result
+        return out
 
 
 def scrape(url: str, name: str, **labels: str) -> float:

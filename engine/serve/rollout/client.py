@@ -66,12 +66,14 @@ the server's guard is inactive (hash ab12)...
 
 
 def _body(requests: Sequence[Any], request_config: Mapping[str, Any] | None,
-          engine: Mapping[str, Any] | None) -> dict[str, Any]:
+          engine: Mapping[str, Any] | None, adapter: str | None = None) -> dict[str, Any]:
     items = [{"messages": list(r)} if not isinstance(r, Mapping) else dict(r) for r in requests]
     config = {**(request_config or {}), "return_details": True}
     body: dict[str, Any] = {"infer_requests": items, "request_config": config}
     if engine:
         body["engine"] = dict(engine)
+    if adapter is not None:  # swift's AdapterRequest; the server reads its name (a loaded adapter)
+        body["adapter_request"] = {"name": adapter, "path": ""}
     return body
 
 
@@ -178,11 +180,12 @@ class RolloutClient(_Base):
             raise RolloutServerError(f"{self.base_url}/infer/ failed: {type(err).__name__}: {err}") from err
 
     def infer(self, requests: Sequence[Any], request_config: Mapping[str, Any] | None = None, *,
-              engine: Mapping[str, Any] | None = None) -> list[GenerationResult]:
-        """One result per request (message lists, or swift ``infer_requests`` items), in order."""
+              engine: Mapping[str, Any] | None = None, adapter: str | None = None) -> list[GenerationResult]:
+        """One result per request (message lists, or swift ``infer_requests`` items), in order; ``adapter``: a
+        LoRA adapter the server loaded (swift's ``adapter_request``)."""
         if self.health is None:
             self.wait_ready()
-        bodies = [_body(c, request_config, engine) for c in _chunks(requests, self.batch_size)]
+        bodies = [_body(c, request_config, engine, adapter) for c in _chunks(requests, self.batch_size)]
         with ThreadPoolExecutor(max_workers=min(self.max_concurrency, max(len(bodies), 1))) as pool:
             return [r for part in pool.map(self._post, bodies) for r in part]
 
@@ -224,7 +227,7 @@ class AsyncRolloutClient(_Base):
             await asyncio.sleep(HEALTH_POLL_S)
 
     async def infer(self, requests: Sequence[Any], request_config: Mapping[str, Any] | None = None, *,
-                    engine: Mapping[str, Any] | None = None) -> list[GenerationResult]:
+                    engine: Mapping[str, Any] | None = None, adapter: str | None = None) -> list[GenerationResult]:
         import httpx
 
         if self.health is None:
@@ -234,7 +237,8 @@ class AsyncRolloutClient(_Base):
         async def post(chunk: Sequence[Any]) -> list[GenerationResult]:
             async with gate:
                 try:
-                    r = await self._http.post(f"{self.base_url}/infer/", json=_body(chunk, request_config, engine))
+                    r = await self._http.post(f"{self.base_url}/infer/",
+                                              json=_body(chunk, request_config, engine, adapter))
                 except httpx.TransportError as err:
                     raise RolloutServerError(f"{self.base_url}/infer/ failed: {type(err).__name__}: {err}") from err
                 return self._parse(r)
