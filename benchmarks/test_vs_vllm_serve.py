@@ -47,10 +47,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("stock_concurrency", CONCURRENCY if on else CONCURRENCY[:1])  # not opted in: skipped
 
 
-@pytest.fixture(scope="module")
-def servers(bench: Any) -> Iterator[dict[str, Any]]:
-    """Our server and stock ``vllm serve`` on the session's vLLM config with the same executor layout, started
-    side by side (each start is mostly imports and waiting) and stopped when the module ends."""
+def side_by_side(bench: Any, *, model: dict[str, Any] | None = None,
+                 stock_flags: list[str] | None = None) -> Iterator[dict[str, Any]]:
+    """Our server and stock ``vllm serve`` on the session's vLLM config with the same executor layout (``model``: more
+    of the config's ``model`` section for both; ``stock_flags``: ``vllm serve``'s flags for the same), started side
+    by side (each start is mostly imports and waiting) and stopped when the caller is done."""
     from concurrent.futures import ThreadPoolExecutor
 
     from conformance.subjects.stock import start_vllm_serve
@@ -63,10 +64,13 @@ def servers(bench: Any) -> Iterator[dict[str, Any]]:
     ours = bench.server_config("vllm")
     ours["vllm"] = {k: v for k, v in ours["vllm"].items() if k != "multiprocessing"}  # our served default
     stock = bench.server_config("vllm")
+    if model:
+        ours["model"] = {**ours["model"], **model}
     if not has_cuda():  # the KV cache our engine gives vLLM on CPU (vllm.cpu_kv_cache_space_gib), not vLLM's 92 %
         stock["vllm"] = {"cpu_kv_cache_space_gib": VllmConfig().cpu_kv_cache_space_gib, **stock["vllm"]}
     with ThreadPoolExecutor(max_workers=2) as pool:
-        started = {"ours": pool.submit(launch_server, ours), "stock": pool.submit(start_vllm_serve, stock, "stock")}
+        started = {"ours": pool.submit(launch_server, ours),
+                   "stock": pool.submit(start_vllm_serve, stock, "stock", extra=stock_flags)}
         try:
             running = {name: future.result() for name, future in started.items()}
         except BaseException:
@@ -81,6 +85,12 @@ def servers(bench: Any) -> Iterator[dict[str, Any]]:
             server.stop()
 
 
+@pytest.fixture(scope="module")
+def servers(bench: Any) -> Iterator[dict[str, Any]]:
+    """The two servers of this module, on the session's vLLM config."""
+    yield from side_by_side(bench)
+
+
 def answer_all(client: Any, model: str, messages: list[Any], concurrency: int, fields: dict[str, Any]) -> list[Any]:
     """Every request's chat completion, ``concurrency`` at a time, in request order."""
     from concurrent.futures import ThreadPoolExecutor
@@ -89,33 +99,43 @@ def answer_all(client: Any, model: str, messages: list[Any], concurrency: int, f
         return list(pool.map(lambda m: client.chat.completions.create(model=model, messages=m, **fields), messages))
 
 
-def test_ours_vs_vllm_serve(bench, benchmark, servers, stock_concurrency: int) -> None:
-    concurrency = stock_concurrency
+def compare_with_stock(bench: Any, benchmark: Any, servers: dict[str, Any], concurrency: int, *, group: str,
+                       ratio: str, model: str | None = None, guard_set: str = "none") -> float:
+    """One case: ``max(concurrency, Size.served_requests)`` greedy fixed-length chat requests (``model``: the name
+    both servers answer them as, e.g. a LoRA adapter; None: each server's model) answered alike by both servers
+    (texts and prompt tokens asserted), then timed in interleaved rounds; ``ratio`` (stock's median wall / ours) is
+    recorded and returned."""
     n = max(concurrency, bench.size.served_requests)
     messages = batch_messages(n, "short")
     fields = {"max_tokens": NEW_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
-    label = f"served_vs_vllm_serve[vllm-c{concurrency}-n{n}-o{NEW_TOKENS}]"
+    label = f"{group}[vllm-c{concurrency}-n{n}-o{NEW_TOKENS}]"
     with openai_client(servers["ours"]) as ours_client, openai_client(servers["stock"]) as stock_client:
         clients = {"ours": ours_client, "stock": stock_client}
-        names = {name: client.models.list().data[0].id for name, client in clients.items()}
+        names = {name: model or client.models.list().data[0].id for name, client in clients.items()}
         answers = {name: answer_all(client, names[name], messages, concurrency, fields)
                    for name, client in clients.items()}
         reference = Variant("stock", "reference", plain(stock_client, names["stock"], messages, concurrency,
                                                          **fields).run)
         subject = Variant("ours", "subject", plain(ours_client, names["ours"], messages, concurrency, **fields).run)
-        rounds = bench.measure(benchmark, label, [reference, subject], gates={"ours_over_stock": ("ours", "stock")})
+        rounds = bench.measure(benchmark, label, [reference, subject], gates={ratio: ("ours", "stock")})
     texts = {name: [a.choices[0].message.content for a in got] for name, got in answers.items()}
     same = sum(a == b for a, b in zip(texts["ours"], texts["stock"], strict=True))
     assert same == n, f"greedy answers differ between our server and vllm serve on {n - same} of {n} requests"
     for variant in (reference, subject):  # fixed length: a server that stopped early would flatter the ratio
         assert rounds.tokens(variant.name) == {n * NEW_TOKENS}, (variant.name, rounds.tokens(variant.name))
-    ratio = rounds.speed_ratio(subject.name, reference.name)
+    value = rounds.speed_ratio(subject.name, reference.name)
     prompt_tokens = {name: sum(a.usage.prompt_tokens for a in got) for name, got in answers.items()}
     assert prompt_tokens["ours"] == prompt_tokens["stock"], prompt_tokens  # the same rendered prompts
-    bench.record({"benchmark": label, "group": "served_vs_vllm_serve", "backend": "vllm", "batch": concurrency,
+    bench.record({"benchmark": label, "group": group, "backend": "vllm", "batch": concurrency,
                   "prompt_len": "short", "prompt_tokens": prompt_tokens["ours"],
-                  "new_tokens": NEW_TOKENS, "fixed_length": True, "guard_set": "none"},
-                 rounds, {"ours_over_stock": ratio}, benchmark)
+                  "new_tokens": NEW_TOKENS, "fixed_length": True, "guard_set": guard_set},
+                 rounds, {ratio: value}, benchmark)
     rate = {v.name: n * NEW_TOKENS / rounds.median_wall(v.name) for v in (reference, subject)}
     bench.progress(f"{label}: ours {rate['ours']:.1f} tok/s, vllm serve {rate['stock']:.1f} tok/s, "
-                   f"ours_over_stock {ratio:.3f}")
+                   f"{ratio} {value:.3f}")
+    return value
+
+
+def test_ours_vs_vllm_serve(bench, benchmark, servers, stock_concurrency: int) -> None:
+    compare_with_stock(bench, benchmark, servers, stock_concurrency, group="served_vs_vllm_serve",
+                       ratio="ours_over_stock")

@@ -11,11 +11,11 @@ Bump :data:`SCHEMA_VERSION` on any change of a column's name, type or meaning, a
 >>> [c.name for c in COLUMNS][:3]
 ['schema_version', 'run_id', 'timestamp']
 >>> sorted(RATIO_COLUMNS)
-['adapter_over_base', 'adapter_over_plain', 'batch_over_single', 'constrained_over_free', 'engine_over_raw', \
-'engine_over_raw_cached', 'fast_over_reference', 'guard_on_over_off', 'llamacpp_over_hf', \
-'llamacpp_over_vllm', 'ours_over_native', 'ours_over_stock', 'pattern_c_over_chat', \
-'plugin_idle_over_without', 'portable_over_native', 'served_over_inprocess', 'streamed_over_plain', \
-'trainer_agreement']
+['adapter_ours_over_stock', 'adapter_over_base', 'adapter_over_plain', 'batch_over_single', \
+'constrained_over_free', 'engine_over_raw', 'engine_over_raw_cached', 'fast_over_reference', \
+'guard_on_over_off', 'llamacpp_over_hf', 'llamacpp_over_vllm', 'ours_over_native', 'ours_over_stock', \
+'pattern_c_over_chat', 'plugin_idle_over_without', 'portable_over_native', 'served_over_inprocess', \
+'streamed_over_plain', 'trainer_agreement']
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SCHEMA_VERSION = 15
+SCHEMA_VERSION = 16
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,8 @@ RUN_COLUMNS = (
 CASE_COLUMNS = (
     Column("benchmark", "string", "case id: group[backend-bN-prompt-oN-guard]; the comparison key with variant"),
     Column("group", "string", "throughput, repeat_vs_native, rule_cost, served, served_vs_vllm_serve, chat_stream, "
-                              "pattern_c, constrained, backends, rollout_vs_trainer, sampler_cost or adapter_cost"),
+                              "pattern_c, constrained, backends, rollout_vs_trainer, sampler_cost, adapter_cost or "
+                              "adapter_vs_vllm_serve"),
     Column("backend", "string", "hf, vllm or llamacpp (backends: llamacpp, the subject of every ratio of the case)"),
     Column("model", "string", "model name (fixture name or folder name)"),
     Column("dtype", "string", "model dtype"),
@@ -127,6 +128,10 @@ RATIO_COLUMNS = {
                          "rows on the base model, one loaded engine, greedy, fixed length",
     "adapter_over_plain": "adapter_cost: speed of the rows with the adapter / the same rows on the run's plain engine "
                           "(no LoRA loaded), greedy, fixed length",
+    "adapter_ours_over_stock": "adapter_vs_vllm_serve: speed of python -m engine.serve on vLLM with a LoRA adapter "
+                               "(smollm2-lora r16, named by the model field) / of stock vllm serve --enable-lora with "
+                               "the same adapter, same requests as ours_over_stock; gated at 0.97 by the full tier's "
+                               "gate",
     "portable_over_native": "sampler_cost: speed of the engine sampling with generation.sampler portable (the "
                             "counter-based Gumbel draw, engine.rules.portable_sampler) / with the backend's own "
                             "sampler, same seeded requests, fixed length",
@@ -183,6 +188,7 @@ ADDED_IN: dict[int, tuple[str, ...]] = {
     13: ("portable_over_native", "added_us_per_token"),
     14: ("engine_over_raw_cached",),
     15: ("adapter_over_base", "adapter_over_plain"),
+    16: ("adapter_ours_over_stock",),
 }
 """The columns each version added (every change so far added columns; none was renamed or retyped), so a report of
 any earlier version reads as this one: what it lacks is absent (NaN, '' or 0 rounds confirmed), never invented.
@@ -206,7 +212,7 @@ def upgrade(frame: Any, *, source: str = "report") -> Any:
     >>> old = pd.DataFrame({"schema_version": [8], "wall_s": [1.0]})
     >>> new = upgrade(old)
     >>> int(new["schema_version"][0]), int(new["confirm_rounds"][0]), new.attrs["read_from_versions"]
-    (15, 0, [8])
+    (16, 0, [8])
     >>> bool(pd.isna(new["trainer_agreement"][0])), "dlogprob_mean" in new  # added in 10; 8 already had it
     (True, False)
     >>> upgrade(pd.DataFrame({"schema_version": [13], "variant": ["llamacpp-raw"]}))["variant"].tolist()
