@@ -260,6 +260,39 @@ def test_rollout_logprobs_with_an_adapter_equal_the_peft_trainers_rescoring(lora
                            note=summary_note)
 
 
+@pytest.mark.quick
+def test_score_is_the_base_models_whatever_adapter_ran_last(lora_engines, rows, pool, text_model, summary_note):
+    """``engine.score`` takes no adapter: it scores with the base model, also on an engine whose last rows ran with
+    an adapter. Each scoring backend's LoRA engine, right after rows with r16, scores the base model's greedy rows as
+    its plain engine does (float32: within 1e-4; PEFT on HF once scored with the last adapter set). vLLM with LoRA on
+    a CPU host cannot score (its CPU LoRA logits kernels fail on prompt log-probabilities, vllm#29955): refused by
+    name before anything runs, where it took the engine down."""
+    from engine.errors import UnsupportedCapabilityError
+
+    for backend, twin in lora_engines.items():
+        local = twin.local
+        caps = local.backend.capabilities
+        if caps.scoring_problem is not None:
+            with pytest.raises(UnsupportedCapabilityError, match="vllm#29955"):
+                local.score([[1, 2, 3]], [1])
+            local.generate(messages()[:1], options={"max_new_tokens": 4})  # still generating
+            summary_note(f"{backend}: score refused with LoRA on: {caps.scoring_problem[:60]}...")
+            continue
+        if not caps.scoring:
+            continue
+        local.generate(messages()[:1], options={"max_new_tokens": 4}, adapter="r16")  # the adapter ran last
+        base_rows = rows[backend][None][:3]
+        sequences = [list(r.prompt_token_ids) + list(r.token_ids) for r in base_rows]
+        starts = [len(r.prompt_token_ids) for r in base_rows]
+        got = local.score(sequences, starts)
+        want = pool.loaded(backend, text_model).score(sequences, starts)
+        worst = max(abs(a - b) for g, w in zip(got, want, strict=True)
+                    for a, b in zip(g.logprobs, w.logprobs, strict=True))
+        summary_note(f"{backend}: score on the LoRA engine vs the plain engine: worst |dlogprob| {worst:.2e}")
+        bound = 1e-4 if pool.options.dtype == "float32" else 5e-2
+        assert worst < bound, f"{backend}: the LoRA engine scored with an adapter ({worst:.3g} off the base model)"
+
+
 def test_an_unknown_adapter_is_refused_by_name_before_generation(lora_engines, count_backend_calls):
     for backend, engine in lora_engines.items():
         calls = count_backend_calls(engine.local)
@@ -380,6 +413,33 @@ def test_load_reload_in_place_and_unload_over_vllms_routes(lora_server, lora_eng
     missing = post("unload_lora_adapter", {"lora_name": "live"})
     assert missing.status_code == 404 and missing.json()["error"]["message"] == \
         "The lora adapter 'live' cannot be found.", missing.text
+
+
+@pytest.mark.on_servers
+@pytest.mark.quick_on("vllm", reason="the server that could die is vLLM's (LoRA on a CPU host); its LoRA server is "
+                                     "up for this module's other vLLM checks")
+def test_echoed_prompt_scoring_on_a_lora_server_never_takes_it_down(lora_server, lora_engines, backend):
+    """``/v1/completions`` with ``echo`` and ``logprobs`` (lm-eval's loglikelihood request) for the base model on a
+    server with adapters loaded: answered with the base model's scores where the backend scores with LoRA on, else
+    a 400 naming why (vLLM on a CPU host: vllm#29955, whose crash took the engine core down); the server answers
+    ``/health`` and generates after it either way."""
+    import httpx
+
+    url = lora_server.url
+    cards = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+    base = next(card["id"] for card in cards if card.get("parent") is None)
+    body = {"model": base, "prompt": "The capital of France is Paris.", "max_tokens": 0, "echo": True, "logprobs": 1}
+    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    caps = lora_engines[backend].local.backend.capabilities
+    if caps.scoring_problem is not None:
+        assert answer.status_code == 400 and "vllm#29955" in answer.text, answer.text
+    elif caps.scoring:
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["logprobs"]["token_logprobs"][1] is not None
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    again = httpx.post(f"{url}/v1/completions", json={"model": base, "prompt": "Hello", "max_tokens": 4,
+                                                      "temperature": 0}, timeout=120)
+    assert again.status_code == 200, again.text
 
 
 GUARD_XARGS = {"repeat_terminate.enabled": True, "repeat_terminate.max_consecutive_token_repeats": 2,

@@ -423,6 +423,9 @@ class GenerationEngine:
         """Refuse what ``score`` cannot do here (the capability, the sequences, ``top``, ``processing``); nothing
         runs. Returns the processing steps to re-score with (None: the raw distribution)."""
         caps = self.backend.capabilities
+        if caps.scoring_problem is not None:
+            raise UnsupportedCapabilityError(f"backend {self.backend.name!r} cannot score sequences here: "
+                                             f"{caps.scoring_problem}")
         if not caps.scoring or not isinstance(self.backend, Scoring):
             raise UnsupportedCapabilityError(f"backend {self.backend.name!r} cannot score sequences here. Fix: use "
                                              "hf or vllm, on a text model (vllm in a *_logprobs mode)")

@@ -68,7 +68,7 @@ def test_a_guarded_twin_sends_its_guard_and_asks_the_server_for_none(pool, monke
         def __exit__(self, *exc):
             return None
 
-        def infer(self, requests, *, engine):
+        def infer(self, requests, *, engine, adapter=None):
             sent.append(("engine", engine))
             return ["in-process True"] * len(requests)
 
@@ -109,7 +109,7 @@ def replaying_pool(pool, monkeypatch, answer):
         def __exit__(self, *exc):
             return None
 
-        def infer(self, requests, *, engine):
+        def infer(self, requests, *, engine, adapter=None):
             sent.append((engine["options"]["max_new_tokens"], threading.current_thread().name))
             return answer(requests, engine)
 
@@ -495,3 +495,40 @@ def test_a_server_still_starting_ahead_that_no_check_asked_for_is_stopped_not_wa
     pool.servers.close()
     assert time.monotonic() - began < 10, "the pool waited for a start no check needed"
     assert [kind for kind, _, _ in pool.bill.starts] == ["ahead, unused"], pool.bill.starts
+
+
+def test_a_call_mixing_adapters_goes_as_one_infer_per_adapter_and_comes_back_in_order(pool, monkeypatch):
+    """``/infer/`` takes one adapter per call (swift's ``adapter_request``): a twin's call whose rows name different
+    adapters is sent as one ``/infer/`` per adapter (the call's ``adapter=`` for rows naming none), and each row's
+    answer put back in its place."""
+    import engine.client
+    from engine.types import ChatRequest
+
+    sent = []
+
+    class Client:
+        def __init__(self, url, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def infer(self, requests, *, engine, adapter=None):
+            sent.append((adapter, [r[0]["content"] for r in requests], "adapter" in engine))
+            return [f"{adapter}:{r[0]['content']}" for r in requests]
+
+    monkeypatch.setattr(engine.client, "RolloutClient", Client)
+    monkeypatch.setattr("conformance.subjects.served.assert_served_equal", lambda served, local, what: None)
+    pool.servers.server = lambda key, config: Server()
+    twin = pool.engine("hf", "/models/text")
+    rows = [[{"role": "user", "content": str(i)}] for i in range(4)]
+    mixed = [ChatRequest(tuple(rows[0]), adapter="r8"), rows[1], ChatRequest(tuple(rows[2]), adapter="r16"),
+             ChatRequest(tuple(rows[3]), adapter="r8")]
+    answers = twin.ask_server("http://127.0.0.1:1", mixed, {"options": {"max_new_tokens": 4}, "adapter": "base8"})
+    assert answers == ["r8:0", "base8:1", "r16:2", "r8:3"]
+    assert sorted(sent) == [("base8", ["1"], False), ("r16", ["2"], False), ("r8", ["0", "3"], False)]
+    with pytest.raises(AssertionError, match="only a ChatRequest's messages and adapter travel"):
+        twin.ask_server("http://127.0.0.1:1", [ChatRequest(tuple(rows[0]), seed=3)], {})

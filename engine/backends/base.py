@@ -35,6 +35,8 @@ class Capabilities:
     """Context length (prompt + output) of the loaded model; a prompt must be shorter. None: unknown."""
     scoring: bool = False
     """Scores given token sequences (``score``: per-token log-probs and is-greedy, for log-likelihoods)."""
+    scoring_problem: str | None = None
+    """Why a backend that scores elsewhere cannot here, with the fix (None: no such reason)."""
     rescoring: bool = False
     """Re-scores under sampling processing (``score(..., processing=...)``: penalty, temperature, min-p, top-k,
     top-p, as the draw used them), with the kept mass per token."""

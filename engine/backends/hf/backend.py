@@ -535,7 +535,7 @@ class HfBackend(BackendBase, backend="hf"):
                 ids[row, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
                 mask[row, : len(seq)] = 1
             head = self._plain_head()
-            with torch.inference_mode():
+            with torch.inference_mode(), self._with_adapter(None):  # the base model, whatever adapter ran last
                 if head is None:
                     out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
                 else:  # (batch, width, hidden): the head runs per slice of positions below

