@@ -99,6 +99,20 @@ def replaying_pool(pool, monkeypatch, answer):
 
     sent = []
 
+    def infer(requests, engine, adapter):
+        sent.append((engine["options"]["max_new_tokens"], threading.current_thread().name))
+        return answer(requests, engine)
+
+    monkeypatch.setattr(engine.client, "RolloutClient", stand_in_client(infer))
+    monkeypatch.setattr("conformance.subjects.served.assert_served_equal", lambda served, local, what: None)
+    server = Server()
+    pool.servers.server = lambda key, config: server
+    return sent
+
+
+def stand_in_client(infer):
+    """A ``RolloutClient`` stand-in whose ``infer`` is ``infer(requests, engine, adapter)``."""
+
     class Client:
         def __init__(self, url, **kwargs):
             pass
@@ -110,14 +124,9 @@ def replaying_pool(pool, monkeypatch, answer):
             return None
 
         def infer(self, requests, *, engine, adapter=None):
-            sent.append((engine["options"]["max_new_tokens"], threading.current_thread().name))
-            return answer(requests, engine)
+            return infer(requests, engine, adapter)
 
-    monkeypatch.setattr(engine.client, "RolloutClient", Client)
-    monkeypatch.setattr("conformance.subjects.served.assert_served_equal", lambda served, local, what: None)
-    server = Server()
-    pool.servers.server = lambda key, config: server
-    return sent
+    return Client
 
 
 def test_a_served_variant_gets_its_in_process_calls_replayed_at_once_before_it_asks(pool, monkeypatch):
@@ -506,21 +515,11 @@ def test_a_call_mixing_adapters_goes_as_one_infer_per_adapter_and_comes_back_in_
 
     sent = []
 
-    class Client:
-        def __init__(self, url, **kwargs):
-            pass
+    def infer(requests, engine, adapter):
+        sent.append((adapter, [r[0]["content"] for r in requests], "adapter" in engine))
+        return [f"{adapter}:{r[0]['content']}" for r in requests]
 
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return None
-
-        def infer(self, requests, *, engine, adapter=None):
-            sent.append((adapter, [r[0]["content"] for r in requests], "adapter" in engine))
-            return [f"{adapter}:{r[0]['content']}" for r in requests]
-
-    monkeypatch.setattr(engine.client, "RolloutClient", Client)
+    monkeypatch.setattr(engine.client, "RolloutClient", stand_in_client(infer))
     monkeypatch.setattr("conformance.subjects.served.assert_served_equal", lambda served, local, what: None)
     pool.servers.server = lambda key, config: Server()
     twin = pool.engine("hf", "/models/text")
