@@ -531,3 +531,22 @@ def test_a_call_mixing_adapters_goes_as_one_infer_per_adapter_and_comes_back_in_
     assert sorted(sent) == [("base8", ["1"], False), ("r16", ["2"], False), ("r8", ["0", "3"], False)]
     with pytest.raises(AssertionError, match="only a ChatRequest's messages and adapter travel"):
         twin.ask_server("http://127.0.0.1:1", [ChatRequest(tuple(rows[0]), seed=3)], {})
+
+
+def test_a_call_with_a_row_of_its_own_seed_stays_in_process_under_the_served_reach(pool, monkeypatch):
+    """A ``ChatRequest`` with its own seed has no ``/infer/`` field: the twin runs that call in process only (the
+    check's other calls still reach the server), never a request that drops the seed."""
+    import engine.client
+    from engine.types import ChatRequest
+
+    sent = []
+    monkeypatch.setattr(engine.client, "RolloutClient",
+                        stand_in_client(lambda requests, engine, adapter: sent.append(requests) or ["s"]))
+    monkeypatch.setattr("conformance.subjects.served.assert_served_equal", lambda served, local, what: None)
+    pool.servers.server = lambda key, config: Server()
+    twin = pool.engine("hf", "/models/text")
+    pool.reach.how = SERVED
+    row = ({"role": "user", "content": "Hi"},)
+    assert twin.generate([ChatRequest(row, seed=3)]) == ["in-process False"]
+    assert sent == [] and pool.reach.served_calls == 0
+    assert twin.generate([list(row)]) == ["s"] and pool.reach.served_calls == 1

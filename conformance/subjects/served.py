@@ -133,13 +133,24 @@ def _adapter(adapter: str | None) -> dict[str, Any]:
     return {} if adapter is None else {"adapter": adapter}
 
 
+def _travels(request: Any) -> bool:
+    """Whether a row travels over ``/infer/``: messages, or a ``ChatRequest`` of messages and an adapter (its own seed
+    has no ``/infer/`` field, so such a call runs in process only, under either reach).
+
+    >>> _travels([{"role": "user", "content": "Hi"}]), _travels(ChatRequest(({"role": "user", "content": "Hi"},),
+    ...                                                                      seed=3))
+    (True, False)
+    """
+    return not isinstance(request, ChatRequest) or dataclasses.replace(request, adapter=None) == ChatRequest(
+        request.messages)
+
+
 def _row(request: Any, adapter: str | None) -> tuple[str | None, Any]:
     """(the row's adapter, what ``/infer/`` sends of it): a ``ChatRequest`` travels as its messages and its adapter
     (``adapter_request``); its other fields have no ``/infer/`` field and fail here by name."""
     if not isinstance(request, ChatRequest):
         return adapter, request
-    assert dataclasses.replace(request, adapter=None) == ChatRequest(request.messages), \
-        f"only a ChatRequest's messages and adapter travel over /infer/, got {request}"
+    assert _travels(request), f"only a ChatRequest's messages and adapter travel over /infer/, got {request}"
     return request.adapter or adapter, list(request.messages)
 
 
@@ -194,7 +205,7 @@ class ServedTwin:
         subject = self.subject + (" served" if self._reach.served and self._server is not None and call else "")
         try:
             results = self._generate(requests, extension, call, options=options, stop=stop, plugins=plugins,
-                                     adapter=adapter)
+                                     adapter=adapter, travels=all(map(_travels, requests)))
         except EngineError as err:
             if call is not None:
                 record.saw(subject, plain, extension, error=err)
@@ -255,12 +266,14 @@ class ServedTwin:
                 for own in row_seeds]
 
     def _generate(self, requests: Any, extension: dict[str, Any], call: str | None, *, options: Any, stop: Any,
-                  plugins: Any, adapter: str | None = None) -> Any:
+                  plugins: Any, adapter: str | None = None, travels: bool = True) -> Any:
+        """The call in process, or (a served twin's call whose rows travel over ``/infer/``) through the server too,
+        compared; ``travels`` False (a row with its own seed) keeps the call in process under either reach."""
         from engine.client import RolloutServerError
 
         if self._server is None and call in self._answers:  # a reference answers each call once per session
             return copy.deepcopy(self._answers[call])
-        if not self._reach.served or call is None:
+        if not self._reach.served or call is None or not travels:
             if call is not None and self._server is not None:
                 self._reach.note(self, requests, extension, call)
             results = self.local.generate(requests, options=options, stop=stop, plugins=plugins,
