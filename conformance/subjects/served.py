@@ -6,9 +6,10 @@ A :class:`ServedTwin` stands in for the in-process engine: ``generate`` runs the
 server (``/infer/`` with the engine extension for options, stop policy, plugins and guard), asserts the two agree field
 by field (trigger flags from the envelope against the in-process meta included), and hands the check the served
 results. Everything else (tokenizer, config, backend) is the in-process engine's. A call the engine refuses must
-be refused by the server too (HTTP 400). Plugins given as Python objects cannot travel over HTTP: such calls run
-in-process only; a served twin none of whose calls reached a server fails (see the ``reach`` fixture), so only
-checks that travel are marked ``servable``.
+be refused by the server too (HTTP 400). Plugins given as Python objects, and rows that carry their own seed
+(``ChatRequest.seed``: ``/infer/`` has no field for it), cannot travel over HTTP: such calls run in-process only
+(a row's LoRA adapter travels, as swift's ``adapter_request``); a served twin none of whose calls reached a server
+fails (see the ``reach`` fixture), so only checks that travel are marked ``servable``.
 
 The in-process answer a served call is compared with is the one the check's in-process variant got for the same
 call (remembered per engine, keyed by the call's JSON); a call not seen in-process is generated in-process then.
