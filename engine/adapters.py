@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,33 +144,16 @@ def check_rank(adapter: Adapter, limit: int, field: str | None = None) -> None:
                           f"(one of {', '.join(map(str, RANKS))}), or train a smaller rank")
 
 
-MAX_HEADER_BYTES = 100 * 2**20
-"""The largest safetensors header read (the safetensors library's own limit): a header claiming more is refused
-before anything is read."""
-
-
 def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape from a ``.safetensors`` file's header (no tensor is read); a header that is not one
-    (too short, over :data:`MAX_HEADER_BYTES`, not JSON, an entry without a shape) raises ``ValueError``."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError("shorter than a safetensors header")
-        (size,) = struct.unpack("<Q", head)
-        if size > MAX_HEADER_BYTES:
-            raise ValueError(f"claims a {size}-byte header")
-        header = json.loads(f.read(size))
-    if not isinstance(header, dict):
-        raise ValueError("its header is not an object")
-    shapes = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        shape = entry.get("shape") if isinstance(entry, dict) else None
-        if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
-            raise ValueError(f"{name} has no shape")
-        shapes[name] = tuple(shape)
-    return shapes
+    """Tensor name -> shape from a ``.safetensors`` file's header (no tensor is read), by the one header reader
+    (``engine.weights.description.read_header``: a regular file, a bounded header, every entry shaped); a file that
+    is none raises ``ValueError``."""
+    from engine.weights.description import read_header
+
+    try:
+        return {name: shape for name, (shape, _) in read_header(path, field="adapter").items()}
+    except RequestError as err:
+        raise ValueError(err.problem) from None
 
 
 def check_weights(adapter: Adapter, field: str) -> dict[str, tuple[int, ...]]:
