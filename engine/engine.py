@@ -14,18 +14,20 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.backends import (
+from engine.backends import backend_class
+from engine.backends.base import (
+    AdapterLoading,
     AsyncGenerating,
     AsyncScoring,
     Backend,
+    Prompt,
     SamplingPlan,
     Scoring,
     TokenScores,
-    backend_class,
-    spec,
+    prompts_of,
 )
-from engine.backends.base import AdapterLoading, Prompt, prompts_of
 from engine.backends.guard import check_guard_can_run
+from engine.backends.registry import spec
 from engine.completion import PromptLike, check_scored, plain_prompts
 from engine.config import EngineConfig, GenerationOptions, PixelBudget, StopPolicy
 from engine.config.generation import MAX_LOGPROBS

@@ -13,10 +13,24 @@ Catch :class:`EngineError` to catch them all.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from typing import Any
 
 SHOWN_CHARS = 200
 """Most characters of an offending value an error message repeats (a 50 MB value is named, not echoed back)."""
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """A ``fix`` naming the closest choice (if any) and every available one: what an error about a misspelt name says.
+
+    >>> did_you_mean("hff", ["vllm", "hf"])
+    "did you mean 'hf'? available: hf, vllm"
+    """
+    choices = sorted(choices)
+    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"{hint}available: {', '.join(choices)}"
 
 
 def shown(value: Any) -> str:

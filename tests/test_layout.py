@@ -4,11 +4,13 @@ without cycles, and the config stays data (it imports no backend, plugin or serv
 from __future__ import annotations
 
 import ast
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
 
-from engine.backends import AsyncGenerating, AsyncScoring, Scoring, TokenStreaming, WeightLoading, load_target
+from engine.backends import load_target
+from engine.backends.base import AsyncGenerating, AsyncScoring, Scoring, TokenStreaming, WeightLoading
 from engine.backends.registry import SPECS
 
 ENGINE = Path(__file__).resolve().parents[1] / "engine"
@@ -47,9 +49,23 @@ def engine_modules() -> dict[str, Path]:
     return modules
 
 
+def packages_above(name: str, modules: Collection[str]) -> set[str]:
+    """The packages Python runs before module ``name`` (``a.b`` and ``a`` for ``a.b.c``), those in ``modules``."""
+    parts = name.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))} & set(modules)
+
+
 def import_graph() -> dict[str, set[str]]:
+    """Module -> the project's modules it makes Python run: each it imports, and each package above those (an import
+    of ``engine.backends.registry`` runs ``engine/backends/__init__.py`` first), less the packages above itself
+    (already running when it is)."""
     modules = engine_modules()
-    return {name: {m for m in module_imports(path) if m in modules and m != name} for name, path in modules.items()}
+    graph = {}
+    for name, path in modules.items():
+        reached = {m for m in module_imports(path) if m in modules}
+        reached |= {package for m in reached for package in packages_above(m, modules)}
+        graph[name] = reached - {name} - packages_above(name, modules)
+    return graph
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -95,13 +111,40 @@ def test_the_scan_finds_a_cycle_when_there_is_one():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def test_a_package_init_is_counted_as_a_module_its_importers_run():
+    """The cycle this caught: ``engine.config`` -> ``engine.backends.registry`` runs ``engine/backends/__init__.py``,
+    which imported the contract, which imports ``engine.config`` back."""
+    assert packages_above("engine.backends.registry", {"engine", "engine.backends", "x"}) == {"engine",
+                                                                                              "engine.backends"}
+    graph = {"p": {"p.base"}, "p.base": {"q"}, "p.registry": set(), "q": {"p.registry"}}
+    with_packages = {n: ({*e, *(a for m in e for a in packages_above(m, graph))} - packages_above(n, graph))
+                     for n, e in graph.items()}
+    assert cycles(graph) == [] and cycles(with_packages) == [["p", "p.base", "q"]]
+
+
+def test_import_engine_config_runs_no_backend_module():
+    """The config is data: importing it runs the registry of backend facts (pure data) and no module of any backend
+    or of their contract (``engine.backends.base``), and nothing of plugins, serving or the engine."""
+    import subprocess
+    import sys
+
+    code = "import sys, engine.config; print(' '.join(sorted(m for m in sys.modules if m.startswith('engine'))))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert "engine.config.engine_config" in loaded and "engine.backends.registry" in loaded  # it did import them
+    strays = [m for m in loaded if m.startswith(("engine.backends.", "engine.plugins", "engine.serve", "engine.engine"))
+              and m != "engine.backends.registry"]
+    assert strays == [], f"import engine.config ran {strays}"
+
+
 def test_config_is_data():
     """Config modules import validation, errors and rule data only: no backend, plugin, serving or engine code
     (the registry of specs is pure data and may be read)."""
     allowed = ("engine.config", "engine.errors", "engine.rules.repeat", "engine.backends.registry")
-    for name, imports in import_graph().items():
+    graph = import_graph()
+    on_the_way = {package for m in allowed for package in packages_above(m, graph)}  # their packages' __init__s
+    for name, imports in graph.items():
         if name.startswith("engine.config"):
-            strays = sorted(m for m in imports if not m.startswith(allowed))
+            strays = sorted(m for m in imports if not m.startswith(allowed) and m not in on_the_way)
             assert strays == [], f"{name} imports {strays}"
 
 

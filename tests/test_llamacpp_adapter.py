@@ -69,7 +69,7 @@ def test_the_gguf_is_the_path_itself_or_the_one_in_the_folder(tmp_path):
 @pytest.mark.parametrize(("seed", "want"), [(7, 7), (2**32 - 1, 0), (2**63 - 1, (2**63 - 1) % (2**32 - 1))])
 def test_seeds_map_to_llama_cpp_s_32_bit_seeds_never_to_its_random_one(seed, want):
     """A row's own seed maps below llama.cpp's "random" value (2**32 - 1)."""
-    from engine.backends import Prompt
+    from engine.backends.base import Prompt
     from engine.backends.llamacpp.backend import LlamaCppBackend
 
     got = LlamaCppBackend._seed(Prompt(token_ids=(1,), text="x", seed=seed))

@@ -1,30 +1,17 @@
 """Backends, by name: one subpackage per backend (``hf/``, ``vllm/``, ``llamacpp/``); heavy imports (torch, vllm,
 llama_cpp) happen only inside them, when a backend is built.
 
-``registry.SPECS`` holds every backend's static facts (:class:`BackendSpec`); ``base`` the contract they implement
-(:class:`Backend`, and the optional :class:`AsyncGenerating`, :class:`TokenStreaming`, :class:`Scoring`,
-:class:`AsyncScoring`, :class:`WeightLoading`).
+``registry.SPECS`` holds every backend's static facts (:class:`~engine.backends.registry.BackendSpec`); ``base`` the
+contract they implement (:class:`~engine.backends.base.Backend`, and the optional ``AsyncGenerating``,
+``TokenStreaming``, ``Scoring``, ``AsyncScoring``, ``WeightLoading``): import them from those modules. This package
+imports neither at import time, so that reading the registry (``engine.config`` does) never loads the contract, which
+imports the config back.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
-
-from engine.backends.base import (
-    AsyncGenerating,
-    AsyncScoring,
-    Backend,
-    BackendOutput,
-    Capabilities,
-    Prompt,
-    SamplingPlan,
-    Scoring,
-    TokenScores,
-    TokenStreaming,
-    WeightLoading,
-)
-from engine.backends.registry import REGISTRY, SPECS, BackendSpec, spec
 
 
 def load_target(target: str) -> Any:
@@ -36,9 +23,9 @@ def load_target(target: str) -> Any:
 def backend_class(name: str, settings: object = None) -> Any:
     """The backend class registered under ``name``, for ``settings`` (its config section; e.g. vLLM's
     ``async_engine`` picks ``AsyncLLM``'s class)."""
+    from engine.backends.registry import spec
+
     return load_target(spec(name).target_for(settings))
 
 
-__all__ = ["REGISTRY", "SPECS", "AsyncGenerating", "AsyncScoring", "Backend", "BackendOutput", "BackendSpec",
-           "Capabilities", "Prompt", "SamplingPlan", "Scoring", "TokenScores", "TokenStreaming", "WeightLoading",
-           "backend_class", "load_target", "spec"]
+__all__ = ["backend_class", "load_target"]

@@ -166,8 +166,7 @@ REGISTRY: Mapping[str, str] = MappingProxyType({name: s.target for name, s in SP
 def spec(name: str) -> BackendSpec:
     """The spec registered under ``name``; an unknown name is a ``ConfigError`` naming the close ones."""
     if name not in SPECS:
-        from engine.config.validation import did_you_mean
-        from engine.errors import ConfigError
+        from engine.errors import ConfigError, did_you_mean
 
         if name in PLUGIN_ERRORS:
             raise ConfigError("backend", name, f"is not registered: its {PLUGIN_ERRORS[name]}",

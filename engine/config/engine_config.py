@@ -10,9 +10,9 @@ from engine.backends.registry import SPECS
 from engine.config.generation import LOGPROBS_MODES, GenerationOptions, StopPolicy
 from engine.config.repeat import RepeatTerminateConfig
 from engine.config.serve import ServeConfig
-from engine.config.validation import build, check_range, check_type, did_you_mean
+from engine.config.validation import build, check_range, check_type
 from engine.config.vision import PixelBudget
-from engine.errors import ConfigError
+from engine.errors import ConfigError, did_you_mean
 
 BACKENDS = tuple(SPECS)
 DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -9,24 +9,15 @@ so configs stay hashable and immutable. Range checks live in each dataclass's ``
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import types
 import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, did_you_mean
 
 T = TypeVar("T")
-
-
-def did_you_mean(name: str, choices: typing.Iterable[str]) -> str:
-    """A hint naming the closest choice (if any) and every available one."""
-    choices = sorted(choices)
-    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    return f"{hint}available: {', '.join(choices)}"
 
 
 def build(cls: type[T], data: Any, path: str) -> T:

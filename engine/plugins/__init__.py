@@ -32,7 +32,7 @@ def available_plugins() -> dict[str, str]:
 
 
 def plugin_class(name: str, *, where: str = "plugins") -> type[Plugin]:
-    from engine.config.validation import did_you_mean
+    from engine.errors import did_you_mean
 
     if not isinstance(name, str):
         raise ConfigError(f"{where}.name", name, "must be a plugin name (a string)",

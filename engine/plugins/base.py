@@ -64,7 +64,7 @@ class Plugin(ABC):
         self.where = where or f"plugins[{index}]"  # ``where``: how a caller outside a config names the settings
         unknown = sorted(set(params) - set(self.params))
         if unknown:
-            from engine.config.validation import did_you_mean
+            from engine.errors import did_you_mean
 
             raise ConfigError(f"{self.where}.{unknown[0]}", params[unknown[0]],
                               f"is not a parameter of plugin {self.name!r}", fix=did_you_mean(unknown[0], self.params))

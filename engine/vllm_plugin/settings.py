@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config.repeat import RepeatTerminateConfig
-from engine.config.validation import build, did_you_mean
-from engine.errors import ConfigError
+from engine.config.validation import build
+from engine.errors import ConfigError, did_you_mean
 from engine.rules.base import RuleSpec
 
 REPEAT = "repeat_terminate"

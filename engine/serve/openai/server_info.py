@@ -81,7 +81,7 @@ def lora_config(served: Any) -> dict[str, Any] | None:
 def transfer_config(backend: Any) -> dict[str, str] | None:
     """vLLM's ``weight_transfer_config`` for a backend that loads a trainer's weights (its transport on this host:
     ``nccl`` with CUDA, ``tcp`` without; ``/init_weight_transfer_engine`` takes either), None for one that cannot."""
-    from engine.backends import WeightLoading
+    from engine.backends.base import WeightLoading
 
     if not isinstance(backend, WeightLoading):
         return None

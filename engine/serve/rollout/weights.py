@@ -34,7 +34,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from engine.backends import AsyncGenerating, WeightLoading
+from engine.backends.base import AsyncGenerating, WeightLoading
 from engine.errors import RequestError, UnsupportedCapabilityError
 from engine.serve.rollout.bodies import InitCommunicatorRequest, UpdateFlattenedParamsRequest, UpdateNamedParamRequest
 from engine.serve.service import ServedEngine

@@ -115,7 +115,7 @@ def check(model: type[B], body: Any) -> B:
     unknown = first_unknown(model, body)
     if unknown is not None:  # before pydantic, which would build one error per unknown key (a million: seconds)
         path, value = unknown
-        from engine.config.validation import did_you_mean
+        from engine.errors import did_you_mean
 
         raise RequestError(dotted(path), value, "is not a known field",
                            fix=did_you_mean(str(path[-1]), known_fields(model, path[:-1])))
@@ -186,7 +186,7 @@ def refusal(model: type[Body], body: Mapping[str, Any], errors: Sequence[Mapping
     if first["type"] == "missing":
         return RequestError(name, None, "is required", fix=f"add {name} (GET /openapi.json has the body's schema)")
     if first["type"] == "extra_forbidden":
-        from engine.config.validation import did_you_mean
+        from engine.errors import did_you_mean
 
         return RequestError(name, value, "is not a known field", fix=did_you_mean(str(path[-1]),
                                                                                   known_fields(model, path[:-1])))
