@@ -203,3 +203,37 @@ def test_every_file_docs_layout_names_exists():
             continue
         missing.append(token)
     assert not missing, f"docs/layout.md names what the repository does not hold: {sorted(set(missing))}"
+
+
+def engine_section_paths() -> set[str]:
+    """The ``*.py`` paths docs/layout.md's ``engine/`` section names in backquotes (paths under ``engine/``)."""
+    import re
+
+    text = (ENGINE.parent / "docs" / "layout.md").read_text()
+    section = text.split("## `engine/`, the library", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"`([A-Za-z0-9_./]+\.py)`", section))
+
+
+def modules_the_map_must_name() -> set[str]:
+    """Every module of ``engine/`` by its path under it; a package ``__init__.py`` only where it holds code (a
+    function or a class), else its folder's row stands for it."""
+    named = set()
+    for path in ENGINE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        holds_code = any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) for n in tree.body)
+        if path.name != "__init__.py" or holds_code:
+            named.add(str(path.relative_to(ENGINE)))
+    return named
+
+
+def test_the_layout_map_names_every_engine_module_by_its_path_and_nothing_else():
+    """Both ways: a module the map does not name fails (a newcomer could not find it), and so does a named path that
+    does not exist (a moved or deleted file cannot stay on the map)."""
+    named, modules = engine_section_paths(), modules_the_map_must_name()
+    assert len(modules) > 130 and "backends/hf/rules.py" in modules  # the scan really read the package
+    unnamed = sorted(modules - named)
+    outside = {p for p in named if p.startswith("tests/")}  # the house rules' own file, named beside them
+    gone = sorted(p for p in named - outside if not (ENGINE / p).is_file())
+    gone += sorted(p for p in outside if not (ENGINE.parent / p).is_file())
+    assert unnamed == [], f"docs/layout.md's engine/ section does not name {unnamed}: add each by its path"
+    assert gone == [], f"docs/layout.md's engine/ section names what engine/ does not hold: {gone}"
