@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from engine.errors import ConfigError
-from engine.plugins.base import HOOKS, POST_DECODE, REQUEST_KINDS, Plugin, PluginContext
+from engine.plugins.base import POST_DECODE, REQUEST_KINDS, Plugin, PluginContext
 
 ENTRY_POINT_GROUP = "engine.plugins"
 BUILTINS: dict[str, str] = {
@@ -73,5 +73,5 @@ def create_plugins(specs: Any) -> list[Plugin]:
     return [create_plugin(p, index=i) for i, p in enumerate(specs)]
 
 
-__all__ = ["BUILTINS", "ENTRY_POINT_GROUP", "HOOKS", "POST_DECODE", "REQUEST_KINDS", "Plugin", "PluginContext",
+__all__ = ["BUILTINS", "ENTRY_POINT_GROUP", "POST_DECODE", "REQUEST_KINDS", "Plugin", "PluginContext",
            "available_plugins", "create_plugin", "create_plugins", "plugin_class"]

@@ -16,12 +16,10 @@ from typing import Any, ClassVar
 from engine.errors import ConfigError
 from engine.rules.base import RuleSpec
 
-HF_LOGITS_PROCESSOR = "hf_logits_processor"
 HF_STOPPING_CRITERIA = "hf_stopping_criteria"
-VLLM_LOGITS_PROCESSOR = "vllm_logits_processor"
-LLAMACPP_LOGITS_PROCESSOR = "llamacpp_logits_processor"
+"""HF's stopping-criteria hook (a plugin that stops rows only HF can run); the other backends' hooks are their specs'
+(``engine.backends.registry``)."""
 POST_DECODE = "post_decode"
-HOOKS = (HF_LOGITS_PROCESSOR, HF_STOPPING_CRITERIA, VLLM_LOGITS_PROCESSOR, LLAMACPP_LOGITS_PROCESSOR, POST_DECODE)
 
 
 def logits_processor_hook(backend: str) -> str:

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.backends.vllm.portable import DRAW_KEY
 from engine.rules.base import RuleSet, RuleSpec
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ def request_args(specs: Sequence[RuleSpec], *, key: str, eos_id: int, terminal_i
     args = {"specs": [s.as_dict() for s in specs], "key": key, "eos": eos_id, "terminal": list(terminal_ids),
             "min_new": min_new}
     if draw is not None:
-        args["draw"] = dict(draw)
+        args[DRAW_KEY] = dict(draw)
     return {EXTRA_KEY: args}
 
 
@@ -114,7 +115,7 @@ def parse_request_args(extra_args: Mapping[str, Any] | None, *, check: bool = Tr
         if check:
             _check_spec(spec, f"{where}.specs[{i}]")
         specs.append(spec)
-    draw = args.get("draw")
+    draw = args.get(DRAW_KEY)
     if draw is not None:
         from engine.backends.vllm.portable import check_draw_args
 
