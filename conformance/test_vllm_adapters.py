@@ -163,7 +163,7 @@ def test_the_engine_hands_a_v2_runner_the_v2_class_and_vllms_frontend_accepts_it
         with pytest.raises(Captured):
             GenerationEngine(pool.config("vllm", str(model_path), **sections))
     assert [k["logits_processors"] for k in seen] == [[PROCESSORS[V2]]] * 2
-    assert all(k["worker_extension_cls"] == "engine.backends.vllm.events.RuleEventsWorker" for k in seen)
+    assert all(k["worker_extension_cls"] == "engine.backends.vllm.events.EngineWorkerExtension" for k in seen)
     for kwargs in seen:
         build_custom_logits_processors_params_validator(kwargs["logits_processors"])(params(GOOD))
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from engine.backends.base import BackendOutput, Prompt, SamplingPlan
+from engine.backends.base import BackendOutput, CallPlan, Prompt
 
 TokenSink = Callable[[int, int, int], None]
 """``on_token(prompt_index, position, token_id)``: one token of one prompt of a submission."""
@@ -34,17 +34,17 @@ TokenSink = Callable[[int, int, int], None]
 @dataclass
 class _Job:
     prompts: Sequence[Prompt]
-    plan: SamplingPlan
+    plan: CallPlan
     future: asyncio.Future[list[BackendOutput]]
     on_token: TokenSink | None = None
 
 
-def mergeable(a: SamplingPlan, b: SamplingPlan) -> bool:
+def mergeable(a: CallPlan, b: CallPlan) -> bool:
     """Two submissions may share one ``generate``: the same plan, but for the call seed (each row carries its own,
     derived from its call's seed and its index there, ``Prompt.seed``).
 
     >>> from engine.config import GenerationOptions, StopPolicy
-    >>> plan = lambda **o: SamplingPlan(GenerationOptions(**o), StopPolicy(), (2,))
+    >>> plan = lambda **o: CallPlan(GenerationOptions(**o), StopPolicy(), (2,))
     >>> mergeable(plan(), plan()), mergeable(plan(), plan(max_new_tokens=8))
     (True, False)
     >>> mergeable(plan(temperature=1.0, seed=3), plan(temperature=1.0, seed=4))
@@ -53,7 +53,7 @@ def mergeable(a: SamplingPlan, b: SamplingPlan) -> bool:
     return _unseeded(a) == _unseeded(b)
 
 
-def _unseeded(plan: SamplingPlan) -> SamplingPlan:
+def _unseeded(plan: CallPlan) -> CallPlan:
     return dataclasses.replace(plan, options=dataclasses.replace(plan.options, seed=None))
 
 
@@ -81,7 +81,7 @@ class AsyncBatcher:
         self._queue: asyncio.Queue[_Job] | None = None
         self._worker: asyncio.Task[None] | None = None
 
-    async def submit(self, prompts: Sequence[Prompt], plan: SamplingPlan, *,
+    async def submit(self, prompts: Sequence[Prompt], plan: CallPlan, *,
                      on_token: TokenSink | None = None) -> list[BackendOutput]:
         """The outputs for ``prompts``; ``on_token`` (needs a backend whose ``generate`` takes it, like HF's) is
         called on this loop for every token as it is sampled."""

@@ -20,8 +20,8 @@ from engine.backends.base import (
     AsyncGenerating,
     AsyncScoring,
     Backend,
+    CallPlan,
     Prompt,
-    SamplingPlan,
     Scoring,
     TokenScores,
     prompts_of,
@@ -273,7 +273,7 @@ class GenerationEngine:
 
     def _plan(self, options: OptionsLike, stop: StopLike, pixels: PixelBudget | Mapping[str, Any] | None,
               backend: Backend, plugins: Sequence[Plugin] = (), json_schema: SchemaLike = None,
-              repeat_terminate: RepeatLike = None) -> SamplingPlan:
+              repeat_terminate: RepeatLike = None) -> CallPlan:
         """The call's plan, every decision made before generation (``engine.planning``: one function each)."""
         schema = plan_schema(json_schema, backend, lambda: self.tokenizer)
         served_mode = self.config.model.logprobs_mode
@@ -283,13 +283,13 @@ class GenerationEngine:
         guard = plan_guard(self.config.repeat_terminate, repeat_terminate, backend)
         rules = plan_rules(guard, plugins, opts, backend.name,
                            lambda: self._plugin_context(plugins))
-        return SamplingPlan(options=opts, stop=policy, eos_token_ids=self.load_info.eos_token_ids, pixels=budget,
+        return CallPlan(options=opts, stop=policy, eos_token_ids=self.load_info.eos_token_ids, pixels=budget,
                             rules=rules, json_schema=schema, logprobs_mode=served_mode, special_stops=exact)
 
     def prepare(self, requests: Sequence[RequestLike], *, options: OptionsLike = None, stop: StopLike = None,
                 plugins: PluginsLike = None, json_schema: SchemaLike = None,
                 repeat_terminate: RepeatLike = None,
-                adapter: str | None = None) -> tuple[list[RenderedPrompt], SamplingPlan]:
+                adapter: str | None = None) -> tuple[list[RenderedPrompt], CallPlan]:
         """Validate text requests, options and plugins and render prompts; raises before any generation.
         ``adapter`` (a ``model.adapters`` name) is the LoRA adapter of every request that names none."""
         active = self._plugins(plugins)
@@ -358,7 +358,7 @@ class GenerationEngine:
     def prepare_plain(self, prompts: Sequence[PromptLike], *, options: OptionsLike = None, stop: StopLike = None,
                       plugins: PluginsLike = None, json_schema: SchemaLike = None,
                       repeat_terminate: RepeatLike = None,
-                      adapter: str | None = None) -> tuple[list[RenderedPrompt], SamplingPlan]:
+                      adapter: str | None = None) -> tuple[list[RenderedPrompt], CallPlan]:
         """``prepare`` for plain prompts (``complete``'s): validate and tokenize; raises before any generation.
         ``adapter``: the LoRA adapter of every prompt (None: the base model)."""
         active = self._plugins(plugins)
@@ -445,7 +445,7 @@ class GenerationEngine:
     async def agenerate(self, requests: Sequence[RequestLike], *, options: OptionsLike = None, stop: StopLike = None,
                         plugins: PluginsLike = None, json_schema: SchemaLike = None,
                         repeat_terminate: RepeatLike = None, adapter: str | None = None,
-                        prepared: tuple[list[RenderedPrompt], SamplingPlan] | None = None) -> list[GenerationResult]:
+                        prepared: tuple[list[RenderedPrompt], CallPlan] | None = None) -> list[GenerationResult]:
         """``generate`` for asyncio callers: concurrent calls share the backend (vLLM's ``AsyncLLM`` with
         ``vllm.async_engine``; otherwise an :class:`~engine.batcher.AsyncBatcher` over the backend's batches).
         Validation happens first, in the caller, and raises before anything is generated; ``prepared`` (what
@@ -458,7 +458,7 @@ class GenerationEngine:
     async def acomplete(self, prompts: Sequence[PromptLike], *, options: OptionsLike = None, stop: StopLike = None,
                         plugins: PluginsLike = None, json_schema: SchemaLike = None,
                         repeat_terminate: RepeatLike = None, adapter: str | None = None,
-                        prepared: tuple[list[RenderedPrompt], SamplingPlan] | None = None) -> list[GenerationResult]:
+                        prepared: tuple[list[RenderedPrompt], CallPlan] | None = None) -> list[GenerationResult]:
         """``complete`` for asyncio callers, batched as ``agenerate``. Validation raises first, in the caller;
         ``prepared`` (what :meth:`prepare_plain` gave for these very arguments) skips doing it again."""
         rendered, plan = prepared or self.prepare_plain(prompts, options=options, stop=stop, plugins=plugins,
@@ -466,7 +466,7 @@ class GenerationEngine:
                                                         adapter=adapter)
         return await self._arun(rendered, plan, plugins)
 
-    async def _arun(self, rendered: list[RenderedPrompt], plan: SamplingPlan,
+    async def _arun(self, rendered: list[RenderedPrompt], plan: CallPlan,
                     plugins: PluginsLike) -> list[GenerationResult]:
         prompts = prompts_of(rendered, plan)
         if not prompts:
@@ -481,7 +481,7 @@ class GenerationEngine:
     def astream(self, request: RequestLike, *, options: OptionsLike = None, stop: StopLike = None,
                 plugins: PluginsLike = None, json_schema: SchemaLike = None, repeat_terminate: RepeatLike = None,
                 adapter: str | None = None,
-                prepared: tuple[list[RenderedPrompt], SamplingPlan] | None = None) -> ResultStream:
+                prepared: tuple[list[RenderedPrompt], CallPlan] | None = None) -> ResultStream:
         """One text request as a stream of text deltas, the last carrying the ``GenerationResult``
         (see :class:`~engine.streaming.ResultStream`). Validation happens here, before anything is generated;
         the deltas concatenate to the result's ``text`` (the same text ``generate`` gives). ``prepared`` as in
@@ -494,7 +494,7 @@ class GenerationEngine:
     def astream_complete(self, prompt: PromptLike, *, options: OptionsLike = None, stop: StopLike = None,
                          plugins: PluginsLike = None, json_schema: SchemaLike = None,
                          repeat_terminate: RepeatLike = None, adapter: str | None = None,
-                         prepared: tuple[list[RenderedPrompt], SamplingPlan] | None = None) -> ResultStream:
+                         prepared: tuple[list[RenderedPrompt], CallPlan] | None = None) -> ResultStream:
         """``astream`` for one plain prompt (``complete``'s): its deltas concatenate to ``complete``'s text;
         ``prepared`` as in :meth:`acomplete` (of ``[prompt]``)."""
         rendered, plan = prepared or self.prepare_plain([prompt], options=options, stop=stop, plugins=plugins,
@@ -545,7 +545,7 @@ class GenerationEngine:
                                              "Fix: set vision.do_resize true")
         return patch * merge
 
-    def _run(self, backend: Backend, prompts: list[Prompt], rendered: list[RenderedPrompt], plan: SamplingPlan,
+    def _run(self, backend: Backend, prompts: list[Prompt], rendered: list[RenderedPrompt], plan: CallPlan,
              fallback: dict[str, Any] | None, plugins: list[Plugin]) -> list[GenerationResult]:
         if not prompts:
             return []

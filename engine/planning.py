@@ -1,4 +1,4 @@
-"""What a call runs with, decided before any generation: each decision of :class:`~engine.backends.base.SamplingPlan`
+"""What a call runs with, decided before any generation: each decision of :class:`~engine.backends.base.CallPlan`
 beside what it decides. ``GenerationEngine._plan`` composes them; each raises a typed error naming the field.
 
 * :func:`plan_options`: the call's ``GenerationOptions`` (the config's, overridden) with the backend's seed or a

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from engine.backends.base import BackendOutput, SamplingPlan
+from engine.backends.base import BackendOutput, CallPlan
 from engine.rules.events import events_within, repeat_meta
 from engine.rules.stop import ended_by_rule, finish_reason, truncate_at_stop
 from engine.types import GenerationResult
@@ -29,7 +29,7 @@ class ResultBuilder:
     >>> words = {5: "Par", 6: "is.", 7: " Next", 2: "</s>"}
     >>> tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=True:
     ...     "".join(words[i] for i in ids if not (skip_special_tokens and i == 2)))
-    >>> plan = SamplingPlan(GenerationOptions(max_new_tokens=8), StopPolicy(strings=(".",)), (2,))
+    >>> plan = CallPlan(GenerationOptions(max_new_tokens=8), StopPolicy(strings=(".",)), (2,))
     >>> builder = ResultBuilder(tok, SimpleNamespace(pad_token_fallback=None))
     >>> r = builder.result(RenderedPrompt("p", (1,), None), BackendOutput(token_ids=(5, 6, 7)), plan, "hf", [])
     >>> r.text, r.raw_text, r.finish_reason, r.stop_reason
@@ -41,14 +41,14 @@ class ResultBuilder:
         self.load_info = load_info
 
     def finish(self, backend: str, rendered: Sequence[RenderedPrompt], outputs: Sequence[BackendOutput],
-               plan: SamplingPlan, fallback: dict[str, Any] | None, plugins: list[Plugin]) -> list[GenerationResult]:
+               plan: CallPlan, fallback: dict[str, Any] | None, plugins: list[Plugin]) -> list[GenerationResult]:
         """One result per (prompt, output), in order; ``fallback`` is recorded in each result's meta."""
         results = [self.result(r, o, plan, backend, plugins) for r, o in zip(rendered, outputs, strict=True)]
         for r in results:
             r.meta["fallback"] = fallback
         return results
 
-    def visible_text(self, ids: Sequence[int], plan: SamplingPlan, *, partial: bool = False) -> tuple[str, int | None]:
+    def visible_text(self, ids: Sequence[int], plan: CallPlan, *, partial: bool = False) -> tuple[str, int | None]:
         """The decoded text of generated ``ids`` before stop truncation, and where stop strings may start
         counting (the text length of the first ``min_new_tokens`` tokens). A terminal stop token id belongs to no
         text (as in vLLM) unless the policy keeps stops. ``partial`` (ids still growing): the second value is
@@ -64,7 +64,7 @@ class ResultBuilder:
             return text, None
         return text, len(decode(ids[:min_new], skip_special_tokens=True))
 
-    def result(self, prompt: RenderedPrompt, out: BackendOutput, plan: SamplingPlan, backend: str,
+    def result(self, prompt: RenderedPrompt, out: BackendOutput, plan: CallPlan, backend: str,
                plugins: list[Plugin]) -> GenerationResult:
         """One output's result (``backend``: the name recorded in its meta)."""
         ids = list(out.token_ids)

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine.backends.base import Backend, BackendOutput, Prompt, SamplingPlan, TokenStreaming, prompts_of
+from engine.backends.base import Backend, BackendOutput, CallPlan, Prompt, TokenStreaming, prompts_of
 from engine.results import ResultBuilder
 from engine.rules.stream import TextStream
 from engine.types import GenerationResult
@@ -57,7 +57,7 @@ class ResultStream:
     """
 
     def __init__(self, results: ResultBuilder, backend: Backend, batcher: Callable[[], Any], rendered: RenderedPrompt,
-                 plan: SamplingPlan, plugins: list[Plugin]) -> None:
+                 plan: CallPlan, plugins: list[Plugin]) -> None:
         self.results = results
         self.backend = backend
         self.batcher = batcher
@@ -95,7 +95,7 @@ class ResultStream:
 
 
 async def token_updates(backend: Backend, batcher_of: Callable[[], Any], prompt: Prompt,
-                        plan: SamplingPlan) -> AsyncIterator[Update]:
+                        plan: CallPlan) -> AsyncIterator[Update]:
     """The backend's growing token ids for ``prompt``, then its final output (see the module doc)."""
     if isinstance(backend, TokenStreaming):
         async for update in backend.astream(prompt, plan):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from engine.backends.base import BackendOutput, Prompt, SamplingPlan
+from engine.backends.base import BackendOutput, CallPlan, Prompt
 from engine.batcher import AsyncBatcher
 from engine.config import GenerationOptions, StopPolicy
 
@@ -35,8 +35,8 @@ class Recorder:
         return [BackendOutput(token_ids=tuple(reversed(p.token_ids))) for p in prompts]
 
 
-def plan(**options) -> SamplingPlan:
-    return SamplingPlan(GenerationOptions(**options), StopPolicy(), (2,))
+def plan(**options) -> CallPlan:
+    return CallPlan(GenerationOptions(**options), StopPolicy(), (2,))
 
 
 def prompt(*ids: int) -> Prompt:

@@ -81,7 +81,7 @@ def test_the_configured_seed_seeds_calls_without_one_row_by_row():
     rows get ``row_seed(seed, i)`` like any seeded call's; a call's own seed wins."""
     from types import SimpleNamespace
 
-    from engine.backends.base import SamplingPlan, prompts_of
+    from engine.backends.base import CallPlan, prompts_of
     from engine.backends.llamacpp.backend import LlamaCppBackend
     from engine.config import EngineConfig
     from engine.engine import GenerationEngine
@@ -94,7 +94,7 @@ def test_the_configured_seed_seeds_calls_without_one_row_by_row():
                               capabilities=SimpleNamespace(structured_outputs=False, logprobs=True))
     engine.load_info = SimpleNamespace(eos_token_ids=(2,))
     rendered = [RenderedPrompt(text="a", token_ids=(1,), fallback=None)] * 2
-    plan: SamplingPlan = engine._plan({"temperature": 1.0}, None, None, backend)
+    plan: CallPlan = engine._plan({"temperature": 1.0}, None, None, backend)
     assert [p.seed for p in prompts_of(rendered, plan)] == [row_seed(9, 0), row_seed(9, 1)]
     own = engine._plan({"temperature": 1.0, "seed": 3}, None, None, backend)
     assert [p.seed for p in prompts_of(rendered, own)] == [row_seed(3, 0), row_seed(3, 1)]

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.backends.base import BackendOutput, SamplingPlan
+from engine.backends.base import BackendOutput, CallPlan
 from engine.config import GenerationOptions, StopPolicy
 from engine.plugins import create_plugin
 from engine.results import ResultBuilder
@@ -35,7 +35,7 @@ def builder() -> ResultBuilder:
 
 
 def result(events, ids=(5, 6, 5, 6, EOS), plugins=()):
-    plan = SamplingPlan(GenerationOptions(max_new_tokens=8), StopPolicy(), (EOS,))
+    plan = CallPlan(GenerationOptions(max_new_tokens=8), StopPolicy(), (EOS,))
     out = BackendOutput(token_ids=tuple(ids), events=events)
     return builder().result(RenderedPrompt("p", (1,), None), out, plan, "vllm", list(plugins))
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from engine.backends.base import SamplingPlan, prompts_of
+from engine.backends.base import CallPlan, prompts_of
 from engine.config import GenerationOptions, ModelConfig, StopPolicy
 from engine.errors import ConfigError
 from engine.loading import checkpoint_eos_ids
@@ -24,7 +24,7 @@ def test_row_seeds_differ_per_row_and_per_call_seed_and_stay_in_range():
 
 def test_prompts_carry_their_row_seed_only_when_the_call_samples_with_a_seed():
     rendered = [RenderedPrompt(text="a", token_ids=(1,), fallback=None)] * 3
-    plan = lambda **o: SamplingPlan(GenerationOptions(**o), StopPolicy(), (2,))  # noqa: E731
+    plan = lambda **o: CallPlan(GenerationOptions(**o), StopPolicy(), (2,))  # noqa: E731
     assert [p.seed for p in prompts_of(rendered, plan(temperature=1.0, seed=9))] == row_seeds(9, 3)
     assert [p.seed for p in prompts_of(rendered, plan(temperature=1.0))] == [None] * 3
     assert [p.seed for p in prompts_of(rendered, plan(seed=9))] == [None] * 3  # greedy: no draw to seed

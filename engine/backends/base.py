@@ -2,7 +2,7 @@
 
 A backend turns prompt token ids into generated token ids. It knows nothing of chat templates, stop
 truncation or decoding: the engine renders prompts once, hands every backend the same ids and the same
-:class:`SamplingPlan`, and classifies and decodes what comes back with shared rules.
+:class:`CallPlan`, and classifies and decodes what comes back with shared rules.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Capabilities:
     """Re-scores under sampling processing (``score(..., processing=...)``: penalty, temperature, min-p, top-k,
     top-p, as the draw used them), with the kept mass per token."""
     structured_outputs: bool = False
-    """Constrains generation to a JSON Schema (``SamplingPlan.json_schema``)."""
+    """Constrains generation to a JSON Schema (``CallPlan.json_schema``)."""
     rules_problem: str | None = None
     """Why the backend cannot run the engine's row rules (repeat guard, rule plugins) here; None: it can."""
     adapters: tuple[str, ...] = ()
@@ -67,8 +67,9 @@ class Prompt:
 
 
 @dataclass(frozen=True)
-class SamplingPlan:
-    """Everything a backend needs to generate, identical for every backend.
+class CallPlan:
+    """One call as planned before generation (``engine/planning.py``): everything a backend needs to generate it,
+    identical for every backend: the options, the stop policy, the EOS ids, the pixel budget, the row rules, the seeds.
 
     ``terminal_token_ids`` are the ids that end a row: the tokenizer's EOS ids (unless ``ignore_eos``) plus
     ``stop.token_ids``.
@@ -103,7 +104,7 @@ class SamplingPlan:
         return tuple(dict.fromkeys((*eos, *self.stop.token_ids)))
 
 
-def prompts_of(rendered: Sequence[Any], plan: SamplingPlan, images: Sequence[Any] | None = None) -> list[Prompt]:
+def prompts_of(rendered: Sequence[Any], plan: CallPlan, images: Sequence[Any] | None = None) -> list[Prompt]:
     """The backend prompts of one call's rendered prompts (anything with ``token_ids`` and ``text``), each with its
     row's sampling seed (``engine.rules.seeding``) when the call samples with a seed."""
     from engine.rules.seeding import row_seeds
@@ -173,7 +174,7 @@ class Backend(Protocol):
     default_seed: int | None
     """The seed of calls that give none (a backend-level setting), or None."""
 
-    def generate(self, prompts: Sequence[Prompt], plan: SamplingPlan) -> list[BackendOutput]:
+    def generate(self, prompts: Sequence[Prompt], plan: CallPlan) -> list[BackendOutput]:
         """Generate for every prompt under ``plan``; return outputs in prompt order."""
         ...
 
@@ -276,7 +277,7 @@ class AsyncGenerating(Protocol):
     """A backend with its own asyncio batching (vLLM's ``AsyncLLM``): concurrent calls share it directly, no
     engine-side batcher."""
 
-    async def agenerate(self, prompts: Sequence[Prompt], plan: SamplingPlan) -> list[BackendOutput]:
+    async def agenerate(self, prompts: Sequence[Prompt], plan: CallPlan) -> list[BackendOutput]:
         ...
 
 
@@ -294,7 +295,7 @@ class AsyncScoring(Protocol):
 class TokenStreaming(Protocol):
     """A backend that streams one request's growing token ids itself, then yields its final ``BackendOutput``."""
 
-    def astream(self, prompt: Prompt, plan: SamplingPlan) -> AsyncIterator[tuple[int, ...] | BackendOutput]:
+    def astream(self, prompt: Prompt, plan: CallPlan) -> AsyncIterator[tuple[int, ...] | BackendOutput]:
         ...
 
 

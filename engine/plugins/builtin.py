@@ -47,7 +47,7 @@ class JsonBoundaryPlugin(Plugin):
 
     def rule_spec(self, backend: str, ctx: PluginContext) -> RuleSpec:
         hook = "stopping_criteria" if self.settings["mechanism"] == "stopping_criteria" else "logits_processor"
-        return RuleSpec("engine.rules.json_boundary:JsonBoundaryRule", {}, hf_hook=hook)
+        return RuleSpec("engine.rules.json_boundary:JsonBoundaryRule", {}, mechanism=hook)
 
 
 class CleanupPlugin(Plugin):

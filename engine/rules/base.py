@@ -54,8 +54,8 @@ class RowRule(ABC):
 @dataclass(frozen=True)
 class RuleSpec:
     """A row rule by import path and parameters: what the engine sends to backends (vLLM rebuilds the rule
-    from it in its worker). ``hf_hook`` picks the HF mechanism: "logits_processor" or "stopping_criteria"
-    (the row simply stops, no EOS appended).
+    from it in its worker). ``mechanism`` says how every backend applies it: ``"logits_processor"`` (an edit of each
+    step's logits: the row ends with EOS) or ``"stopping_criteria"`` (the row simply stops, no EOS appended).
 
     >>> RuleSpec("engine.rules.json_boundary:JsonBoundaryRule").build().needs_text
     True
@@ -63,7 +63,7 @@ class RuleSpec:
 
     target: str
     params: Mapping[str, Any] = field(default_factory=dict)
-    hf_hook: str = "logits_processor"
+    mechanism: str = "logits_processor"
     bank: bool = False
     """An id-only repeat rule (``params["thresholds"]`` reads token ids only), decided once where the spec is made
     (:meth:`~engine.rules.repeat.RepeatRule.spec`): adapters run it in a
@@ -79,7 +79,7 @@ class RuleSpec:
         return rule
 
     def as_dict(self) -> dict[str, Any]:
-        return {"target": self.target, "params": dict(self.params), "hf_hook": self.hf_hook, "bank": self.bank}
+        return {"target": self.target, "params": dict(self.params), "mechanism": self.mechanism, "bank": self.bank}
 
 
 class RuleSet:

@@ -4,8 +4,8 @@ vLLM takes one ``worker_extension_cls`` by dotted name and imports it in every w
 ``WeightSyncWorkerExtension``; :mod:`.attach` replaces that name with ``engine.swift_rollout.WORKER_EXTENSION`` and
 names swift's in the environment variable ``WORKER_BASE_VARIABLE`` (inherited by the engine-core and tensor-parallel
 processes vLLM starts), so :class:`GuardedWorker` here is the engine's
-:class:`~engine.backends.vllm.events.RuleEventsWorker` mixed with whatever swift configured, and every one of swift's
-collective calls keeps working.
+:class:`~engine.backends.vllm.events.EngineWorkerExtension` mixed with whatever swift configured, and every one of
+swift's collective calls keeps working.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import os
 
-from engine.backends.vllm.events import RuleEventsWorker
+from engine.backends.vllm.events import EngineWorkerExtension
 from engine.swift_rollout import WORKER_BASE_VARIABLE
 
 
@@ -24,7 +24,7 @@ def _resolve(dotted: str) -> type:
 
 def _bases() -> tuple[type, ...]:
     base = os.environ.get(WORKER_BASE_VARIABLE)
-    return (RuleEventsWorker,) if not base else (RuleEventsWorker, _resolve(base))
+    return (EngineWorkerExtension,) if not base else (EngineWorkerExtension, _resolve(base))
 
 
 GuardedWorker = type("GuardedWorker", _bases(), {"__module__": __name__, "__doc__": (

@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from engine.backends.base import BackendBase, BackendOutput, Capabilities, Prompt, SamplingPlan, TokenScores
+from engine.backends.base import BackendBase, BackendOutput, CallPlan, Capabilities, Prompt, TokenScores
 from engine.backends.registry import SPECS
 from engine.config import HfConfig, ModelConfig
 from engine.errors import BackendUnavailableError, EngineError, RequestError
@@ -339,7 +339,7 @@ class HfBackend(BackendBase, backend="hf"):
     def close(self) -> None:
         self.model = None
 
-    def generate(self, prompts: Sequence[Prompt], plan: SamplingPlan, *,
+    def generate(self, prompts: Sequence[Prompt], plan: CallPlan, *,
                  on_token: Callable[[int, int, int], bool | None] | None = None) -> list[BackendOutput]:
         """Outputs in prompt order. ``on_token(prompt_index, position, token_id)`` (for streaming) is called from
         inside ``generate`` for every token a row keeps, as soon as it is sampled; returning True ends that row
@@ -361,7 +361,7 @@ class HfBackend(BackendBase, backend="hf"):
                     outputs[i] = out
         return outputs  # type: ignore[return-value]
 
-    def generation_config(self, plan: SamplingPlan, max_new_tokens: int | None = None) -> Any:
+    def generation_config(self, plan: CallPlan, max_new_tokens: int | None = None) -> Any:
         """The complete ``GenerationConfig`` for ``plan`` (nothing taken from the checkpoint); ``max_new_tokens``
         lowers the plan's (a batch whose every row meets the context's end sooner)."""
         from transformers import GenerationConfig
@@ -405,7 +405,7 @@ class HfBackend(BackendBase, backend="hf"):
                 mask[row, width - len(p) :] = 1
         return ids.to(self.device), mask.to(self.device)
 
-    def _inputs(self, prompts: Sequence[Prompt], plan: SamplingPlan) -> dict[str, Any]:
+    def _inputs(self, prompts: Sequence[Prompt], plan: CallPlan) -> dict[str, Any]:
         """Model inputs: the engine's ids left-padded, or on the VLM path the processor's expansion of them."""
         if not any(p.image is not None for p in prompts):
             input_ids, attention_mask = self._left_pad([p.token_ids for p in prompts])
@@ -424,7 +424,7 @@ class HfBackend(BackendBase, backend="hf"):
                                   "the checkpoint's processor and tokenizer disagree")
         return {k: v.to(self.device) for k, v in batch.items()}
 
-    def _generate_batch(self, prompts: Sequence[Prompt], plan: SamplingPlan,
+    def _generate_batch(self, prompts: Sequence[Prompt], plan: CallPlan,
                         on_token: Callable[[int, int, int], bool | None] | None = None) -> list[BackendOutput]:
         import torch
         from transformers import LogitsProcessorList, StoppingCriteriaList
@@ -438,8 +438,8 @@ class HfBackend(BackendBase, backend="hf"):
         inputs = self._inputs(prompts, plan)
         width = inputs["input_ids"].shape[1]
         decode = self._rule_text()
-        stop_specs = [s for s in plan.rules if s.hf_hook == "stopping_criteria"]
-        logit_specs = [s for s in plan.rules if s.hf_hook == "logits_processor"]
+        stop_specs = [s for s in plan.rules if s.mechanism == "stopping_criteria"]
+        logit_specs = [s for s in plan.rules if s.mechanism == "logits_processor"]
         min_new = plan.options.min_new_tokens
         stop_sets = rule_sets(stop_specs, len(prompts), terminal_ids=plan.terminal_token_ids, decode=decode,
                               min_new_tokens=min_new)
@@ -502,7 +502,7 @@ class HfBackend(BackendBase, backend="hf"):
             self._schemas = SchemaCompiler(self.tokenizer, self.vocab_size)
         return self._schemas.compile(schema)
 
-    def _grammar_processors(self, plan: SamplingPlan, batch: int, prompt_len: int) -> list[Any]:
+    def _grammar_processors(self, plan: CallPlan, batch: int, prompt_len: int) -> list[Any]:
         """The grammar mask of a constrained plan (sampling warpers come after it); none otherwise."""
         if plan.json_schema is None:
             return []
@@ -583,7 +583,7 @@ class HfBackend(BackendBase, backend="hf"):
         return self.model.get_output_embeddings()
 
     @staticmethod
-    def _logprobs(logits: Any, row: int, n: int, ids: list[int], plan: SamplingPlan) -> Any:
+    def _logprobs(logits: Any, row: int, n: int, ids: list[int], plan: CallPlan) -> Any:
         """Row ``row``'s top-k per step from ``logits`` (per step: batch x vocab, raw or as the draw saw them), as
         ``plan.logprobs_mode`` says: log-softmaxed (``*_logprobs``) or as they are (``*_logits``)."""
         k = plan.options.logprobs

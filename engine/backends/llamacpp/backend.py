@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.backends.base import BackendBase, BackendOutput, Capabilities, Prompt, SamplingPlan
+from engine.backends.base import BackendBase, BackendOutput, CallPlan, Capabilities, Prompt
 from engine.backends.registry import SPECS
 from engine.config import LlamaCppConfig, ModelConfig
 from engine.errors import BackendUnavailableError, ConfigError, EngineError
@@ -215,7 +215,7 @@ class LlamaCppBackend(BackendBase, backend="llamacpp"):
     def _decode(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
-    def generate(self, prompts: Sequence[Prompt], plan: SamplingPlan, *,
+    def generate(self, prompts: Sequence[Prompt], plan: CallPlan, *,
                  on_token: Callable[[int, int, int], bool | None] | None = None) -> list[BackendOutput]:
         """Outputs in prompt order. ``on_token(prompt_index, position, token_id)`` hears each kept token as soon as
         it is sampled; returning True ends that row (its caller went away)."""

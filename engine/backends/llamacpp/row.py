@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from engine.backends.base import BackendOutput, Prompt, SamplingPlan
+from engine.backends.base import BackendOutput, CallPlan, Prompt
 from engine.rules.events import stopped_on_seen_token
 
 
@@ -43,13 +43,13 @@ class LlamaCppRow:
     """A row's state while it decodes; :meth:`take` each sampled token, :meth:`output` at the end.
 
     >>> from engine.config import GenerationOptions, StopPolicy
-    >>> plan = SamplingPlan(GenerationOptions(max_new_tokens=2), StopPolicy(), (0,))
+    >>> plan = CallPlan(GenerationOptions(max_new_tokens=2), StopPolicy(), (0,))
     >>> row = LlamaCppRow(3, Prompt((7, 8), "ab"), plan, n_ctx=64, decode=lambda ids: "x" * len(ids))
     >>> row.budget, row.take(5), row.take(6), row.output().token_ids
     (2, False, True, (5, 6))
     """
 
-    def __init__(self, index: int, prompt: Prompt, plan: SamplingPlan, *, n_ctx: int,
+    def __init__(self, index: int, prompt: Prompt, plan: CallPlan, *, n_ctx: int,
                  decode: Callable[[Any], str] | Any,
                  on_token: Callable[[int, int, int], bool | None] | None = None) -> None:
         from engine.backends.llamacpp.rules import LlamaCppRowStep
@@ -64,8 +64,8 @@ class LlamaCppRow:
         self.want_logprobs = opts.logprobs
         make = lambda specs: rule_sets(specs, 1, terminal_ids=plan.terminal_token_ids, decode=decode,  # noqa: E731
                                        min_new_tokens=opts.min_new_tokens)[0] if specs else None
-        self.rules = make([s for s in plan.rules if s.hf_hook == "logits_processor"])
-        self.stoppers = make([s for s in plan.rules if s.hf_hook == "stopping_criteria"])
+        self.rules = make([s for s in plan.rules if s.mechanism == "logits_processor"])
+        self.stoppers = make([s for s in plan.rules if s.mechanism == "stopping_criteria"])
         self.step = LlamaCppRowStep(prompt_len=len(prompt.token_ids), terminal_ids=plan.terminal_token_ids,
                                     rules=self.rules, eos_id=plan.eos_token_ids[0], options=opts,
                                     logprobs_mode=plan.logprobs_mode, seed=prompt.seed)

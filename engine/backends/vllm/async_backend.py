@@ -18,7 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
-from engine.backends.base import BackendBase, BackendOutput, Prompt, SamplingPlan, TokenScores
+from engine.backends.base import BackendBase, BackendOutput, CallPlan, Prompt, TokenScores
 from engine.backends.host import has_cuda
 from engine.backends.vllm.backend import (
     SPEC,
@@ -126,15 +126,15 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
 
     # -- generation ------------------------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Prompt], plan: SamplingPlan) -> list[BackendOutput]:
+    def generate(self, prompts: Sequence[Prompt], plan: CallPlan) -> list[BackendOutput]:
         return self._call(self._generate(prompts, plan))
 
-    async def agenerate(self, prompts: Sequence[Prompt], plan: SamplingPlan) -> list[BackendOutput]:
+    async def agenerate(self, prompts: Sequence[Prompt], plan: CallPlan) -> list[BackendOutput]:
         """``generate`` for a caller on another event loop. Cancelling the caller aborts its vLLM requests."""
         future = asyncio.run_coroutine_threadsafe(self._generate(prompts, plan), self._loop)
         return await asyncio.wrap_future(future)
 
-    async def _generate(self, prompts: Sequence[Prompt], plan: SamplingPlan) -> list[BackendOutput]:
+    async def _generate(self, prompts: Sequence[Prompt], plan: CallPlan) -> list[BackendOutput]:
         if not prompts:
             return []
         base = sampling_params(plan, output_kind=self._final_only)
@@ -179,7 +179,7 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
                                       for seq, key in zip(sequences, keys, strict=True)))
         return [prompt_scores(out, seq, start, top) for seq, start, out in zip(sequences, starts, outs, strict=True)]
 
-    async def astream(self, prompt: Prompt, plan: SamplingPlan) -> AsyncIterator[tuple[int, ...] | BackendOutput]:
+    async def astream(self, prompt: Prompt, plan: CallPlan) -> AsyncIterator[tuple[int, ...] | BackendOutput]:
         """One prompt's token ids so far after every engine step (cumulative), then its final ``BackendOutput``.
 
         Runs on the caller's loop; the request runs on the engine's. Closing the iterator, or cancelling the

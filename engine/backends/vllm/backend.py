@@ -16,7 +16,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from engine.backends.base import BackendBase, BackendOutput, Capabilities, Prompt, SamplingPlan, TokenScores
+from engine.backends.base import BackendBase, BackendOutput, CallPlan, Capabilities, Prompt, TokenScores
 from engine.backends.guard import check_guard_can_run
 from engine.backends.host import has_cuda
 from engine.backends.registry import SPECS
@@ -192,7 +192,7 @@ def add_adapter(add: Any, adapter: Any) -> Any:
                           fix="give a PEFT LoRA adapter of the served model") from None
 
 
-def sampling_params(plan: SamplingPlan, **extra: Any) -> Any:
+def sampling_params(plan: CallPlan, **extra: Any) -> Any:
     """The complete ``SamplingParams`` for ``plan`` (``extra``: e.g. ``output_kind``); each row's seed and rules are
     added per request by :func:`request_params`."""
     from vllm import SamplingParams
@@ -222,7 +222,7 @@ def sampling_params(plan: SamplingPlan, **extra: Any) -> Any:
     )
 
 
-def request_params(base: Any, prompt: Prompt, plan: SamplingPlan, key: str) -> Any:
+def request_params(base: Any, prompt: Prompt, plan: CallPlan, key: str) -> Any:
     """``base`` for one request: with the row's own seed (``Prompt.seed``) and the plan's row rules under ``key``
     (a copy), or ``base`` itself when it needs neither."""
     from engine.backends.vllm import rules as vllm_rules
@@ -240,7 +240,7 @@ def request_params(base: Any, prompt: Prompt, plan: SamplingPlan, key: str) -> A
     return params
 
 
-def engine_input(prompt: Prompt, plan: SamplingPlan) -> Any:
+def engine_input(prompt: Prompt, plan: CallPlan) -> Any:
     from vllm.inputs import TokensPrompt
 
     if prompt.image is None:
@@ -250,7 +250,7 @@ def engine_input(prompt: Prompt, plan: SamplingPlan) -> Any:
                         mm_processor_kwargs=plan.pixels.as_processor_kwargs())
 
 
-def backend_output(out: Any, plan: SamplingPlan, events: dict[str, Any]) -> BackendOutput:
+def backend_output(out: Any, plan: CallPlan, events: dict[str, Any]) -> BackendOutput:
     """One finished ``RequestOutput`` as the engine's :class:`BackendOutput`."""
     from engine.backends.vllm.portable import portable_logprobs
 
@@ -301,7 +301,7 @@ class VllmBackend(BackendBase, backend="vllm"):
             self.lora.close()
         gc.collect()
 
-    def sampling_params(self, plan: SamplingPlan) -> Any:
+    def sampling_params(self, plan: CallPlan) -> Any:
         """The complete ``SamplingParams`` for ``plan``."""
         return sampling_params(plan)
 
@@ -323,7 +323,7 @@ class VllmBackend(BackendBase, backend="vllm"):
         self.llm.reset_prefix_cache()
         self.capabilities = dataclasses.replace(self.capabilities, adapters=self.lora.names)
 
-    def generate(self, prompts: Sequence[Prompt], plan: SamplingPlan) -> list[BackendOutput]:
+    def generate(self, prompts: Sequence[Prompt], plan: CallPlan) -> list[BackendOutput]:
         import uuid
 
         if not prompts:

@@ -2,7 +2,7 @@
 processor recorded in this worker's process, and receives the learner's weights (``engine.weights.sync``): the
 model's own, or a LoRA adapter's alone.
 
-``VllmBackend`` starts vLLM with ``worker_extension_cls="engine.backends.vllm.events.RuleEventsWorker"`` and,
+``VllmBackend`` starts vLLM with ``worker_extension_cls="engine.backends.vllm.events.EngineWorkerExtension"`` and,
 after a batch, calls ``llm.collective_rpc("engine_rule_events", args=(keys,))``. The call reaches the worker
 wherever it runs (the calling process, an engine-core child process, every tensor-parallel rank), so the
 trigger meta is reported by the guard itself in every deployment, never inferred from finish reasons.
@@ -13,9 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 
-class RuleEventsWorker:
-    """Mixed into vLLM's worker class. Rule events have no state here (the store is process-wide); weight sync keeps
-    this worker's communicator while a learner's group is open."""
+class EngineWorkerExtension:
+    """The engine's ``worker_extension_cls``, mixed into vLLM's worker class: the row rules' events
+    (``engine_rule_events``), and weights and adapters received from a learner's group. Rule events have no state here
+    (the store is process-wide); weight sync keeps this worker's communicator while a learner's group is open."""
 
     def engine_rule_events(self, keys: list[str]) -> dict[str, dict[str, Any]]:
         """The events of each finished request key known in this process, removed from the store."""

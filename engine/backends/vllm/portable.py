@@ -27,9 +27,9 @@ LOGPROBS_EVENT = "portable_logprobs"
 def draw_args(plan: Any, seed: int, prompt_len: int) -> dict[str, Any] | None:
     """The ``draw`` entry of a row's ``extra_args`` (None: the row samples natively or is greedy).
 
-    >>> from engine.backends.base import SamplingPlan
+    >>> from engine.backends.base import CallPlan
     >>> from engine.config import GenerationOptions, StopPolicy
-    >>> plan = SamplingPlan(GenerationOptions(temperature=0.7, sampler="portable", seed=3), StopPolicy(), (2,))
+    >>> plan = CallPlan(GenerationOptions(temperature=0.7, sampler="portable", seed=3), StopPolicy(), (2,))
     >>> draw_args(plan, 11, 5)["pos0"], draw_args(plan, 11, 5)["seed"]
     (4, 11)
     """

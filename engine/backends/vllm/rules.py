@@ -9,9 +9,9 @@ share everything but the way they see their batch.
 
 **Rule events** (repeat trigger, EOS suppressed, JSON boundary closed) stay where the processor runs, in the
 process-wide :data:`EVENTS` store of the worker process, keyed by request key. The engine collects them with
-``LLM.collective_rpc("engine_rule_events", keys)`` (method of :class:`engine.backends.vllm.events.RuleEventsWorker`,
-vLLM's ``worker_extension_cls``): one path for in-process engines, engine cores in child processes and
-tensor-parallel workers.
+``LLM.collective_rpc("engine_rule_events", keys)`` (a method of
+:class:`engine.backends.vllm.events.EngineWorkerExtension`, vLLM's ``worker_extension_cls``): one path for
+in-process engines, engine cores in child processes and tensor-parallel workers.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ V1, V2 = "v1", "v2"
 PROCESSORS = {V1: "engine.backends.vllm.v1_rules:RowRulesV1", V2: "engine.backends.vllm.v2_rules:RowRulesV2"}
 """The processor class for each model runner, as vLLM's ``module:Class`` names (picklable to child processes)."""
 INTERFACES = {V1: "vllm.v1.sample.logits_processor", V2: "vllm.v1.worker.gpu.sample.logits_processor"}
-WORKER_EXTENSION = "engine.backends.vllm.events.RuleEventsWorker"  # a dotted name, as vLLM wants it
+WORKER_EXTENSION = "engine.backends.vllm.events.EngineWorkerExtension"  # a dotted name, as vLLM wants it
 EVENTS_METHOD = "engine_rule_events"
 
 
@@ -105,12 +105,12 @@ def parse_request_args(extra_args: Mapping[str, Any] | None, *, check: bool = Tr
     for i, raw in enumerate(args["specs"]):
         if not isinstance(raw, Mapping) or not isinstance(raw.get("target"), str):
             raise ValueError(f"{where}.specs[{i}] must be a mapping with a 'target' string, got {raw!r}")
-        extra = sorted(set(raw) - {"target", "params", "hf_hook", "bank"})
+        extra = sorted(set(raw) - {"target", "params", "mechanism", "bank"})
         if extra:
-            raise ValueError(f"{where}.specs[{i}] has unknown keys {extra}; allowed: target, params, hf_hook, bank")
+            raise ValueError(f"{where}.specs[{i}] has unknown keys {extra}; allowed: target, params, mechanism, bank")
         if not isinstance(raw.get("bank", False), bool):
             raise ValueError(f"{where}.specs[{i}].bank must be true or false, got {raw['bank']!r}")
-        spec = RuleSpec(raw["target"], dict(raw.get("params") or {}), raw.get("hf_hook", "logits_processor"),
+        spec = RuleSpec(raw["target"], dict(raw.get("params") or {}), raw.get("mechanism", "logits_processor"),
                         bank=raw.get("bank", False))
         if check:
             _check_spec(spec, f"{where}.specs[{i}]")
