@@ -256,17 +256,19 @@ def pool_of(config: pytest.Config) -> EnginePool:
     pool = config.stash.get(POOL_KEY, None)
     if pool is not None:
         return pool
+    from engine.backends.registry import SPECS
     from engine_fixtures import GGUF_TWINS
     from engine_fixtures.build import ADAPTER_TWINS, default_fixtures
 
     backends = selected_backends(config)
+    wants_gguf = any(SPECS[b].model_format == "gguf" for b in backends if b in SPECS)  # the registry: who reads GGUF
     gguf_only = {*GGUF_TWINS.values(), *ADAPTER_TWINS.values()}
-    for name in default_fixtures():  # what the checks load by name (the GGUF twins only for llama.cpp)
-        if "llamacpp" in backends or name not in gguf_only:
+    for name in default_fixtures():  # what the checks load by name (the GGUF twins only for a backend that reads them)
+        if wants_gguf or name not in gguf_only:
             built_fixture(name)
     model = config.getoption("--engine-model") or built_fixture("smollm2-135m-instruct")
     twins = {}
-    if "llamacpp" in backends:  # the GGUF twins are built only for a run that checks llama.cpp
+    if wants_gguf:  # the GGUF twins are built only for a run that checks a GGUF backend (llama.cpp)
         twins = {built_fixture(hf): built_fixture(gguf) for hf, gguf in GGUF_TWINS.items()}
         for adapters, gguf in ADAPTER_TWINS.items():  # each adapter folder -> the same folder of its GGUF twin
             hf_root, gguf_root = Path(built_fixture(adapters)), Path(built_fixture(gguf))
@@ -549,14 +551,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if pool is None or "vllm" not in pool.options.backends or unavailable_reason("vllm"):
         return
     try:
-        from engine.backends.vllm.backend import import_vllm, llm_kwargs, prepare_environment
-        from engine.backends.vllm.runner import plan_runner
+        from engine.backends.vllm.backend import predicted_runner
         from engine.config import ModelConfig, VllmConfig
 
-        settings = VllmConfig(multiprocessing=pool.options.vllm_multiprocessing)
-        prepare_environment(settings)
-        import_vllm()  # as an engine does: without torchvision, its stand-in first (vLLM's config imports need it)
-        plan = plan_runner(llm_kwargs(ModelConfig(path=pool.options.model, dtype=pool.options.dtype), settings))
+        plan = predicted_runner(ModelConfig(path=pool.options.model, dtype=pool.options.dtype),
+                                VllmConfig(multiprocessing=pool.options.vllm_multiprocessing))
         runner = f"{plan.runner} (vLLM's own decision for --engine-model; row rules: {plan.problem or 'supported'})"
     except Exception as err:  # the line must not hide the run; the engines will report the real error
         runner = f"undecided ({type(err).__name__}: {err})"

@@ -142,15 +142,11 @@ def host_facts() -> list[str]:
 def planned_runner() -> str:
     """vLLM's own runner decision for the SmolLM2 fixture ("v2 ..." expected on CUDA)."""
     try:
-        from engine.backends.vllm.backend import import_vllm, llm_kwargs, prepare_environment
-        from engine.backends.vllm.runner import plan_runner
-        from engine.config import ModelConfig, VllmConfig
+        from engine.backends.vllm.backend import predicted_runner
+        from engine.config import ModelConfig
         from engine_fixtures import ensure
 
-        path = str(ensure("smollm2-135m-instruct"))
-        import_vllm()  # as an engine start does: the torchvision shim first where torchvision is absent
-        prepare_environment(VllmConfig())
-        plan = plan_runner(llm_kwargs(ModelConfig(path=path, dtype="float32"), VllmConfig()))
+        plan = predicted_runner(ModelConfig(path=str(ensure("smollm2-135m-instruct")), dtype="float32"))
         return f"{plan.runner} (row rules: {plan.problem or 'supported'})"
     except Exception as err:  # the verdict must still come; the passes show the real error
         return f"not decided: {type(err).__name__}: {err}"

@@ -168,6 +168,18 @@ def capabilities(model_config: Any, settings: VllmConfig, plan: Any, lora: Any) 
                         structured_outputs=not multimodal, rules_problem=plan.problem, adapters=lora.names)
 
 
+def predicted_runner(model: ModelConfig, settings: VllmConfig | None = None) -> Any:
+    """vLLM's own model-runner decision for ``model`` (a :class:`~engine.backends.vllm.runner.RunnerPlan`), made as an
+    engine start makes it: the environment first, then vLLM imported (the torchvision stand-in before it), then the
+    config ``vllm.LLM`` would build. What the suite's header and the GPU runbook print, asked the one way."""
+    from engine.backends.vllm.runner import plan_runner
+
+    settings = settings or VllmConfig()
+    prepare_environment(settings)
+    import_vllm()
+    return plan_runner(llm_kwargs(model, settings))
+
+
 def checked_runner(backend: Any, vllm_config: Any, plan: Any) -> str:
     """The runner a started engine uses; if it is not the planned one (whose processor was registered), the
     backend is closed and the start refused."""
