@@ -51,6 +51,29 @@ def request_args(specs: Sequence[RuleSpec], *, key: str, eos_id: int, terminal_i
     return {EXTRA_KEY: args}
 
 
+class RequestRules:
+    """What both model runners' processors (``v1_rules.RowRulesV1``, ``v2_rules.RowRulesV2``) answer alike, mixed in
+    before vLLM's ``LogitsProcessor``: a request's rule arguments, checked at admission; where ended rows' events go.
+    The plugin's guard (:mod:`engine.vllm_plugin.processor`) overrides these to read the user's settings instead."""
+
+    tracks_events = True
+    """Rows are kept in the process's event store until the engine collects them (``build_row``)."""
+
+    @classmethod
+    def validate_params(cls, sampling_params: Any) -> None:
+        cls.row_args(sampling_params, check=True)
+
+    @classmethod
+    def row_args(cls, params: Any, *, check: bool) -> RowArgs | None:
+        """The rule arguments of a request (``check``: at admission, everything proved to build), or None when its
+        row runs no rule. The engine's own requests carry them in ``extra_args``; the plugin
+        (:mod:`engine.vllm_plugin`) derives them from the user's settings instead."""
+        return parse_request_args(params.extra_args, check=check)
+
+    def ended(self, rows: list[Row]) -> None:
+        """Called with the rows a rule ends this step (EOS forced); the engine collects events another way."""
+
+
 @dataclass(frozen=True)
 class RowArgs:
     """One request's validated rule arguments."""

@@ -15,11 +15,11 @@ from typing import Any
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from engine.backends.row_apply import FORCE, apply_decisions, decide
-from engine.backends.vllm.rules import Row, RowArgs, TokenizerText, build_row, parse_request_args
+from engine.backends.vllm.rules import RequestRules, Row, TokenizerText, build_row
 from engine.rules.repeat_bank import RepeatBank
 
 
-class RowRulesV1(LogitsProcessor):
+class RowRulesV1(RequestRules, LogitsProcessor):
     """Applies the row rules of requests that carry them (``extra_args``); other rows are untouched.
 
     Registered by ``VllmBackend`` as ``LLM(logits_processors=["engine.backends.vllm.v1_rules:RowRulesV1"])``
@@ -31,23 +31,6 @@ class RowRulesV1(LogitsProcessor):
         self.rows: dict[int, tuple[Row, list[int]]] = {}  # batch index -> (row, live output ids)
         self.bank = RepeatBank()  # id-only repeat rules, by batch index
         self.decode = TokenizerText(vllm_config.model_config.tokenizer)
-
-    tracks_events = True
-    """Rows are kept in the process's event store until the engine collects them (``build_row``)."""
-
-    @classmethod
-    def validate_params(cls, sampling_params: Any) -> None:
-        cls.row_args(sampling_params, check=True)
-
-    @classmethod
-    def row_args(cls, params: Any, *, check: bool) -> RowArgs | None:
-        """The rule arguments of a request (``check``: at admission, everything proved to build), or None when its
-        row runs no rule. The engine's own requests carry them in ``extra_args``; the plugin
-        (:mod:`engine.vllm_plugin`) derives them from the user's settings instead."""
-        return parse_request_args(params.extra_args, check=check)
-
-    def ended(self, rows: list[Row]) -> None:
-        """Called with the rows a rule ends this step (EOS forced); the engine collects events another way."""
 
     def is_argmax_invariant(self) -> bool:
         return False

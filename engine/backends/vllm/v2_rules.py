@@ -30,11 +30,11 @@ from typing import Any
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor
 
 from engine.backends.row_apply import FORCE, apply_decisions, decide
-from engine.backends.vllm.rules import Row, RowArgs, TokenizerText, build_row, parse_request_args
+from engine.backends.vllm.rules import RequestRules, Row, TokenizerText, build_row
 from engine.rules.repeat_bank import RepeatBank
 
 
-class RowRulesV2(LogitsProcessor):
+class RowRulesV2(RequestRules, LogitsProcessor):
     """Applies the row rules of requests that carry them (``extra_args``) under Model Runner V2.
 
     Registered by ``VllmBackend`` as ``LLM(logits_processors=["engine.backends.vllm.v2_rules:RowRulesV2"])``
@@ -53,21 +53,6 @@ class RowRulesV2(LogitsProcessor):
         self.bank_seen = np.zeros(req_states.max_num_reqs, dtype=np.int64)  # output tokens offered to the bank
         self.has_row = np.zeros(req_states.max_num_reqs, dtype=bool)
         self.decode = TokenizerText(vllm_config.model_config.tokenizer)
-
-    tracks_events = True
-    """Rows are kept in the process's event store until the engine collects them (``build_row``)."""
-
-    @classmethod
-    def validate_params(cls, sampling_params: Any) -> None:
-        cls.row_args(sampling_params, check=True)
-
-    @classmethod
-    def row_args(cls, params: Any, *, check: bool) -> RowArgs | None:
-        """The rule arguments of a request, or None (as ``RowRulesV1.row_args``)."""
-        return parse_request_args(params.extra_args, check=check)
-
-    def ended(self, rows: list[Row]) -> None:
-        """Called with the rows a rule ends this step (EOS forced)."""
 
     def add_request(self, req_idx: int, sampling_params: Any) -> bool:
         previous = self.slots.pop(req_idx, None)
