@@ -10,6 +10,11 @@ equal field by field, the suite's rule) and its base rows too (so a backend that
 rows for the changed call, cannot pass). Fields that only sample are compared through the portable sampler
 (``generation.sampler: portable``: the same seeded rows on every backend), near-ties aside as
 ``test_portable_sampler.py`` accepts them.
+
+A field with enumerated values (:data:`CHOICES`: the sampler, the logprobs mode) has a case for every value, each
+compared across backends: ``portable_fp64``'s rows are compared on every backend as ``portable``'s are (a backend that
+quietly drew them in float32 would answer ``portable``'s rows), the engine's own logprobs mode answers the rows
+without it, and every other mode is refused by name.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import pytest
 from conformance.compare import RESULT_FIELDS, first_divergence
 from conformance.precision import REFERENCE_TOL
 from conformance.subjects.plan import engines, servers, uses
-from engine.config.generation import GenerationOptions, StopPolicy
+from engine.config.generation import LOGPROBS_MODES, SAMPLERS, GenerationOptions, StopPolicy
 from engine_fixtures import load_prompts
 
 SUBJECTS = uses(engines("text"), servers("text"))
@@ -61,6 +66,8 @@ class Case:
     refused: bool = False
     comparable_base: bool = True
     sampled: bool = False
+    same_as_base: bool = False
+    """The value is what the engine does without it (the served logprobs mode): every backend answers the base rows."""
 
 
 @dataclass(frozen=True)
@@ -93,7 +100,17 @@ def greedy(**changes: Any) -> Case:
     return Case(Call({"max_new_tokens": TOKENS}), Call({"max_new_tokens": TOKENS, **changes}))
 
 
-CASES: dict[str, Callable[[Probe], Case]] = {
+RAW_MODE = "raw_logprobs"
+"""The logprobs mode of the suite's engines (``model.logprobs_mode``'s default)."""
+
+
+def logprobs_mode(mode: str) -> Case:
+    base = Call({"max_new_tokens": TOKENS, "logprobs": 2})
+    return Case(base, Call({**base.options, "logprobs_mode": mode}), refused=mode != RAW_MODE,
+                same_as_base=mode == RAW_MODE)
+
+
+CASES: dict[str, Callable[[Probe], Case | tuple[Case, ...]]] = {
     "generation.max_new_tokens": lambda p: Case(Call({"max_new_tokens": TOKENS}), Call({"max_new_tokens": 5})),
     "generation.temperature": lambda p: Case(Call({"max_new_tokens": TOKENS}), Call({**SAMPLED, "temperature": 0.7}),
                                              sampled=True),
@@ -101,8 +118,8 @@ CASES: dict[str, Callable[[Probe], Case]] = {
     "generation.top_k": lambda p: sampled(top_k=3),
     "generation.min_p": lambda p: sampled(min_p=0.1),
     "generation.seed": lambda p: sampled(seed=18),
-    "generation.sampler": lambda p: Case(Call({**SAMPLED, "sampler": "native"}), Call(SAMPLED),
-                                         comparable_base=False, sampled=True),
+    "generation.sampler": lambda p: tuple(Case(Call({**SAMPLED, "sampler": "native"}), Call({**SAMPLED, "sampler": s}),
+                                               comparable_base=False, sampled=True) for s in SAMPLERS if s != "native"),
     "generation.repetition_penalty": lambda p: greedy(repetition_penalty=1.5),
     "generation.min_new_tokens": lambda p: Case(Call({"max_new_tokens": LONG}),
                                                 Call({"max_new_tokens": LONG,
@@ -110,9 +127,7 @@ CASES: dict[str, Callable[[Probe], Case]] = {
     "generation.logprobs": lambda p: greedy(logprobs=3),
     "generation.ignore_eos": lambda p: Case(Call({"max_new_tokens": LONG}),
                                             Call({"max_new_tokens": LONG, "ignore_eos": True})),
-    "generation.logprobs_mode": lambda p: Case(Call({"max_new_tokens": TOKENS, "logprobs": 2}),
-                                               Call({"max_new_tokens": TOKENS, "logprobs": 2,
-                                                     "logprobs_mode": "processed"}), refused=True),
+    "generation.logprobs_mode": lambda p: tuple(logprobs_mode(m) for m in LOGPROBS_MODES),
     "stop.strings": lambda p: Case(Call({"max_new_tokens": TOKENS}),
                                    Call({"max_new_tokens": TOKENS}, {"strings": [p.stop_string()]})),
     "stop.token_ids": lambda p: Case(Call({"max_new_tokens": TOKENS}),
@@ -121,8 +136,28 @@ CASES: dict[str, Callable[[Probe], Case]] = {
                                             Call({"max_new_tokens": TOKENS},
                                                  {"strings": [p.stop_string()], "include_stop_str": True})),
 }
-"""Each field's case. ``logprobs_mode`` is refused: the suite's engines serve raw logprobs, and a request expecting
-processed ones must not get raw ones (``test_logprobs_mode.py`` covers the processed engines)."""
+"""Each field's case, or one case per value of an enumerated field (:data:`CHOICES`). ``logprobs_mode``: the suite's
+engines serve raw logprobs, so a request naming that mode answers as without it, and one expecting another mode is
+refused rather than given raw ones (``test_logprobs_mode.py`` covers the engines of the other modes)."""
+
+CHOICES: dict[str, tuple[str, ...]] = {"generation.sampler": SAMPLERS, "generation.logprobs_mode": LOGPROBS_MODES}
+"""The fields whose values are a closed set: every value needs a case of its own (collection fails otherwise)."""
+
+
+def cases_of(made: Case | tuple[Case, ...]) -> tuple[Case, ...]:
+    return made if isinstance(made, tuple) else (made,)
+
+
+def values_without_a_case(name: str, cases: Sequence[Case]) -> list[str]:
+    """The values of enumerated field ``name`` that no case sets (the default counts: it is every base call's).
+
+    >>> values_without_a_case("generation.sampler", [Case(Call({"sampler": "native"}), Call({"sampler": "portable"}))])
+    ['portable_fp64']
+    """
+    key = name.split(".", 1)[1]
+    default = {f.name: f.default for f in dataclasses.fields(GenerationOptions)}.get(key)
+    covered = {default} | {c.changed.options.get(key) for c in cases} | {c.base.options.get(key) for c in cases}
+    return [v for v in CHOICES[name] if v not in covered]
 
 
 def uncovered(fields: Sequence[str], cases: Mapping[str, Any]) -> list[str]:
@@ -139,6 +174,12 @@ if uncovered(FIELDS, CASES):
     raise TypeError(f"conformance/test_option_coverage.py: {', '.join(uncovered(FIELDS, CASES))}: every option "
                     "needs a case in CASES (a non-default value, and the call without it), or this check cannot tell "
                     "whether every backend honours it")
+_STAND_IN = Probe(short=(), long=(), tokenizer=None)  # what the enumerated fields' cases are built from: no probe
+for _name in CHOICES:
+    if values_without_a_case(_name, cases_of(CASES[_name](_STAND_IN))):
+        raise TypeError(f"conformance/test_option_coverage.py: {_name}'s values "
+                        f"{values_without_a_case(_name, cases_of(CASES[_name](_STAND_IN)))} have no case: each value "
+                        "of an enumerated option is compared across backends, not only the field")
 
 
 def rows_differ(a: Sequence[Any], b: Sequence[Any]) -> bool:
@@ -156,10 +197,10 @@ def same_rows(want: Sequence[Any], got: Sequence[Any], *, what: str, case: Case,
     failures = []
     for i, (w, g) in enumerate(zip(want, got, strict=True)):
         step = first_divergence(w.token_ids, g.token_ids)
-        if step is not None and case.sampled and call.options.get("sampler") == "portable":
+        if step is not None and case.sampled and call.options.get("sampler") in ("portable", "portable_fp64"):
             processing = {k: v for k, v in call.options.items() if k in PROCESSING}
             margin = near_tie(reference, w.prompt_token_ids, w.token_ids, g.token_ids, step, processing,
-                              row_seed(call.options["seed"], i))
+                              row_seed(call.options["seed"], i), fp64=call.options["sampler"] == "portable_fp64")
             if abs(margin) <= NEAR_TIE:
                 continue  # the same distribution, drawn apart by float32 rounding of a tie
         for name in fields:
@@ -221,19 +262,30 @@ def test_every_backend_honours_the_option_as_hf_does_or_refuses_it(name, engines
     and without it; or every backend refuses it, naming it, before generating."""
     from engine.errors import ConfigError, RequestError
 
-    case = CASES[name](probe)
+    cases = cases_of(CASES[name](probe))
     if pool.options.dtype != "float32":
         pytest.skip("the rows are compared exactly, float32's promise (in bfloat16 the parity checks hold backends "
                     "to vLLM's rule)")
-    if case.refused:
-        for b, e in engines.items():
-            calls = count_backend_calls(e)
-            with pytest.raises((ConfigError, RequestError)) as info:
-                run(e, case.changed)
-            assert info.value.field == name, f"{b}: refused naming {info.value.field!r}, not {name}: {info.value}"
-            assert calls == [], f"{b}: the refused call generated tokens"
-        return
-    failures = case_failures(name, case, engines)
+    failures = []
+    for case in cases:
+        if case.refused:
+            for b, e in engines.items():
+                calls = count_backend_calls(e)
+                with pytest.raises((ConfigError, RequestError)) as info:
+                    run(e, case.changed)
+                assert info.value.field == name, f"{b}: refused naming {info.value.field!r}, not {name}: {info.value}"
+                assert calls == [], f"{b}: the refused call generated tokens"
+        elif case.same_as_base:
+            want = run(engines["hf"], case.base)
+            for b, e in engines.items():
+                failures += same_rows(want, run(e, case.changed), what=f"{b} {name}={case.changed}", case=case,
+                                      reference=engines["hf"], call=case.changed)
+        else:
+            failures += case_failures(name, case, engines)
+    if len(cases) > 1 and not any(c.refused or c.same_as_base for c in cases):  # each value its own rows on HF
+        rows = [run(engines["hf"], c.changed) for c in cases]
+        assert all(rows_differ(a, b) for i, a in enumerate(rows) for b in rows[i + 1:]), (
+            f"{name}: two of its values give HF the same rows, so a backend that swapped them would pass")
     assert not failures, f"{name}: a backend does not do what HF does with it:\n" + "\n".join(failures)
 
 
@@ -257,7 +309,7 @@ def test_the_check_fails_when_one_backend_drops_an_option(name, engines, probe, 
             plan, options=dataclasses.replace(plan.options, **{field_name: default})))
 
     monkeypatch.setattr(engines[victim].backend, "generate", dropping)
-    failures = case_failures(name, CASES[name](probe), engines)
+    failures = [f for case in cases_of(CASES[name](probe)) for f in case_failures(name, case, engines)]
     assert any(f.startswith(f"{victim} {name}") for f in failures), (
         f"{victim} ran without {name} and the check did not notice: {failures}")
 
@@ -301,26 +353,29 @@ def test_every_server_honours_the_option_as_hf_does_or_refuses_it(name, backend_
     from engine.serve.openai.bodies import CompletionRequest
     from engine.serve.shared.fields import FieldTable
 
-    case = CASES[name](probe)
+    cases = cases_of(CASES[name](probe))
     if pool.options.dtype != "float32":
         pytest.skip("the rows are compared exactly, float32's promise")
     hf = pool.reference("hf", pool.options.model)
     prompts = [r.prompt_token_ids for r in probe.short]
     wire = FieldTable.of(CompletionRequest).client_field(name)
-    calls = [("changed", case.changed)] + ([("base", case.base)] if case.comparable_base and not case.refused else [])
-    want = {label: run(hf, call) for label, call in calls if not case.refused}
     failures = []
-    for b in backend_names:
-        server = pool.text_server(b)
-        model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
-        for label, call in calls:
-            reply = httpx.post(f"{server.url}/v1/completions", json=body_of(call, prompts, model), timeout=300)
-            if case.refused:
-                assert reply.status_code == 400 and reply.json()["error"]["param"] == wire, (
-                    f"{b}: {wire} answered {reply.status_code} {reply.text[:300]}, not a 400 naming {wire}")
-                continue
-            assert reply.status_code == 200, f"{b} {label} {name}: {reply.status_code} {reply.text[:500]}"
-            got = [row_of(c) for c in sorted(reply.json()["choices"], key=lambda c: c["index"])]
-            failures += same_rows(want[label], got, what=f"{b} server, {label} {wire}", case=case, reference=hf,
-                                  call=call, fields=("token_ids", "text", "finish_reason"))
+    for case in cases:
+        calls = [("changed", case.changed)] + ([("base", case.base)] if case.comparable_base and not case.refused
+                                              else [])
+        want = {label: run(hf, case.base if case.same_as_base else call) for label, call in calls if not case.refused}
+        for b in backend_names:
+            server = pool.text_server(b)
+            model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
+            for label, call in calls:
+                reply = httpx.post(f"{server.url}/v1/completions", json=body_of(call, prompts, model), timeout=300)
+                if case.refused:
+                    assert reply.status_code == 400 and reply.json()["error"]["param"] == wire, (
+                        f"{b}: {wire}={call.options.get(name.split('.', 1)[1])!r} answered {reply.status_code} "
+                        f"{reply.text[:300]}, not a 400 naming {wire}")
+                    continue
+                assert reply.status_code == 200, f"{b} {label} {name}: {reply.status_code} {reply.text[:500]}"
+                got = [row_of(c) for c in sorted(reply.json()["choices"], key=lambda c: c["index"])]
+                failures += same_rows(want[label], got, what=f"{b} server, {label} {wire} {call.options}", case=case,
+                                      reference=hf, call=call, fields=("token_ids", "text", "finish_reason"))
     assert not failures, f"{name} ({wire}): a server does not do what HF does with it:\n" + "\n".join(failures)

@@ -61,9 +61,10 @@ def seed_of(name: str) -> int:
 
 
 def near_tie(reference: Any, prompt_ids: Sequence[int], ours: Sequence[int], theirs: Sequence[int], step: int,
-             config: Mapping[str, Any], seed: int) -> float:
+             config: Mapping[str, Any], seed: int, *, fp64: bool = False) -> float:
     """The reference's margin between the two drawn tokens at ``step`` (positive: the reference's token ahead), from
-    its processed log-probabilities of both (``engine.score`` with the call's processing) and their noise."""
+    its processed log-probabilities of both (``engine.score`` with the call's processing) and their noise (float64's
+    for ``portable_fp64`` rows)."""
     mine = ours[step] if step < len(ours) else None
     other = theirs[step] if step < len(theirs) else None
     if mine is None or other is None:  # one row ended (EOS counts as a token): not a tie the draw made
@@ -72,7 +73,7 @@ def near_tie(reference: Any, prompt_ids: Sequence[int], ours: Sequence[int], the
     processing = dict(config)
     mine_lp, other_lp = (reference.score([[*prefix, t]], [len(prefix)], processing=processing)[0].logprobs[0]
                          for t in (mine, other))
-    noise = gumbel_noise(seed, len(prefix) - 1, [mine, other])
+    noise = gumbel_noise(seed, len(prefix) - 1, [mine, other], fp64=fp64)
     return float((mine_lp + noise[0]) - (other_lp + noise[1]))
 
 

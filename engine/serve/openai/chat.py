@@ -184,3 +184,31 @@ def chunk(cid: str, created: int, model: str, call: CompletionCall, *, delta: di
     if call.include_usage:
         body["usage"] = None
     return body
+
+
+async def answer(call: Any, served: Any) -> Any:
+    """The parsed call's answer through the one call path (:class:`engine.serve.shared.calls.Call`): one
+    ``agenerate`` of ``n`` rows, whole, or one ``astream`` as ``chat.completion.chunk`` events. An adapter's calls
+    answer with the adapter's name, as vLLM's do."""
+    c, engine = call.parsed, served.engine
+    answering = served.adapter_of(c.model) or served.model_name
+    if not c.stream:
+        return await call.whole(lambda: engine.agenerate([c.request] * c.n, **c.kwargs, prepared=call.prepared),
+                                body=lambda results:
+                                completion_body(results, c, model=answering, tokenizer=engine.tokenizer))
+    cid, created = completion_id(), int(time.time())
+
+    async def open_stream() -> tuple[Any, list[Any]]:  # validation raises here, before any generation
+        prompt_ids = list(call.prepared[0][0].token_ids) if c.return_token_ids else None
+        role = chunk(cid, created, answering, c, delta={"role": "assistant", "content": ""}, prompt_ids=prompt_ids)
+        return engine.astream(c.request, **c.kwargs, prepared=call.prepared), [role]
+
+    def events(part: Any) -> list[Any]:
+        out = [chunk(cid, created, answering, c, delta={"content": part.delta})] if part.delta else []
+        if part.result is not None:
+            out.append(chunk(cid, created, answering, c, result=part.result, tokenizer=engine.tokenizer))
+            if c.include_usage:
+                out.append(chunk(cid, created, answering, c, result=part.result, usage_only=True))
+        return out
+
+    return await call.stream(open_stream, events)

@@ -36,7 +36,7 @@ from engine.backends.base import TokenScores
 from engine.errors import RequestError, RequestTooLarge
 from engine.serve.openai.bodies import CompletionRequest
 from engine.serve.openai.sampling import Sampling, parse_sampling
-from engine.serve.shared.writers import shown_logprob, token_name
+from engine.serve.shared.writers import shown_logprob, token_name, usage
 from engine.types import GenerationResult
 
 DEFAULT_MAX_TOKENS = 16
@@ -301,3 +301,64 @@ def chunk(cid: str, created: int, model: str, *, index: int = 0, text: str = "",
         return {**body, "choices": [], "usage": usage}
     choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, **(ids or {})}
     return {**body, "choices": [choice]}
+
+
+async def prompt_scores(call: TextCompletionCall, engine: Any) -> list[TokenScores | None]:
+    """Each prompt's scores where ``echo`` with ``logprobs`` asks for them (one ``ascore``), None elsewhere."""
+    sequences = [call.prompts[i] for i in call.scored]
+    found = await engine.ascore(sequences, [1] * len(sequences), call.logprobs) if sequences else []
+    by_prompt: list[TokenScores | None] = [None] * len(call.prompts)
+    for i, score in zip(call.scored, found, strict=True):
+        by_prompt[i] = score
+    return by_prompt
+
+
+async def answer(call: Any, served: Any) -> Any:
+    """The parsed call's answer through the one call path (:class:`engine.serve.shared.calls.Call`): one
+    ``acomplete`` (and the echoed prompts' ``ascore``), whole, or one ``astream_complete`` as ``text_completion``
+    chunks. An adapter's calls answer with the adapter's name, as vLLM's do."""
+    c, engine = call.parsed, served.engine
+    answering = served.adapter_of(c.model) or served.model_name
+    if c.stream:
+        return await _streamed(call, engine, answering)
+
+    async def run() -> tuple[list[Any], list[Any]]:
+        scores = await prompt_scores(c, engine)
+        if not c.generates:
+            return [None] * c.prompt_count, scores
+        return await engine.acomplete(c.rows, **c.kwargs, prepared=call.prepared), scores
+
+    return await call.whole(run, counted=lambda out: [r for r in out[0] if r is not None], body=lambda out:
+                            completion_body(c, out[0], out[1], model=answering, tokenizer=engine.tokenizer))
+
+
+async def _streamed(call: Any, engine: Any, answering: str) -> Any:
+    c = call.parsed
+    cid, created = completion_id(), int(time.time())
+    unsent = [c.prompts[0]] if c.return_token_ids else []  # the prompt's ids, until a chunk carries them
+
+    def ids(token_ids: list[int]) -> dict[str, list[int]] | None:
+        """``return_token_ids``: the chunk's token ids (all of them in the closing chunk), and the prompt's in the
+        first chunk."""
+        if not c.return_token_ids:
+            return None
+        return {"token_ids": token_ids, **({"prompt_token_ids": unsent.pop()} if unsent else {})}
+
+    async def open_stream() -> tuple[Any, list[Any]]:
+        stream = engine.astream_complete(c.prompts[0], **c.kwargs, prepared=call.prepared)
+        if not c.echo:
+            return stream, []
+        echoed = choice_logprobs(c, 0, None, (await prompt_scores(c, engine))[0], engine.tokenizer, answer=False)
+        return stream, [chunk(cid, created, answering, text=shown_prompt(c, 0), logprobs=echoed, ids=ids([]))]
+
+    def events(part: Any) -> list[Any]:
+        out = [chunk(cid, created, answering, text=part.delta, ids=ids([]))] if part.delta else []
+        if part.result is not None:
+            logprobs = choice_logprobs(c, 0, part.result, None, engine.tokenizer, prompt=False)
+            out.append(chunk(cid, created, answering, logprobs=logprobs, finish_reason=part.result.finish_reason,
+                             ids=ids(list(part.result.token_ids))))
+            if c.include_usage:
+                out.append(chunk(cid, created, answering, usage=usage(part.result)))
+        return out
+
+    return await call.stream(open_stream, events)
