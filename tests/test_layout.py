@@ -237,3 +237,14 @@ def test_the_layout_map_names_every_engine_module_by_its_path_and_nothing_else()
     gone += sorted(p for p in outside if not (ENGINE.parent / p).is_file())
     assert unnamed == [], f"docs/layout.md's engine/ section does not name {unnamed}: add each by its path"
     assert gone == [], f"docs/layout.md's engine/ section names what engine/ does not hold: {gone}"
+
+
+def test_no_function_of_the_served_engine_is_over_60_lines():
+    """Routes only route: a route hands its parsed call to its wire format's answer, and the route tables are data;
+    a route factory that grew its handlers inside it again (the 110-line ``router`` this replaced) fails here."""
+    long = []
+    for path in (ENGINE / "serve").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                long.append(f"{path.relative_to(ENGINE)}::{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert long == [], f"functions over 60 lines in engine/serve/: {long}"

@@ -32,10 +32,9 @@ from engine.serve.rollout.bodies import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsRequest,
 )
-from engine.serve.rollout.weights import CACHES, WEIGHTS, group_answer, reset_cache, weight_calls
+from engine.serve.rollout.weights import CACHES, Route, WeightCalls, group_answer, reset_cache, weight_router
 from engine.serve.service import ServedEngine
-from engine.serve.shared.calls import control_route
-from engine.serve.shared.errors import WeightSyncConflict, WeightSyncFailed
+from engine.serve.shared.errors import WeightSyncConflict
 from engine.weights.channel import new_secret
 from engine.weights.sync import store_host
 
@@ -63,102 +62,106 @@ def check_version(version: str | None) -> str | None:
     return version
 
 
+def require_group(calls: WeightCalls, route: str) -> None:
+    if not calls.opened:
+        raise WeightSyncConflict(f"{route} needs the trainer's group: call /init_weight_transfer_engine first "
+                                 "(TRL's VLLMClient.init_communicator)")
+
+
+async def init_weight_transfer_engine(calls: WeightCalls, body: InitWeightTransferRequest) -> Any:
+    from engine.weights.transfer import check_init_info
+
+    served, backend, info = calls.served, calls.backend, body.init_info
+    address = store_host(info.get("master_address"), served.serve.host, served.serve.weight_sync_hosts,
+                         field="init_info.master_address", keyed=served.api_key is not None)
+    checked = check_init_info(info, served.world_size())
+    port, world = info["master_port"], info["world_size"]
+    packed = {"buffer_bytes": checked["buffer_bytes"], "buffers": checked["buffers"]} if checked["packed"] else None
+    timeout = served.serve.weight_sync_join_timeout_s
+    secret = new_secret()
+    await calls.start(lambda: backend.open_weights(address, port, world, checked["transport"], timeout,
+                                                   learner_rank=0, packed=packed, secret=secret), exclusive=False)
+    calls.opened = True
+    return group_answer("Weight transfer initialized", checked["transport"], secret)
+
+
+async def start_weight_update(calls: WeightCalls) -> Any:
+    calls.backend  # noqa: B018 (refuses a backend without weight loading)
+    require_group(calls, "/start_weight_update")
+    await calls.finish()
+    calls.open_session(pushing=False)
+    return {"message": "Weight update started"}
+
+
+async def update_weights(calls: WeightCalls, body: UpdateWeightsRequest) -> Any:
+    from engine.weights.transfer import check_update_info
+
+    backend = calls.backend
+    require_group(calls, "/update_weights")
+    announced = check_update_info(body.update_info)
+    backend.check_announced(announced)
+    within = calls.served.serve.weight_sync_session_timeout_s
+    await calls.start(lambda: backend.load_weights(announced, within), drain=True)
+    calls.open_session()
+    await calls.settle()  # answered once loaded, as vLLM does: a failure is this call's
+    return {"message": "Weights updated"}
+
+
+async def finish_weight_update(calls: WeightCalls, body: FinishWeightUpdateRequest) -> Any:
+    calls.backend  # noqa: B018
+    require_group(calls, "/finish_weight_update")  # the version trainers read is the group's to set
+    version = check_version(body.weight_version)
+    await calls.finish()
+    if version is not None:
+        calls.version = version
+    return {"message": "Weight update finished"}
+
+
+async def shutdown_weight_transfer_engine(calls: WeightCalls) -> Any:
+    await calls.close()
+    return {"message": "Weight transfer shut down"}
+
+
+async def weight_info(calls: WeightCalls) -> Any:
+    return {"weight_version": calls.version}
+
+
+async def update_weights_from_disk(calls: WeightCalls, body: UpdateWeightsFromDiskRequest) -> Any:
+    from engine.weights.checkpoint import check_model_path
+
+    backend = calls.backend
+    if body.abort_all_requests:
+        raise RequestError("abort_all_requests", True, "is not supported: this server lets the rows in flight "
+                           "end, holds new ones, then loads", fix="leave it out (or false)")
+    path = str(check_model_path(body.model_path, body.load_format))
+    version = check_version(body.weight_version)
+    await calls.finish()
+    calls.holding = True  # new rows wait for the load; the rows in flight end first
+    calls.ended.clear()
+    try:
+        await calls.served.idle()
+        loaded = await calls.run(lambda: backend.load_checkpoint(path))
+    finally:
+        calls.holding = False
+        calls.ended.set()
+    calls.stale = set(CACHES)
+    if body.flush_cache is not False:
+        await reset_cache(calls, "prefix")
+    if version is not None:
+        calls.version = version
+    return {"success": True, "message": f"loaded {loaded} tensors from {path}", "num_paused_requests": 0}
+
+
+ROUTES: tuple[Route, ...] = (
+    ("/init_weight_transfer_engine", InitWeightTransferRequest, "POST", init_weight_transfer_engine),
+    ("/start_weight_update", None, "POST", start_weight_update),
+    ("/update_weights", UpdateWeightsRequest, "POST", update_weights),
+    ("/finish_weight_update", FinishWeightUpdateRequest, "POST", finish_weight_update),
+    ("/shutdown_weight_transfer_engine", None, "POST", shutdown_weight_transfer_engine),
+    ("/weight_info", None, "GET", weight_info),
+    ("/update_weights_from_disk", UpdateWeightsFromDiskRequest, "POST", update_weights_from_disk),
+)
+
+
 def router(served: ServedEngine) -> APIRouter:
-    api = APIRouter()
-    calls = weight_calls(served)
-
-    def weight_call(path: str, body: Any = None, method: str = "POST") -> Any:
-        return control_route(api, served, WEIGHTS, path, body, method, failed=WeightSyncFailed)
-
-    def require_group(route: str) -> None:
-        if not calls.opened:
-            raise WeightSyncConflict(f"{route} needs the trainer's group: call /init_weight_transfer_engine first "
-                                     "(TRL's VLLMClient.init_communicator)")
-
-    @weight_call("/init_weight_transfer_engine", InitWeightTransferRequest)
-    async def init_weight_transfer_engine(body: InitWeightTransferRequest) -> Any:
-        from engine.weights.transfer import check_init_info
-
-        backend = calls.backend
-        info = body.init_info
-        address = store_host(info.get("master_address"), served.serve.host, served.serve.weight_sync_hosts,
-                             field="init_info.master_address", keyed=served.api_key is not None)
-        checked = check_init_info(info, served.world_size())
-        port, world = info["master_port"], info["world_size"]
-        packed = {"buffer_bytes": checked["buffer_bytes"], "buffers": checked["buffers"]} if checked["packed"] \
-            else None
-        timeout = served.serve.weight_sync_join_timeout_s
-        secret = new_secret()
-        await calls.start(lambda: backend.open_weights(address, port, world, checked["transport"], timeout,
-                                                       learner_rank=0, packed=packed, secret=secret), exclusive=False)
-        calls.opened = True
-        return group_answer("Weight transfer initialized", checked["transport"], secret)
-
-    @weight_call("/start_weight_update")
-    async def start_weight_update() -> Any:
-        calls.backend  # noqa: B018 (refuses a backend without weight loading)
-        require_group("/start_weight_update")
-        await calls.finish()
-        calls.open_session(pushing=False)
-        return {"message": "Weight update started"}
-
-    @weight_call("/update_weights", UpdateWeightsRequest)
-    async def update_weights(body: UpdateWeightsRequest) -> Any:
-        from engine.weights.transfer import check_update_info
-
-        backend = calls.backend
-        require_group("/update_weights")
-        announced = check_update_info(body.update_info)
-        backend.check_announced(announced)
-        within = served.serve.weight_sync_session_timeout_s
-        await calls.start(lambda: backend.load_weights(announced, within), drain=True)
-        calls.open_session()
-        await calls.settle()  # answered once loaded, as vLLM does: a failure is this call's
-        return {"message": "Weights updated"}
-
-    @weight_call("/finish_weight_update", FinishWeightUpdateRequest)
-    async def finish_weight_update(body: FinishWeightUpdateRequest) -> Any:
-        calls.backend  # noqa: B018
-        require_group("/finish_weight_update")  # the version trainers read is the group's to set
-        version = check_version(body.weight_version)
-        await calls.finish()
-        if version is not None:
-            calls.version = version
-        return {"message": "Weight update finished"}
-
-    @weight_call("/shutdown_weight_transfer_engine")
-    async def shutdown_weight_transfer_engine() -> Any:
-        await calls.close()
-        return {"message": "Weight transfer shut down"}
-
-    @weight_call("/weight_info", method="GET")
-    async def weight_info() -> Any:
-        return {"weight_version": calls.version}
-
-    @weight_call("/update_weights_from_disk", UpdateWeightsFromDiskRequest)
-    async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest) -> Any:
-        from engine.weights.checkpoint import check_model_path
-
-        backend = calls.backend
-        if body.abort_all_requests:
-            raise RequestError("abort_all_requests", True, "is not supported: this server lets the rows in flight "
-                               "end, holds new ones, then loads", fix="leave it out (or false)")
-        path = str(check_model_path(body.model_path, body.load_format))
-        version = check_version(body.weight_version)
-        await calls.finish()
-        calls.holding = True  # new rows wait for the load; the rows in flight end first
-        calls.ended.clear()
-        try:
-            await served.idle()
-            loaded = await calls.run(lambda: backend.load_checkpoint(path))
-        finally:
-            calls.holding = False
-            calls.ended.set()
-        calls.stale = set(CACHES)
-        if body.flush_cache is not False:
-            await reset_cache(calls, "prefix")
-        if version is not None:
-            calls.version = version
-        return {"success": True, "message": f"loaded {loaded} tensors from {path}", "num_paused_requests": 0}
-
-    return api
+    return weight_router(served, ROUTES)

@@ -29,7 +29,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter
@@ -261,80 +262,97 @@ async def reset_cache(calls: WeightCalls, kind: str) -> str:
     return f"{kind} cache reset"
 
 
-def router(served: ServedEngine) -> APIRouter:
+Route = tuple[str | tuple[str, ...], type[Body] | None, str, Callable[..., Any]]
+"""A weight route: its path (or paths), its body model (None: no body), its method, and its handler, a module-level
+function of the session state (:class:`WeightCalls`) and, when it takes one, the validated body."""
+
+
+def weight_router(served: ServedEngine, routes: Sequence[Route]) -> APIRouter:
+    """The routes of one weight surface (swift's here, vLLM's in ``transfer.py``, the adapter-only sync in
+    ``adapter_sync.py``), each bound to the one session state they share, through the control call path."""
     api = APIRouter()
     calls = weight_calls(served)
-
-    def weight_call(path: str | tuple[str, ...], body: type[Body] | None = None,
-                    method: str = "POST") -> Callable[[Any], Any]:
-        return control_route(api, served, WEIGHTS, path, body, method, failed=WeightSyncFailed)
-
-    async def push(announced: dict[str, Any], what: str) -> Any:
-        backend = calls.backend
-        if not calls.opened:  # the load would fail in the background and be answered to an unrelated caller
-            raise WeightSyncConflict("no communicator is open, so no tensor can arrive: call /init_communicator/ "
-                                     "first (swift's VLLMClient.init_communicator)")
-        backend.check_announced(announced)  # names and shapes the model cannot take: this call's 400
-        within = served.serve.weight_sync_session_timeout_s
-        await calls.start(lambda: backend.load_weights(announced, within), drain=True)
-        calls.open_session()
-        return {"message": f"receiving {what}"}
-
-    @weight_call("/init_communicator/", InitCommunicatorRequest)
-    async def init_communicator(body: InitCommunicatorRequest) -> Any:
-        backend = calls.backend
-        host = store_host(body.host, served.serve.host, served.serve.weight_sync_hosts,
-                          keyed=served.api_key is not None)
-        port = _in_range("port", body.port, 1, 65535)
-        expected = served.world_size() + 1
-        world_size = _in_range("world_size", body.world_size, 2)
-        if world_size != expected:
-            raise RequestError("world_size", world_size, f"must be {expected}: this server's {expected - 1} "
-                               "workers and the learner", fix="take it from GET /get_world_size/, plus one")
-        transport = check_transport(body.transport)
-        timeout = served.serve.weight_sync_join_timeout_s
-        secret = new_secret()
-        await calls.start(lambda: backend.open_weights(host, port, world_size, transport, timeout, secret=secret),
-                          exclusive=False)
-        calls.opened = True
-        return group_answer(f"joining the learner's group on {host}:{port} ({transport})", transport, secret)
-
-    @weight_call("/update_named_param/", UpdateNamedParamRequest)
-    async def update_named_param(body: UpdateNamedParamRequest) -> Any:
-        if not body.name:
-            raise RequestError("name", body.name, "must be a parameter name", fix="e.g. lm_head.weight")
-        torch_dtype(body.dtype)
-        shape = check_shape(body.shape)
-        return await push({"name": body.name, "dtype": body.dtype, "shape": shape}, body.name)
-
-    @weight_call("/update_flattened_params/", UpdateFlattenedParamsRequest)
-    async def update_flattened_params(body: UpdateFlattenedParamsRequest) -> Any:
-        metadatas = check_metadatas(body.metadatas)
-        return await push({"metadatas": metadatas}, f"{len(metadatas)} tensors")
-
-    @weight_call("/process_weights_after_loading/")
-    async def process_weights_after_loading() -> Any:
-        calls.backend  # noqa: B018 (refuses a backend without weight loading)
-        await calls.finish()
-        return {"message": "weights in effect"}
-
-    def reset_route(kind: str) -> None:
-        @weight_call((f"/reset_{kind}_cache/", f"/reset_{kind}_cache"))  # swift's name, and vLLM's (TRL's client)
-        async def reset() -> Any:
-            return {"message": await reset_cache(calls, kind)}
-
-    for kind in CACHES:
-        reset_route(kind)
-
-    @weight_call("/get_model_state_keys/", method="GET")
-    async def get_model_state_keys() -> Any:
-        backend = calls.backend
-        await calls.finish()
-        return {"keys": await calls.run(backend.state_keys)}
-
-    @weight_call("/close_communicator/")
-    async def close_communicator() -> Any:
-        await calls.close()
-        return {"message": "closed"}
-
+    for paths, body, method, handler in routes:
+        control_route(api, served, WEIGHTS, paths, body, method, failed=WeightSyncFailed)(partial(handler, calls))
     return api
+
+
+async def push(calls: WeightCalls, announced: dict[str, Any], what: str) -> Any:
+    backend = calls.backend
+    if not calls.opened:  # the load would fail in the background and be answered to an unrelated caller
+        raise WeightSyncConflict("no communicator is open, so no tensor can arrive: call /init_communicator/ "
+                                 "first (swift's VLLMClient.init_communicator)")
+    backend.check_announced(announced)  # names and shapes the model cannot take: this call's 400
+    within = calls.served.serve.weight_sync_session_timeout_s
+    await calls.start(lambda: backend.load_weights(announced, within), drain=True)
+    calls.open_session()
+    return {"message": f"receiving {what}"}
+
+
+async def init_communicator(calls: WeightCalls, body: InitCommunicatorRequest) -> Any:
+    served, backend = calls.served, calls.backend
+    host = store_host(body.host, served.serve.host, served.serve.weight_sync_hosts, keyed=served.api_key is not None)
+    port = _in_range("port", body.port, 1, 65535)
+    expected = served.world_size() + 1
+    world_size = _in_range("world_size", body.world_size, 2)
+    if world_size != expected:
+        raise RequestError("world_size", world_size, f"must be {expected}: this server's {expected - 1} "
+                           "workers and the learner", fix="take it from GET /get_world_size/, plus one")
+    transport = check_transport(body.transport)
+    timeout = served.serve.weight_sync_join_timeout_s
+    secret = new_secret()
+    await calls.start(lambda: backend.open_weights(host, port, world_size, transport, timeout, secret=secret),
+                      exclusive=False)
+    calls.opened = True
+    return group_answer(f"joining the learner's group on {host}:{port} ({transport})", transport, secret)
+
+
+async def update_named_param(calls: WeightCalls, body: UpdateNamedParamRequest) -> Any:
+    if not body.name:
+        raise RequestError("name", body.name, "must be a parameter name", fix="e.g. lm_head.weight")
+    torch_dtype(body.dtype)
+    shape = check_shape(body.shape)
+    return await push(calls, {"name": body.name, "dtype": body.dtype, "shape": shape}, body.name)
+
+
+async def update_flattened_params(calls: WeightCalls, body: UpdateFlattenedParamsRequest) -> Any:
+    metadatas = check_metadatas(body.metadatas)
+    return await push(calls, {"metadatas": metadatas}, f"{len(metadatas)} tensors")
+
+
+async def process_weights_after_loading(calls: WeightCalls) -> Any:
+    calls.backend  # noqa: B018 (refuses a backend without weight loading)
+    await calls.finish()
+    return {"message": "weights in effect"}
+
+
+async def reset(calls: WeightCalls, *, kind: str) -> Any:
+    return {"message": await reset_cache(calls, kind)}
+
+
+async def get_model_state_keys(calls: WeightCalls) -> Any:
+    backend = calls.backend
+    await calls.finish()
+    return {"keys": await calls.run(backend.state_keys)}
+
+
+async def close_communicator(calls: WeightCalls) -> Any:
+    await calls.close()
+    return {"message": "closed"}
+
+
+ROUTES: tuple[Route, ...] = (
+    ("/init_communicator/", InitCommunicatorRequest, "POST", init_communicator),
+    ("/update_named_param/", UpdateNamedParamRequest, "POST", update_named_param),
+    ("/update_flattened_params/", UpdateFlattenedParamsRequest, "POST", update_flattened_params),
+    ("/process_weights_after_loading/", None, "POST", process_weights_after_loading),
+    *(((f"/reset_{kind}_cache/", f"/reset_{kind}_cache"), None, "POST", partial(reset, kind=kind))  # swift's name,
+      for kind in CACHES),  # and vLLM's (TRL's client)
+    ("/get_model_state_keys/", None, "GET", get_model_state_keys),
+    ("/close_communicator/", None, "POST", close_communicator),
+)
+"""swift's weight-sync routes (``VLLMClient`` in GRPO server mode), and the cache resets by vLLM's names too."""
+
+
+def router(served: ServedEngine) -> APIRouter:
+    return weight_router(served, ROUTES)

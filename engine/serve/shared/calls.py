@@ -100,7 +100,8 @@ def control_route(api: Any, served: ServedEngine, endpoint: str, paths: str | tu
             return answer
 
         for path in (paths,) if isinstance(paths, str) else paths:
-            api.add_api_route(path, endpoint_, methods=[method], name=f"{handler.__name__}:{path}")
+            name = getattr(handler, "__name__", None) or handler.func.__name__  # a partial: its function's name
+            api.add_api_route(path, endpoint_, methods=[method], name=f"{name}:{path}")
         return handler
     return register
 
