@@ -50,11 +50,28 @@ def plan_options(configured: GenerationOptions, overrides: Any, backend: Backend
                           f"serves ({served_mode!r}; fixed when it loads, as vLLM fixes it)",
                           fix=f"start the engine with model.logprobs_mode: {opts.logprobs_mode} (engine-serve "
                               f"--logprobs-mode {opts.logprobs_mode}), or expect {served_mode}")
+    check_native_processing(opts, backend)
     if opts.sampler != "native" and not opts.is_greedy and backend.capabilities.rules_problem is not None:
         raise UnsupportedCapabilityError(f"backend {backend.name!r} cannot draw with the portable sampler here "
                                          f"(its row processor cannot run: {backend.capabilities.rules_problem}). "
                                          "Fix: set generation.sampler to 'native'")
     return opts
+
+
+def check_native_processing(opts: GenerationOptions, backend: Backend) -> None:
+    """Refuse, naming the field, a processing option the backend's own sampler lacks (``Capabilities.
+    native_processing``) set away from its default in a call that samples natively."""
+    from engine.rules.processing import Processing
+
+    honoured = backend.capabilities.native_processing
+    if honoured is None or opts.sampler != "native" or opts.is_greedy:
+        return
+    defaults = Processing()
+    for name, value in Processing.of(opts).as_dict().items():
+        if name not in honoured and value != getattr(defaults, name):
+            raise ConfigError(f"generation.{name}", value, f"is not honoured by {backend.name}'s own sampler",
+                              fix="leave it at its default, or set generation.sampler: portable (the shared draw "
+                                  "runs it on every backend)")
 
 
 def plan_stop(configured: StopPolicy, overrides: Any, vocab: Callable[[], int],

@@ -81,7 +81,7 @@ def test_the_configured_seed_seeds_calls_without_one_row_by_row():
     rows get ``row_seed(seed, i)`` like any seeded call's; a call's own seed wins."""
     from types import SimpleNamespace
 
-    from engine.backends.base import CallPlan, prompts_of
+    from engine.backends.base import CallPlan, Capabilities, prompts_of
     from engine.backends.llamacpp.backend import LlamaCppBackend
     from engine.config import EngineConfig
     from engine.engine import GenerationEngine
@@ -91,7 +91,7 @@ def test_the_configured_seed_seeds_calls_without_one_row_by_row():
     engine.config = EngineConfig.from_dict({"backend": "llamacpp", "model": {"path": "/m"}})
     engine._specials = {}
     backend = SimpleNamespace(name="llamacpp", default_seed=9,
-                              capabilities=SimpleNamespace(structured_outputs=False, logprobs=True))
+                              capabilities=Capabilities(name="llamacpp", structured_outputs=False, logprobs=True))
     engine.load_info = SimpleNamespace(eos_token_ids=(2,))
     rendered = [RenderedPrompt(text="a", token_ids=(1,), fallback=None)] * 2
     plan: CallPlan = engine._plan({"temperature": 1.0}, None, None, backend)
@@ -139,14 +139,13 @@ def test_min_p_after_the_temperature_keeps_what_the_hf_sampler_keeps(min_p):
     """The llama.cpp step's min-p (after its temperature) keeps exactly the tokens HF's warpers keep in the engine's
     order (temperature, then min-p), and vLLM's rule: p >= min_p * p_max."""
     import torch
-
-    from engine.backends.hf.sampling import sampling_warpers
+    from transformers import MinPLogitsWarper, TemperatureLogitsWarper
 
     rng = np.random.default_rng(2)
     scores = (rng.standard_normal(40) * 3).astype(np.float32)
     got = step_for(temperature=1.7, min_p=min_p)(np.array([1]), scores.copy())
     want = torch.tensor(scores[None])
-    for warp in sampling_warpers(1.7, 0, 1.0, min_p):
+    for warp in (TemperatureLogitsWarper(1.7), MinPLogitsWarper(min_p)):  # HF's own warpers: the oracle
         want = warp(None, want)
     assert (np.isfinite(got) == torch.isfinite(want[0]).numpy()).all()
     probs = torch.softmax(torch.tensor(scores) / 1.7, -1).numpy()

@@ -51,9 +51,9 @@ def test_vllm_row_draw_forces_the_shared_token_at_each_position_and_keeps_its_di
 
 def test_hf_last_processor_draws_the_shared_token_per_row_whatever_the_batch():
     rows = torch.stack([logits(10), logits(11), logits(12)])
-    sampler = RowSampler([5, 6, 7], PORTABLE, positions=[3, 8, 2])
+    sampler = RowSampler([5, 6, 7], Processing.of(PORTABLE), sampler=PORTABLE.sampler, positions=[3, 8, 2])
     chosen = sampler(torch.zeros(3, 9, dtype=torch.long), rows.clone()).argmax(dim=-1).tolist()
-    alone = RowSampler([6], PORTABLE, positions=[8])
+    alone = RowSampler([6], Processing.of(PORTABLE), sampler=PORTABLE.sampler, positions=[8])
     assert chosen[1] == int(alone(torch.zeros(1, 9, dtype=torch.long), rows[1:2].clone()).argmax())
     assert chosen == [draw(rows[i], seed=s, pos=p).token for i, (s, p) in enumerate([(5, 3), (6, 8), (7, 2)])]
     second = sampler(torch.zeros(3, 10, dtype=torch.long), rows.clone()).argmax(dim=-1).tolist()  # next position

@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 from engine.config.generation import GenerationOptions, StopPolicy
 from engine.config.vision import PixelBudget
 from engine.rules.base import RuleSpec
+from engine.rules.processing import Processing
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,10 @@ class Capabilities:
     """Why the backend cannot run the engine's row rules (repeat guard, rule plugins) here; None: it can."""
     adapters: tuple[str, ...] = ()
     """The LoRA adapters it loaded (``model.adapters``' names): what a request's ``adapter`` may name."""
+    native_processing: frozenset[str] | None = None
+    """The fields of the call's processing (``CallPlan.processing``) its own sampler honours with ``generation.sampler:
+    native``; None: every one (it runs the shared steps, ``engine.rules.processing``). Planning refuses another field
+    set away from its default, naming it (the portable draw runs the shared steps on every backend)."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,13 @@ class CallPlan:
     logprobs_mode: str = "raw_logprobs"
     """What ``options.logprobs`` returns (``model.logprobs_mode``; vLLM was started with it): the raw model
     distribution, or the processed one the draw used (``engine.rules.processing``)."""
+    processing: Processing = field(init=False)
+    """The sampling distribution's processing, built once from ``options`` (:class:`~engine.rules.processing.
+    Processing`): what every backend, the portable draw and the processed logprobs read, never the options' fields
+    one by one."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "processing", Processing.of(self.options))
 
     @property
     def draws_portably(self) -> bool:

@@ -19,6 +19,7 @@ logprobs by exactly ``log(kept_mass)`` per token when no penalty applies.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,14 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Processing:
-    """The sampling steps a distribution went through (a subset of ``GenerationOptions``).
+    """The sampling distribution's processing, the one carrier of it: built once when a call is planned
+    (``CallPlan.processing``, from the ``GenerationOptions`` fields of the same names) and handed whole to every
+    backend, the portable draw and re-scoring. Its steps run in one order, :func:`process`: the penalty
+    (:data:`PENALTY`, over the ids seen so far), then :func:`warp` (the temperature, min-p, top-k, top-p).
+
+    A new processing option is a field here and its step in :func:`warp` (with the ``GenerationOptions`` field of the
+    same name); HF, llama.cpp, the portable draw and re-scoring run this module's steps, and vLLM's native sampler
+    takes it by name (``engine.backends.vllm.backend.VLLM_SAMPLING``). docs/layout.md, "Add a sampling option".
 
     >>> Processing(temperature=0.7, top_p=0.9).is_identity, Processing().is_identity
     (False, True)
@@ -41,9 +49,22 @@ class Processing:
 
     @classmethod
     def of(cls, options: Any) -> Processing:
-        """The processing of a request's ``GenerationOptions`` (or anything with those fields)."""
-        return cls(temperature=options.temperature, top_k=options.top_k, top_p=options.top_p, min_p=options.min_p,
-                   repetition_penalty=options.repetition_penalty)
+        """The processing of a request's ``GenerationOptions`` (or anything with fields of these names)."""
+        return cls(**{f.name: getattr(options, f.name) for f in dataclasses.fields(cls)})
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every step's setting by name (what travels to vLLM's processors, :meth:`from_dict` reads it back)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Any) -> Processing:
+        """The processing :meth:`as_dict` wrote, each value of its field's type.
+
+        >>> Processing.from_dict(Processing(top_k=3).as_dict()) == Processing(top_k=3)
+        True
+        """
+        kinds = {f.name: f.type for f in dataclasses.fields(cls)}
+        return cls(**{name: (int if kinds[name] == "int" else float)(values[name]) for name in kinds})
 
     @property
     def is_identity(self) -> bool:
@@ -111,9 +132,38 @@ def truncate(logits: Any, top_k: int, top_p: float) -> Any:
     return logits
 
 
+PENALTY = ("repetition_penalty",)
+"""The carrier's fields that act on the ids seen so far (:func:`penalize`, before the rest); every other field is a step
+of :func:`warp`."""
+
+
+def temper(rows: Any, processing: Processing) -> Any:
+    """The temperature on rows of logits, in place; 0 (greedy) and 1 change nothing, as on vLLM's greedy path."""
+    if processing.temperature not in (0, 1):
+        rows /= processing.temperature
+    return rows
+
+
+def cut(rows: Any, processing: Processing) -> Any:
+    """min-p, then top-k and top-p, on rows of logits (rows x vocab), in place: the support the draw keeps."""
+    min_p_mask(rows, processing.min_p)
+    return truncate(rows, processing.top_k, processing.top_p)
+
+
+def warp(rows: Any, processing: Processing) -> Any:
+    """Every step after the penalty, in vLLM's order, on rows of logits (rows x vocab), in place: what HF's sampled
+    calls and llama.cpp's row step run after their penalty and rules.
+
+    >>> import torch
+    >>> warp(torch.tensor([[2.0, 1.0, 0.0]]), Processing(temperature=2.0, top_k=2)).tolist()
+    [[1.0, 0.5, -inf]]
+    """
+    return cut(temper(rows, processing), processing)
+
+
 def process(logits: Any, processing: Processing, seen: Sequence[int] = ()) -> tuple[Any, Any]:
     """One row's processed logits (vocab,) and the kept mass: the penalty (over ``seen``: prompt and output ids so
-    far), the temperature, min-p, top-k, top-p. ``logits`` is not changed.
+    far), then :func:`warp`'s steps. ``logits`` is not changed.
 
     >>> import torch
     >>> out, kept = process(torch.tensor([2.0, 1.0, 0.0]), Processing(temperature=1.0, top_k=2))
@@ -122,11 +172,8 @@ def process(logits: Any, processing: Processing, seen: Sequence[int] = ()) -> tu
     """
 
     row = penalize(logits.float().clone(), seen, processing.repetition_penalty)
-    if processing.temperature not in (0, 1):
-        row /= processing.temperature
-    before = row.clone()
-    row = min_p_mask(row[None, :], processing.min_p)
-    row = truncate(row, processing.top_k, processing.top_p)[0]
+    before = temper(row[None, :], processing)[0].clone()  # the mass is what the cut keeps of the tempered row
+    row = cut(row[None, :], processing)[0]
     return row, kept_mass(before, row)
 
 

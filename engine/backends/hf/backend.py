@@ -22,6 +22,10 @@ from engine.errors import BackendUnavailableError, EngineError, RequestError
 from engine.rules.events import stopped_on_seen_token
 
 SPEC = SPECS["hf"]
+HF_OWN = ("repetition_penalty",)
+"""The fields of the call's processing (``CallPlan.processing``) HF's own ``GenerationConfig`` applies (its repetition
+penalty, CTRL's rule as vLLM's); every other field is a step of the shared warp :class:`~engine.backends.hf.sampling.
+RowSampler` runs (``engine.rules.processing.warp``)."""
 HOOKS = SPEC.hooks
 
 
@@ -370,7 +374,7 @@ class HfBackend(BackendBase, backend="hf"):
         return GenerationConfig(
             max_new_tokens=min(opts.max_new_tokens, max_new_tokens or opts.max_new_tokens),
             min_new_tokens=opts.min_new_tokens or None,
-            repetition_penalty=opts.repetition_penalty,
+            **{name: getattr(plan.processing, name) for name in HF_OWN},  # the rest: RowSampler's shared warp
             eos_token_id=list(plan.terminal_token_ids) or None,  # none with ignore_eos and no stop ids
             pad_token_id=self.tokenizer.pad_token_id,
             bos_token_id=self.tokenizer.bos_token_id,
@@ -459,7 +463,7 @@ class HfBackend(BackendBase, backend="hf"):
         tap = ScoreTap() if opts.logprobs is not None and plan.logprobs_mode.startswith("processed") else None
         sampler: list[Any] = []
         if not opts.is_greedy:  # warpers after every other processor, then one draw per row with its own seed
-            sampler.append(RowSampler([p.seed for p in prompts], opts, tap=tap,
+            sampler.append(RowSampler([p.seed for p in prompts], plan.processing, sampler=opts.sampler, tap=tap,
                                       positions=(inputs["attention_mask"].sum(dim=1) - 1).tolist()))
         elif tap is not None:  # greedy: the draw is the argmax of what every processor left (vLLM's greedy path)
             sampler.append(tap)

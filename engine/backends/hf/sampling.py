@@ -2,9 +2,10 @@
 
 ``generate(do_sample=True)`` draws every row from one ``torch.multinomial`` stream, so identical prompts in one
 seeded call get different samples only by their position, and a row's sample changes with its batch-mates. The
-HF backend therefore runs ``generate`` greedy and samples in its last logits processor: HF's own warpers in vLLM's
-order (temperature, min-p, top-k, top-p, after every other processor: penalties, min-length, row rules, grammar mask),
-then one draw per row from that row's own ``torch.Generator``; the processor returns scores where only the drawn
+HF backend therefore runs ``generate`` greedy and samples in its last logits processor: the call's processing
+(``CallPlan.processing``, the shared steps of :func:`engine.rules.processing.warp` in vLLM's order: temperature, min-p,
+top-k, top-p, after every other processor: HF's repetition penalty, min-length, row rules, grammar mask), then one draw
+per row from that row's own ``torch.Generator``; the processor returns scores where only the drawn
 token is finite, so greedy selection picks it. Raw logits (``output_logits``, raw logprobs' source) are untouched;
 a :class:`ScoreTap` keeps the scores the draw used (processed logprobs' source, vLLM's ``processed_logprobs``).
 """
@@ -15,46 +16,32 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.config.generation import GenerationOptions
-
-
-def sampling_warpers(temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> list[Any]:
-    """HF's own warpers, in vLLM's order: temperature, min-p, top-k, top-p (HF's ``generate`` would apply min-p
-    last; vLLM's sampler applies it before top-k and top-p, and the kept set differs when top-p is set too)."""
-    from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-    warpers: list[Any] = [TemperatureLogitsWarper(temperature)]
-    if min_p:
-        warpers.append(MinPLogitsWarper(min_p))
-    if top_k:
-        warpers.append(TopKLogitsWarper(top_k))
-    if top_p < 1.0:
-        warpers.append(TopPLogitsWarper(top_p))
-    return warpers
+    from engine.rules.processing import Processing
 
 
 class RowSampler:
     """The last logits processor of a sampled HF call: warps, then draws each row with its own generator.
 
-    It reads what it needs from the call's options, handed whole (temperature, min-p, top-k, top-p, ``sampler``).
-    ``seeds[i]`` seeds row ``i`` (None: that row draws from torch's global generator, i.e. unseeded)::
+    It is handed the call's processing whole (``CallPlan.processing``: the steps after HF's repetition penalty) and
+    its ``sampler``. ``seeds[i]`` seeds row ``i`` (None: that row draws from torch's global generator, i.e.
+    unseeded)::
 
         >>> import torch
-        >>> from engine.config.generation import GenerationOptions
-        >>> sampler = RowSampler([7, 7], GenerationOptions(max_new_tokens=4, temperature=1.0))
+        >>> from engine.rules.processing import Processing
+        >>> sampler = RowSampler([7, 7], Processing(temperature=1.0))
         >>> scores = sampler(torch.zeros(2, 1), torch.zeros(2, 50))  # two rows, a flat distribution
         >>> bool((scores[0] == scores[1]).all()), int(torch.isfinite(scores[0]).sum())  # same seed: same draw
         (True, 1)
     """
 
-    def __init__(self, seeds: Sequence[int | None], options: GenerationOptions, *, tap: ScoreTap | None = None,
-                 positions: Sequence[int] = ()) -> None:
+    def __init__(self, seeds: Sequence[int | None], processing: Processing, *, sampler: str = "native",
+                 tap: ScoreTap | None = None, positions: Sequence[int] = ()) -> None:
         import torch
 
-        self.warpers = sampling_warpers(options.temperature, options.top_k, options.top_p, options.min_p)
+        self.processing = processing
         self.generators = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
         self.tap = tap
-        self.sampler = options.sampler
+        self.sampler = sampler
         self.seeds = list(seeds)
         self.positions = list(positions)
         """The portable sampler's position of each row's first draw: its last prompt token's (``prompt_len - 1``)."""
@@ -63,8 +50,9 @@ class RowSampler:
     def __call__(self, input_ids: Any, scores: Any) -> Any:
         import torch
 
-        for warp in self.warpers:
-            scores = warp(input_ids, scores)
+        from engine.rules.processing import warp
+
+        scores = warp(scores.clone(), self.processing)  # a copy: HF keeps this step's tensor as its raw logits
         if self.tap is not None:
             self.tap(input_ids, scores)
         if self.sampler != "native":

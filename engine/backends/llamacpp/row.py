@@ -68,7 +68,7 @@ class LlamaCppRow:
         self.stoppers = make([s for s in plan.rules if s.mechanism == "stopping_criteria"])
         self.step = LlamaCppRowStep(prompt_len=len(prompt.token_ids), terminal_ids=plan.terminal_token_ids,
                                     rules=self.rules, eos_id=plan.eos_token_ids[0], options=opts,
-                                    logprobs_mode=plan.logprobs_mode, seed=prompt.seed)
+                                    logprobs_mode=plan.logprobs_mode, seed=prompt.seed, processing=plan.processing)
         self.stops = StopStringWatch(plan.stop.strings, text_stream(decode),
                                      min_new_tokens=opts.min_new_tokens) if plan.stop.strings else None
         self.budget = min(opts.max_new_tokens, n_ctx - len(prompt.token_ids))
@@ -82,7 +82,7 @@ class LlamaCppRow:
 
     def ids(self) -> tuple[int, ...]:
         """The row's ids so far, for its step (which reads them for the repetition penalty only)."""
-        if self.step.repetition_penalty == 1.0:
+        if self.step.processing.repetition_penalty == 1.0:
             return self.prompt.token_ids
         return tuple(self.prompt.token_ids) + tuple(self.tokens)
 

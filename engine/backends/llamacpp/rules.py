@@ -23,14 +23,15 @@ from engine.rules.base import RuleSet
 
 if TYPE_CHECKING:
     from engine.config.generation import GenerationOptions
+    from engine.rules.processing import Processing
 
 
 class LlamaCppRowStep:
     """One row's logits processor; the backend's loop feeds it each kept token (:meth:`feed`).
 
-    It reads what it needs from the call's options, handed whole (``GenerationOptions``: the ban on terminal ids
-    until ``min_new_tokens``, then penalty, rules, temperature, min-p, top-k, top-p in the shared order, then the
-    portable draw when ``sampler`` asks for it).
+    It reads what it needs from the call's options and processing, handed whole (``GenerationOptions``: the ban on
+    terminal ids until ``min_new_tokens``, the portable draw when ``sampler`` asks for it; ``CallPlan.processing``: the
+    penalty, then, after the rules, the shared steps of :func:`engine.rules.processing.warp`).
 
     >>> import numpy as np
     >>> from engine.config.generation import GenerationOptions
@@ -43,15 +44,17 @@ class LlamaCppRowStep:
     """
 
     def __init__(self, *, prompt_len: int, terminal_ids: Sequence[int], rules: RuleSet | None, eos_id: int,
-                 options: GenerationOptions, logprobs_mode: str = "raw_logprobs", seed: int | None = None) -> None:
+                 options: GenerationOptions, logprobs_mode: str = "raw_logprobs", seed: int | None = None,
+                 processing: Processing | None = None) -> None:
+        from engine.rules.processing import Processing
+
         self.prompt_len = prompt_len
         self.terminal_ids = list(terminal_ids)
         self.rules = rules
         self.eos_id = eos_id
         self.options = options
         self.min_new_tokens = options.min_new_tokens
-        self.repetition_penalty = options.repetition_penalty
-        self.temperature = None if options.is_greedy else options.temperature
+        self.processing = processing if processing is not None else Processing.of(options)  # the plan's, in a call
         self.logprobs = options.logprobs is not None
         self.mode = logprobs_mode
         self.portable = None if options.is_greedy or options.sampler == "native" else (options.sampler, seed)
@@ -72,24 +75,21 @@ class LlamaCppRowStep:
         import numpy as np
         import torch
 
-        from engine.rules.processing import min_p_mask, penalize, truncate
+        from engine.rules.processing import penalize, warp
 
         if self.logprobs and self.mode.startswith("raw"):
             self.last_logprobs = self._kept(scores)
         row = torch.from_numpy(scores)  # (vocab,), shares memory with llama.cpp's array: every edit is in place
         if self.generated < self.min_new_tokens:
             scores[self.terminal_ids] = -np.inf
-        if self.repetition_penalty != 1.0:
+        if self.processing.repetition_penalty != 1.0:
             penalize(row, np.asarray(input_ids[: self.prompt_len + self.generated], dtype=np.int64).tolist(),
-                     self.repetition_penalty)
+                     self.processing.repetition_penalty)
         if self.rules is not None and self.rules.rules:
             from engine.backends.row_apply import apply_decisions, decide
 
             apply_decisions(row[None, :], decide(row[None, :], [(0, self.rules, self.eos_id)]))
-        if self.temperature is not None and self.temperature != 1.0:
-            scores /= self.temperature
-        min_p_mask(row[None, :], self.options.min_p)  # vLLM's min-p, after the temperature (shared rule)
-        truncate(row[None, :], self.options.top_k, self.options.top_p)  # vLLM's top-k then top-p
+        warp(row[None, :], self.processing)  # temperature, min-p, top-k, top-p: the shared steps, in vLLM's order
         if self.logprobs and self.mode.startswith("processed"):
             self.last_logprobs = self._kept(scores)
         if self.portable is not None:

@@ -165,7 +165,8 @@ def capabilities(model_config: Any, settings: VllmConfig, plan: Any, lora: Any) 
                         # in a logits mode vLLM's prompt "logprobs" are logits: scores would not be log-probabilities
                         scoring=str(model_config.logprobs_mode).endswith("logprobs") and not lora_on_cpu,
                         scoring_problem=LORA_SCORING_PROBLEM if lora_on_cpu else None,
-                        structured_outputs=not multimodal, rules_problem=plan.problem, adapters=lora.names)
+                        structured_outputs=not multimodal, rules_problem=plan.problem, adapters=lora.names,
+                        native_processing=frozenset(name for name, known in VLLM_SAMPLING.items() if known))
 
 
 def predicted_runner(model: ModelConfig, settings: VllmConfig | None = None) -> Any:
@@ -204,6 +205,14 @@ def add_adapter(add: Any, adapter: Any) -> Any:
                           fix="give a PEFT LoRA adapter of the served model") from None
 
 
+VLLM_SAMPLING: dict[str, str | None] = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+                                        "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
+"""The call's processing (``CallPlan.processing``, every field) by the ``SamplingParams`` names vLLM's own sampler reads
+them under, or None for a field its sampler lacks (planning then refuses it with the native sampler, naming it: the
+portable draw runs the shared steps instead): the one place vLLM's native path translates the carrier
+(``tests/test_processing.py`` fails on a carrier field missing here)."""
+
+
 def sampling_params(plan: CallPlan, **extra: Any) -> Any:
     """The complete ``SamplingParams`` for ``plan`` (``extra``: e.g. ``output_kind``); each row's seed and rules are
     added per request by :func:`request_params`."""
@@ -218,12 +227,8 @@ def sampling_params(plan: CallPlan, **extra: Any) -> Any:
         n=1,
         max_tokens=opts.max_new_tokens,
         min_tokens=opts.min_new_tokens,
-        temperature=opts.temperature,
-        top_p=opts.top_p,
-        top_k=opts.top_k,
-        min_p=opts.min_p,
+        **{VLLM_SAMPLING[name]: value for name, value in plan.processing.as_dict().items() if VLLM_SAMPLING[name]},
         seed=None,  # each row's own seed is set per request (request_params)
-        repetition_penalty=opts.repetition_penalty,
         stop=list(plan.stop.strings) or None,
         stop_token_ids=list(plan.terminal_token_ids),
         include_stop_str_in_output=False,

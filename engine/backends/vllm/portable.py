@@ -36,14 +36,22 @@ def draw_args(plan: Any, seed: int, prompt_len: int) -> dict[str, Any] | None:
     opts = plan.options
     if not plan.draws_portably:
         return None
-    return {"sampler": opts.sampler, "seed": seed, "pos0": prompt_len - 1, "temperature": opts.temperature,
-            "top_k": opts.top_k, "top_p": opts.top_p, "min_p": opts.min_p,
-            "repetition_penalty": opts.repetition_penalty, "logprobs": opts.logprobs,
-            "mode": plan.logprobs_mode}
+    return {"sampler": opts.sampler, "seed": seed, "pos0": prompt_len - 1, **plan.processing.as_dict(),
+            "logprobs": opts.logprobs, "mode": plan.logprobs_mode}
 
 
-DRAW_FIELDS = {"sampler": str, "seed": int, "pos0": int, "temperature": (int, float), "top_k": int,
-               "top_p": (int, float), "min_p": (int, float), "repetition_penalty": (int, float)}
+def _draw_fields() -> dict[str, Any]:
+    """What :func:`draw_args` writes, by type: the draw's own keys and every field of the carried processing."""
+    import dataclasses
+
+    from engine.rules.processing import Processing
+
+    kinds = {"int": int, "float": (int, float)}
+    return {"sampler": str, "seed": int, "pos0": int,
+            **{f.name: kinds[str(f.type)] for f in dataclasses.fields(Processing)}}
+
+
+DRAW_FIELDS = _draw_fields()
 
 
 def check_draw_args(draw: Any, where: str) -> None:
@@ -97,9 +105,7 @@ class PortableDraw:
            min_new: int) -> PortableDraw:
         from engine.rules.processing import Processing
 
-        processing = Processing(temperature=float(args["temperature"]), top_k=int(args["top_k"]),
-                                top_p=float(args["top_p"]), min_p=float(args["min_p"]),
-                                repetition_penalty=float(args["repetition_penalty"]))
+        processing = Processing.from_dict(args)
         return cls(sampler=str(args["sampler"]), seed=int(args["seed"]), pos0=int(args["pos0"]),
                    processing=processing, prompt=tuple(prompt), terminal=tuple(terminal), min_new=min_new,
                    logprobs=args.get("logprobs"), mode=str(args.get("mode") or "raw_logprobs"))
