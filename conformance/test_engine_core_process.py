@@ -17,7 +17,7 @@ from conformance.test_repeat import BUDGET, LOOP_GUARD, MIXED
 
 SUBJECTS = uses(engines("tiny-looper"), engines("tiny-looper", vllm={}), servers("tiny-looper"))
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.runner_dependent]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from engine_fixtures import load_prompts
 
 SUBJECTS = uses(engines("text"), servers("text"))
 
-pytestmark = [pytest.mark.servable, pytest.mark.dtype_dependent]
+pytestmark = [pytest.mark.servable, pytest.mark.dtype_dependent, pytest.mark.runner_dependent]
 
 
 @pytest.mark.quick  # with its served twin: every backend's server through /infer/ (conformance.kit.tiers)

@@ -29,7 +29,7 @@ SUBJECTS = uses(
     servers("text"),
 )
 
-pytestmark = pytest.mark.dtype_dependent
+pytestmark = [pytest.mark.dtype_dependent, pytest.mark.runner_dependent]
 
 PROMPTS = [p["messages"] for p in load_prompts("chat")[:4]]
 TOKENS = 32

@@ -22,7 +22,7 @@ SUBJECTS = uses(
     servers("tiny-looper", vllm={"max_num_seqs": 4}),
 )
 
-pytestmark = pytest.mark.dtype_dependent
+pytestmark = [pytest.mark.dtype_dependent, pytest.mark.runner_dependent]
 
 LOOP_GUARD = {"enabled": True, "max_consecutive_token_repeats": 4, "ngram_size": 3, "ngram_repeats": 3}
 REAL_LOOP_GUARD = {"enabled": True, "ngram_size": 5, "ngram_repeats": 4}

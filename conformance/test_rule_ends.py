@@ -19,7 +19,7 @@ from engine_fixtures import load_prompts
 
 SUBJECTS = uses(engines("text"))
 
-pytestmark = pytest.mark.dtype_dependent
+pytestmark = [pytest.mark.dtype_dependent, pytest.mark.runner_dependent]
 
 CHAT = [p["messages"] for p in load_prompts("chat")]
 JSON = [p["messages"] for p in load_prompts("json") if p["id"] != "json-30-fruits"]

@@ -35,7 +35,7 @@ SUBJECTS = uses(
     processes("engine.serve server", why="those servers, and HF's of its own with an API key (SIGTERM drains it)"),
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.runner_dependent]
 NS = LOOPER_SERVE["namespace"]
 GREEDY = {"max_tokens": BUDGET["max_new_tokens"], "temperature": 0, "return_details": True}
 

@@ -21,7 +21,7 @@ from engine.backends.registry import SPECS
 
 SUBJECTS = uses(engines("text"))
 
-pytestmark = pytest.mark.dtype_dependent
+pytestmark = [pytest.mark.dtype_dependent, pytest.mark.runner_dependent]
 
 CONSTRAINED = tuple(name for name, spec in SPECS.items() if spec.structured_outputs)
 """The backends that can constrain output (hf, vllm, and any registered one that declares it)."""

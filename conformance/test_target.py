@@ -18,6 +18,7 @@ from conformance.precision import REFERENCE_TOL
 from conformance.subjects.plan import engines, servers, uses
 from conformance.subjects.target import TARGET, Findings, error_shape_problem
 
+pytestmark = pytest.mark.external_target  # what --engine-target-url runs: any server, through its OpenAI API
 SUBJECTS = uses(engines("text"), servers("text"))
 
 PROMPTS = ("The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,",

@@ -25,6 +25,7 @@ from engine.backends.vllm.rules import PROCESSORS, V1, V2, request_args
 from engine.rules.base import RuleSpec
 from engine.rules.repeat import RepeatRule, RepeatThresholds
 
+pytestmark = pytest.mark.runner_dependent  # vLLM's two model runners differ here (nox -s gpu)
 SUBJECTS = uses()  # nothing from the pool: the engines built here stop before vLLM starts (a stand-in vllm.LLM)
 
 

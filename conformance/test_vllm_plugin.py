@@ -25,7 +25,7 @@ SUBJECTS = uses(
     processes("stock vllm serve", why="the guard as a plugin inside stock vllm serve"),
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.runner_dependent]
 ACTIVATION = {"COORDEXP_ENABLE_VLLM_REPEAT_TERMINATE_INJECTION": "1",
               "COORDEXP_VLLM_REPEAT_TERMINATE_CONFIG_JSON": '{"enabled": true, "ngram_size": 5, "ngram_repeats": 4}'}
 """The served plugin's server-wide guard: the seeds' variables with ``REAL_LOOP_GUARD``."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conformance.kit.runbook import DTYPE_MARKER, RUNNER_CHECKS, Outcome, plan_passes, read_junit, verdict
+from conformance.kit.runbook import DTYPE_MARKER, RUNNER_MARKER, Outcome, plan_passes, read_junit, verdict
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
 <testcase classname="conformance.test_parity" name="test_a[hf]"/>
@@ -17,8 +17,18 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="py
 def test_both_runners_then_bf16_when_vllm_is_installed():
     passes = plan_passes(("hf", "vllm"))
     assert [p.env.get("VLLM_USE_V2_MODEL_RUNNER") for p in passes] == ["1", "0", None]
-    assert passes[0].checks == RUNNER_CHECKS and (passes[-1].checks, passes[-1].marker) == ((), DTYPE_MARKER)
+    assert [(p.checks, p.marker) for p in passes] == [((), RUNNER_MARKER)] * 2 + [((), DTYPE_MARKER)]
     assert [p.dtype for p in passes] == ["float32", "float32", "bfloat16"]
+
+
+def test_the_runner_dependent_checks_carry_the_marker_the_runner_passes_select():
+    """The runbook's two runner passes select by marker (it names no check): the modules whose path differs between
+    vLLM's model runners must carry it."""
+    suite = Path(__file__).resolve().parents[1] / "conformance"
+    marked = {f.name for f in suite.glob("test_*.py") if f"pytest.mark.{RUNNER_MARKER}" in f.read_text()}
+    assert marked == {"test_vllm_adapters.py", "test_vllm_plugin.py", "test_repeat.py", "test_rule_ends.py",
+                      "test_parity.py", "test_served.py", "test_engine_core_process.py", "test_structured_rules.py",
+                      "test_portable_sampler.py"}
 
 
 def test_the_dtype_dependent_checks_carry_the_marker_the_bf16_passes_select():

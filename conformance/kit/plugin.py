@@ -68,7 +68,6 @@ FORCED_PROBES = pytest.StashKey[list[str]]()
 TARGET_KEY = pytest.StashKey[TargetOptions]()
 TARGET_DESCRIBED = pytest.StashKey[dict[str, Any]]()
 """The external target as the report's run field ``target`` (set by the ``target`` fixture on first use)."""
-TARGET_MODULE = "test_target.py"
 CALL_PASSED = pytest.StashKey[bool]()
 RELEASES_KEY = pytest.StashKey[dict[str, list[Any]]]()
 """Check node id -> the (subject, backend) pairs whose last user it is (``plan.last_users``): the pool stops them after
@@ -106,6 +105,10 @@ MARKERS = {
     "slow": "takes more than a few seconds (deselect with -m 'not slow')",
     "dtype_dependent": "a conformance check that compares backends or batches by the dtype's rule (exact in "
                        "float32, vLLM's rule below it); nox -s conformance-bf16 runs them",
+    "runner_dependent": "a conformance check whose path differs between vLLM's two model runners (processor "
+                        "interface, events, async scheduling); the GPU runbook (nox -s gpu) runs it on each",
+    "external_target": "a conformance check that runs against --engine-target-url (a server of any kind, through its "
+                       "OpenAI API); with a target, every other check skips",
 }
 """The suite's markers, registered by the plugin (so ``--strict-markers`` accepts them in any repository)."""
 
@@ -409,7 +412,7 @@ OWN_ENGINE_REASON = ("needs the engine's own backends or server (its envelope, g
 def skip_own_engine_checks(config: pytest.Config, checks: list[pytest.Item]) -> None:
     """With an external target, every check but the target's skips, with the reason."""
     for item in checks:
-        if module_file(item) != TARGET_MODULE:
+        if item.get_closest_marker("external_target") is None:
             item.add_marker(pytest.mark.skip(reason=OWN_ENGINE_REASON))
 
 

@@ -33,12 +33,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 REPORTS = ROOT / "reports"
-RUNNER_CHECKS = ("test_vllm_adapters.py", "test_vllm_plugin.py", "test_repeat.py", "test_rule_ends.py",
-                 "test_parity.py", "test_served.py", "test_engine_core_process.py", "test_structured_rules.py",
-                 "test_portable_sampler.py")
-"""The checks that differ between the two model runners (processor interface, events, async scheduling; the guard's
-vLLM plugin, whose ``EngineGuard`` takes Model Runner V2's path only on CUDA; the portable sampler, whose draw runs
-in the V2 processor there and which is compared with Model Runner V2's own Gumbel sampler)."""
+RUNNER_MARKER = "runner_dependent"
+"""The marker of the checks that differ between the two model runners (processor interface, events, async
+scheduling; the guard's vLLM plugin, whose ``EngineGuard`` takes Model Runner V2's path only on CUDA; the portable
+sampler, whose draw runs in the V2 processor there and which is compared with Model Runner V2's own Gumbel sampler):
+each module says so itself (``pytestmark``), the runbook names none."""
 DTYPE_MARKER = "dtype_dependent"
 """The marker of the checks whose comparisons depend on the dtype (exact in float32, vLLM's rule below it)."""
 
@@ -56,10 +55,10 @@ class Pass:
 def plan_passes(backends: tuple[str, ...]) -> list[Pass]:
     """The passes for the installed ``backends``: both runners when vLLM is among them, else one fp32 pass."""
     if "vllm" in backends:
-        passes = [Pass("runner-v2-fp32", RUNNER_CHECKS, "float32", {"VLLM_USE_V2_MODEL_RUNNER": "1"}),
-                  Pass("runner-v1-fp32", RUNNER_CHECKS, "float32", {"VLLM_USE_V2_MODEL_RUNNER": "0"})]
+        passes = [Pass("runner-v2-fp32", (), "float32", {"VLLM_USE_V2_MODEL_RUNNER": "1"}, marker=RUNNER_MARKER),
+                  Pass("runner-v1-fp32", (), "float32", {"VLLM_USE_V2_MODEL_RUNNER": "0"}, marker=RUNNER_MARKER)]
     else:
-        passes = [Pass("hf-fp32", RUNNER_CHECKS, "float32")]
+        passes = [Pass("hf-fp32", (), "float32", marker=RUNNER_MARKER)]
     return [*passes, Pass("bf16", (), "bfloat16", marker=DTYPE_MARKER)]
 
 
