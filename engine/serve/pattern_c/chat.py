@@ -104,3 +104,23 @@ def pattern_c_body(result: GenerationResult, call: PatternCCall, *, model: str) 
             "finish_reason": result.finish_reason, "usage": usage(result),
         },
     }
+
+
+async def answer(call: Any, served: Any) -> Any:
+    """The parsed call's answer through the one call path (:class:`engine.serve.shared.calls.Call`): one ``agenerate``
+    answered as ``{text, meta}``, or one ``astream`` as ``{delta}`` events closed by that body."""
+    c, engine = call.parsed, served.engine
+    if not c.stream:
+        return await call.whole(lambda: engine.agenerate([c.messages], **c.kwargs, prepared=call.prepared),
+                                body=lambda results: pattern_c_body(results[0], c, model=served.model_name))
+
+    async def open_stream() -> tuple[Any, list[Any]]:
+        return engine.astream(c.messages, **c.kwargs, prepared=call.prepared), []
+
+    def events(part: Any) -> list[Any]:
+        out: list[Any] = [{"delta": part.delta}] if part.delta else []
+        if part.result is not None:
+            out.append(pattern_c_body(part.result, c, model=served.model_name))
+        return out
+
+    return await call.stream(open_stream, events)

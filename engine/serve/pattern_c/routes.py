@@ -21,27 +21,11 @@ BODIES = {"/chat": PatternCRequest}
 
 def router(served: ServedEngine) -> APIRouter:
     api = APIRouter()
-    engine = served.engine
-    model = served.model_name
     chats = Surface(served, "chat", PatternCRequest, lambda body, served: wire.parse_pattern_c(body, served.serve.chat),
                     prepare=lambda c, served: served.engine.prepare([c.messages], **c.kwargs))  # off the event loop
 
     @chats.route(api, "/chat")
     async def chat(call: Call) -> Any:
-        c = call.parsed
-        if not c.stream:
-            return await call.whole(lambda: engine.agenerate([c.messages], **c.kwargs, prepared=call.prepared),
-                                    body=lambda results: wire.pattern_c_body(results[0], c, model=model))
-
-        async def open_stream() -> tuple[Any, list[Any]]:
-            return engine.astream(c.messages, **c.kwargs, prepared=call.prepared), []
-
-        def events(part: Any) -> list[Any]:
-            out: list[Any] = [{"delta": part.delta}] if part.delta else []
-            if part.result is not None:
-                out.append(wire.pattern_c_body(part.result, c, model=model))
-            return out
-
-        return await call.stream(open_stream, events)
+        return await wire.answer(call, served)
 
     return api

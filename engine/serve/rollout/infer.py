@@ -217,3 +217,14 @@ def result_from_item(item: Mapping[str, Any], namespace: str) -> GenerationResul
                             token_ids=tuple(choice["token_ids"]), prompt_token_ids=tuple(response["prompt_token_ids"]),
                             finish_reason=choice["finish_reason"], stop_reason=env["stop_reason"], logprobs=logprobs,
                             meta=meta)
+
+
+async def answer(call: Any, served: Any) -> Any:
+    """The parsed call's answer through the one call path (:class:`engine.serve.shared.calls.Call`): one
+    ``agenerate`` of its requests, each result a rollout item (:func:`rollout_item`)."""
+    c, engine = call.parsed, served.engine
+    def body(results: list[Any]) -> list[dict[str, Any]]:
+        return [rollout_item(r, c, model=served.model_name, tokenizer=engine.tokenizer,
+                             namespace=served.serve.namespace) for r in results]
+
+    return await call.whole(lambda: engine.agenerate(c.requests, **c.kwargs, prepared=call.prepared), body=body)

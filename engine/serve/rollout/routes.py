@@ -22,7 +22,6 @@ BODIES = {"/infer/": InferRequest}
 
 def router(served: ServedEngine) -> APIRouter:
     api = APIRouter()
-    engine = served.engine
     infers = Surface(served, "infer", InferRequest, wire.parse_infer,
                      fields=FieldTable.of(InferRequest, requests="infer_requests"),
                      prepare=lambda c, served: served.engine.prepare(c.requests, **c.kwargs))  # off the event loop
@@ -43,7 +42,7 @@ def router(served: ServedEngine) -> APIRouter:
     @api.post("/get_engine_type/")
     async def engine_type() -> dict[str, Any]:
         # Every backend takes concurrent /infer/ calls and batches them (AsyncLLM, or the engine's batcher).
-        return {"engine_type": "AsyncLLMEngine", "backend": engine.backend.name, "enable_multi_turn": False,
+        return {"engine_type": "AsyncLLMEngine", "backend": served.engine.backend.name, "enable_multi_turn": False,
                 "use_gym_env": False, "enable_lora": served.lora_enabled}  # swift's trainer then pushes adapters
 
     @api.get("/metrics")
@@ -53,10 +52,6 @@ def router(served: ServedEngine) -> APIRouter:
 
     @infers.route(api, "/infer/")
     async def infer(call: Call) -> Any:
-        c = call.parsed
-        return await call.whole(lambda: engine.agenerate(c.requests, **c.kwargs, prepared=call.prepared),
-                                body=lambda results: [
-            wire.rollout_item(r, c, model=served.model_name, tokenizer=engine.tokenizer,
-                              namespace=served.serve.namespace) for r in results])
+        return await wire.answer(call, served)
 
     return api
