@@ -248,3 +248,20 @@ def test_no_function_of_the_served_engine_is_over_60_lines():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
                 long.append(f"{path.relative_to(ENGINE)}::{node.name} ({node.end_lineno - node.lineno + 1} lines)")
     assert long == [], f"functions over 60 lines in engine/serve/: {long}"
+
+
+def test_the_configs_backend_sections_are_the_registrys():
+    """The registry is the one list of backends: each built-in's settings section is a section of ``EngineConfig``,
+    and every backend section ``EngineConfig`` holds (a ``*Config`` of ``engine_config.py`` that is not the model's or
+    the serve's) belongs to a registered backend, so a backend added to one and not the other fails here."""
+    import dataclasses
+
+    from engine.backends.registry import BUILT_IN, settings_section
+    from engine.config import EngineConfig
+
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    sections = {settings_section(name) for name in BUILT_IN}
+    assert sections <= set(fields), f"registered backends without a config section: {sorted(sections - set(fields))}"
+    backend_like = {name for name, f in fields.items() if str(f.type).endswith("Config") and str(f.type) not in
+                    ("ModelConfig", "ServeConfig", "RepeatTerminateConfig")}
+    assert backend_like == sections, f"config sections that name no registered backend: {backend_like - sections}"
