@@ -21,7 +21,7 @@ from typing import Any
 
 from engine.errors import RequestError
 from engine.serve.openai.bodies import ChatCompletionRequest
-from engine.serve.openai.sampling import Sampling, parse_sampling
+from engine.serve.openai.sampling import OpenAICall, parse_openai_call
 from engine.serve.shared.bodies import messages_of
 from engine.serve.shared.readers import chat_messages
 from engine.serve.shared.writers import logprobs_content, usage
@@ -29,7 +29,7 @@ from engine.types import GenerationResult
 
 
 @dataclass(frozen=True)
-class CompletionCall(Sampling):
+class CompletionCall(OpenAICall):
     """One checked ``/v1/chat/completions`` body: what the engine is asked for and how to answer."""
 
     messages: list[dict[str, Any]]
@@ -89,8 +89,8 @@ for a group, or n: 1 to stream.
         own["max_new_tokens"] = tokens
     if logprobs:
         own["logprobs"] = 0 if top is None else top
-    sampling = parse_sampling(body, own)
-    return CompletionCall(**sampling.shared(), messages=chat_messages(messages_of(body.messages)), logprobs=logprobs,
+    common = parse_openai_call(body, own)
+    return CompletionCall(**common.shared(), messages=chat_messages(messages_of(body.messages)), logprobs=logprobs,
                           top_logprobs=top, thinking=template_thinking(body.chat_template_kwargs))
 
 

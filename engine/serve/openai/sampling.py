@@ -50,7 +50,7 @@ from engine.serve.shared.readers import engine_extension, stop_strings
 
 
 @dataclass(frozen=True)
-class Sampling:
+class OpenAICall:
     """What a chat and a text completions call share, checked: the model, engine options, stop policy, plugins,
     streaming, and ``response_format``'s schema (each route's call extends it: ``chat.py``, ``text.py``)."""
 
@@ -73,16 +73,16 @@ class Sampling:
 
     def shared(self) -> dict[str, Any]:
         """These fields by name: what a route's call is built from."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(Sampling)}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(OpenAICall)}
 
 
-def parse_sampling(body: OpenAISampling, own: dict[str, Any]) -> Sampling:
+def parse_openai_call(body: OpenAISampling, own: dict[str, Any]) -> OpenAICall:
     """The shared fields of a validated OpenAI body; ``own``: the engine options its surface read itself (the token
     budget, chat's ``logprobs``). Raises ``RequestError`` naming the first bad field.
 
     >>> from engine.serve.openai.bodies import ChatCompletionRequest
     >>> body = ChatCompletionRequest.model_validate({"model": "m", "messages": [], "top_k": -1, "temperature": 0})
-    >>> parse_sampling(body, {"max_new_tokens": 4}).options
+    >>> parse_openai_call(body, {"max_new_tokens": 4}).options
     {'max_new_tokens': 4, 'temperature': 0, 'top_k': 0}
     """
     neutral_values(body)
@@ -119,7 +119,7 @@ def parse_sampling(body: OpenAISampling, own: dict[str, Any]) -> Sampling:
     if schema is not None and structured is not None:
         raise RequestError("structured_outputs", body.structured_outputs.model_dump(by_alias=True, exclude_unset=True),
                            "conflicts with response_format", fix="constrain the answer in one of them")
-    return Sampling(model=body.model, options=options, stop=stop, plugins=plugins, repeat_terminate=guard,
+    return OpenAICall(model=body.model, options=options, stop=stop, plugins=plugins, repeat_terminate=guard,
                     stream=stream,
                     include_usage=include_usage, json_schema=structured if schema is None else schema, n=n,
                     return_token_ids=bool(body.return_token_ids), tokens_as_ids=bool(body.return_tokens_as_token_ids))

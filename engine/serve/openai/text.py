@@ -35,7 +35,7 @@ from typing import Any
 from engine.backends.base import TokenScores
 from engine.errors import RequestError, RequestTooLarge
 from engine.serve.openai.bodies import CompletionRequest
-from engine.serve.openai.sampling import Sampling, parse_sampling
+from engine.serve.openai.sampling import OpenAICall, parse_openai_call
 from engine.serve.shared.writers import shown_logprob, token_name, usage
 from engine.types import GenerationResult
 
@@ -43,7 +43,7 @@ DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
-class TextCompletionCall(Sampling):
+class TextCompletionCall(OpenAICall):
     """One checked ``/v1/completions`` body: the prompts (token ids and the text to echo), what the engine is asked
     for, and how to answer."""
 
@@ -150,12 +150,12 @@ the prompt, or ask for at least one token.
     if zero and not echo:
         raise RequestError("max_tokens", 0, "is 0, which only echo allows",
                            fix="set echo to true to score the prompt, or ask for at least one token")
-    sampling = parse_sampling(body, {} if body.max_tokens is None or zero else {"max_new_tokens": body.max_tokens})
-    options = dict(sampling.options)
+    common = parse_openai_call(body, {} if body.max_tokens is None or zero else {"max_new_tokens": body.max_tokens})
+    options = dict(common.options)
     options.setdefault("max_new_tokens", 0 if zero else DEFAULT_MAX_TOKENS)
-    rows = None if max_prompts is None else max(1, max_prompts // sampling.n)
+    rows = None if max_prompts is None else max(1, max_prompts // common.n)
     prompts, texts = _prompts(body.prompt, engine, special, rows)
-    return TextCompletionCall(**{**sampling.shared(), "options": options}, prompts=prompts, texts=texts, echo=echo,
+    return TextCompletionCall(**{**common.shared(), "options": options}, prompts=prompts, texts=texts, echo=echo,
                               logprobs=body.logprobs)
 
 
