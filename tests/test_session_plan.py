@@ -120,3 +120,33 @@ def test_the_pool_stops_what_the_plan_says_is_done_on_that_backend_only():
     assert pool.release("hf", processed) == ['server hf smol {"model": {"logprobs_mode": "processed_logprobs"}}']
     assert pool.release("vllm", processed) == [] and not running[("vllm", "{}")].stopped
     assert pool.release("hf", servers("text")) == []  # stopped already: nothing left to stop
+
+
+def test_an_any_config_release_leaves_the_servers_a_later_check_declares():
+    """An adapter module declares ``servers("text", any_config=...)``, which matches the plain text server too: its
+    release stops its own servers but leaves the plain one that a later check (the SIGTERM check, last of all) is
+    handed, and its served twins run after the plain server's users (group 2), so those never start twice."""
+    from conformance.subjects.bill import Bill
+    from conformance.subjects.plan import last_users, served_group, spared
+    from conformance.subjects.servers import ServerPool
+
+    def configure(backend, path, /, model=None):
+        return {"backend": backend, "model": {"path": path, **(model or {})}, "vllm": {"max_num_seqs": 16}}
+
+    any_text, text = servers("text", any_config="its adapters at start"), servers("text")
+    assert served_group(uses(any_text)) > served_group(uses(text))
+    releases = last_users([("test_adapters.py::t[hf]", ["hf"], uses(any_text), ()),
+                           ("test_hostile.py::sigterm[hf]", ["hf"], uses(text), ())])
+    spare = spared(releases)
+    assert spare == {("test_adapters.py::t[hf]", "hf"): (text,)}
+
+    bill = Bill(roles=Roles(text="/m/smol", vlm="/m/vl", fixtures="/m"))
+    pool = ServerPool(SimpleNamespace(model="/m/smol"), configure=configure, bill=bill)
+    running = {}
+    for sections in ({}, {"model": {"adapters": {"r8": "/a/r8"}}}):
+        key, _ = pool.served_config("hf", "/m/smol", **sections)
+        running[str(sections)] = pool._servers[key] = Stoppable()
+    stopped = pool.release("hf", any_text, spare[("test_adapters.py::t[hf]", "hf")])
+    assert stopped == ['server hf smol {"model": {"adapters": {"r8": "/a/r8"}}}']
+    assert not running["{}"].stopped
+    assert pool.release("hf", any_text) == ["server hf smol"]  # nothing spared: every text server is its

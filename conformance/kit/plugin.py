@@ -51,6 +51,7 @@ from conformance.subjects.plan import (
     plan_lines,
     served_rank,
     servers,
+    spared,
 )
 from conformance.subjects.pool import EnginePool, PoolOptions
 from conformance.subjects.served import IN_PROCESS, SERVED
@@ -72,6 +73,8 @@ CALL_PASSED = pytest.StashKey[bool]()
 RELEASES_KEY = pytest.StashKey[dict[str, list[Any]]]()
 """Check node id -> the (subject, backend) pairs whose last user it is (``plan.last_users``): the pool stops them after
 its teardown."""
+SPARED_KEY = pytest.StashKey[dict[tuple[str, str], tuple[Any, ...]]]()
+"""(check node id, backend) -> the subjects whose servers a release after it leaves running (``plan.spared``)."""
 REPORTS_KEY = pytest.StashKey[Path]()
 """The folder the run's report and outputs record go to (``--engine-reports``)."""
 PREFETCH_KEY = pytest.StashKey[list[str]]()
@@ -458,8 +461,9 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     result = yield
     pool = item.config.stash.get(POOL_KEY, None)
     if pool is not None:
+        spare = item.config.stash.get(SPARED_KEY, {})
         for subject, backend in item.config.stash.get(RELEASES_KEY, {}).get(item.nodeid, ()):
-            pool.release(subject, backend)
+            pool.release(subject, backend, spare=spare.get((item.nodeid, backend), ()))
     return result
 
 
@@ -541,6 +545,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         session.config.stash[RELEASES_KEY] = last_users(
             (item.nodeid, reached_backends(item, pool.options.backends), module_subjects(item.module) or (),
              getattr(item, "fixturenames", ())) for item in checks)
+        session.config.stash[SPARED_KEY] = spared(session.config.stash[RELEASES_KEY])
         twins = any(getattr(getattr(item, "callspec", None), "params", {}).get("reach") == SERVED for item in checks)
         if twins and not session.config.stash[TARGET_KEY].url and not session.config.option.collectonly:
             # only where served twins run: a selection without them (the kit's "not served") may start none at all

@@ -239,19 +239,24 @@ def module_subjects(module: Any) -> tuple[Subject, ...] | None:
 
 def served_group(subjects: Sequence[Subject] | None) -> int:
     """Where a module's served twins run among the other modules' (lower first): 0 when it declares a server of the
-    text model beyond its defaults, 2 when it declares a server of another model, else 1 (the text server only).
+    text model beyond its defaults, 2 when it declares a server of another model or of the text model in any config,
+    else 1 (the text server only).
 
     A backend whose servers take turns (vLLM keeps one at a time) then starts the text server once for every module
     of group 1: a module of group 0 (the processed-logprobs checks, which also reach the text server) ends on it, and
-    those of group 2 (the looper's servers) leave it for good.
+    those of group 2 (the looper's servers; the adapters' servers, each loaded with its adapters at start) leave it
+    for good: run before group 1, the adapters' servers stopped the text servers and each started again after them
+    (about 100 s of CI at eb30802).
 
     >>> served_group(uses(servers("text"), servers("text", model={"logprobs_mode": "processed_logprobs"})))
     0
     >>> served_group(uses(engines("tiny-looper"), servers("text"))), served_group(uses(servers("tiny-looper")))
     (1, 2)
+    >>> served_group(uses(servers("text", any_config="its adapters at start")))
+    2
     """
     declared = [s for s in subjects or () if s.kind == "server"]
-    if any(s.model != TEXT for s in declared):
+    if any(s.model != TEXT or s.config == ANY for s in declared):
         return 2
     return 0 if any(s.config != "[]" for s in declared) else 1
 
@@ -309,6 +314,30 @@ def last_users(order: Iterable[tuple[str, Sequence[str], Sequence[Subject], Coll
     out: dict[str, list[tuple[Subject, str]]] = {}
     for (subject, backend), nodeid in last.items():
         out.setdefault(nodeid, []).append((subject, backend))
+    return out
+
+
+def spared(releases: Mapping[str, Sequence[tuple[Subject, str]]]) -> dict[tuple[str, str], tuple[Subject, ...]]:
+    """(node id, backend) -> the subjects whose servers a release there must leave running: where an any-config
+    subject's last user comes before the last user of another subject of its kind and model on that backend, the
+    servers that other one names are still to be used (an adapter module's ``servers("text", any_config=...)`` matches
+    the plain text server too, which the SIGTERM check, last of all, is handed). ``releases`` is :func:`last_users`'s
+    answer, in the order of last uses.
+
+    >>> text, any_text = servers("text"), servers("text", any_config="adapters")
+    >>> spare = spared({"a.py::t": [(any_text, "hf"), (any_text, "vllm")], "b.py::u": [(text, "hf")]})
+    >>> {key: [s.name for s in subjects] for key, subjects in spare.items()}
+    {('a.py::t', 'hf'): ['server text']}
+    """
+    order = [(nodeid, subject, backend) for nodeid, pairs in releases.items() for subject, backend in pairs]
+    out: dict[tuple[str, str], tuple[Subject, ...]] = {}
+    for i, (nodeid, subject, backend) in enumerate(order):
+        if subject.config != ANY:
+            continue
+        later = tuple(s for _, s, b in order[i + 1:] if b == backend and s != subject
+                      and (s.kind, s.model) == (subject.kind, subject.model))
+        if later:
+            out[(nodeid, backend)] = later
     return out
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import resource
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -382,12 +383,13 @@ class EnginePool:
                 self._raw[key] = factory()
         return self._raw[key]
 
-    def release(self, subject: Any, backend: str) -> list[str]:
+    def release(self, subject: Any, backend: str, spare: Sequence[Any] = ()) -> list[str]:
         """Stop what ``subject`` names on ``backend`` (a pool server, or a kept object with a releaser): the session
-        plan says its last user is done (``conformance/subjects/plan.py::last_users``). The bill notes each stop with
-        the module after which it came; a later ask starts it again."""
+        plan says its last user is done (``conformance/subjects/plan.py::last_users``), but not a server a ``spare``
+        subject names (still to be used, ``plan.spared``). The bill notes each stop with the module after which it
+        came; a later ask starts it again."""
         if subject.kind == "server":
-            stopped = self.servers.release(backend, subject)
+            stopped = self.servers.release(backend, subject, spare)
         elif subject.kind == "kept" and subject.model in self.releasers:
             stopped = self.releasers[subject.model](backend)
         else:

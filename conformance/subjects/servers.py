@@ -14,7 +14,7 @@ import copy
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,16 +211,20 @@ class ServerPool:
         self.bill.starts.append(("handed over", f"{key[0]} {self._chosen(config)}", 0.0))
         return server
 
-    def release(self, backend: str, subject: Any) -> list[str]:
+    def release(self, backend: str, subject: Any, spare: Sequence[Any] = ()) -> list[str]:
         """Stop ``backend``'s servers that ``subject`` (a module's declared ``servers(...)``) names, running or starting
-        ahead: the session plan says its last user is done (``conformance/subjects/plan.py::last_users``). A later
-        ask starts one again. Returns each stopped server as the bill names it."""
+        ahead, but those a ``spare`` subject names (a later check's): the session plan says its last user is done
+        (``conformance/subjects/plan.py::last_users``). A later ask starts one again. Returns each stopped server as
+        the bill names it."""
         stopped = []
         for key in [k for k in (*self._servers, *self._ahead) if k[0] == backend]:
             model = self._recipes.get(key, ("",))[0]
             config = json.loads(key[1])
             role = self.bill.roles.of(model) if self.bill.roles is not None and model else model
-            if not model or not subject.matches("server", role, self.beyond_defaults(config, model)):
+            sections = self.beyond_defaults(config, model) if model else {}
+            if not model or not subject.matches("server", role, sections):
+                continue
+            if any(other.matches("server", role, sections) for other in spare):
                 continue
             if key in self._ahead:
                 self._abandon(key)
