@@ -247,7 +247,7 @@ def test_vllm_model_runner_v2s_own_sampler_draws_the_portable_rows(engines, pool
     """Where vLLM runs Model Runner V2 (CUDA hosts: its Gumbel sampler is the arithmetic the portable one follows),
     vLLM's own sampler, seeded with the rows' seeds, draws what HF's portable sampler draws, near-ties aside. The GPU
     runbook runs it (``nox -s gpu``); vLLM's CPU build runs the V1 runner, whose sampler is another stream."""
-    if "vllm" not in engines or getattr(engines["vllm"].backend, "runner", None) != "v2":
+    if "vllm" not in engines or engines["vllm"].backend.load_decisions.get("runner") != "v2":
         pytest.skip("needs vLLM on Model Runner V2 (CUDA hosts); vLLM's CPU build runs the V1 runner")
     names = [next(iter(engines)), "vllm"]
     reference = pool.reference(names[0], pool.options.model)

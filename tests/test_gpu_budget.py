@@ -34,7 +34,7 @@ def test_leases_release_the_least_recently_used_first():
 
 
 class FakeBackend:
-    runner = None  # the Backend protocol's attribute (the vLLM runner really started)
+    load_decisions: ClassVar[dict[str, str]] = {}  # the backend protocol's (what vLLM decided at load)
 
     def __init__(self, card, share):
         self.card, self.share, self.open = card, share, True
@@ -52,7 +52,8 @@ class FakeEngine:
 
     def __init__(self, config):
         share = config["vllm"]["gpu_memory_utilization"] if config["backend"] == "vllm" else 0.0
-        self.backend = FakeBackend(self.card, share) if config["backend"] == "vllm" else SimpleNamespace(runner=None)
+        vllm = config["backend"] == "vllm"
+        self.backend = FakeBackend(self.card, share) if vllm else SimpleNamespace(load_decisions={})
         self.owner = True
 
     def derive(self, **sections):

@@ -35,7 +35,7 @@ class Looping:
 
     config = EngineConfig.from_dict({"backend": "hf", "model": {"path": "/models/stand-in"},
                                      "repeat_terminate": {"enabled": True, "max_consecutive_token_repeats": 3}})
-    backend = SimpleNamespace(name="hf", runner=None, capabilities=SimpleNamespace(max_model_len=4096))
+    backend = SimpleNamespace(name="hf", load_decisions={}, capabilities=SimpleNamespace(max_model_len=4096))
     tokenizer = None
 
     def prepare(self, requests, options=None, **kwargs):

@@ -32,7 +32,7 @@ ROUTES = [("POST", "/infer/", {"infer_requests": [{"messages": MESSAGES}]}),
 
 class Answering:
     config = EngineConfig.from_dict({"backend": "hf", "model": {"path": "/srv/models/m"}})
-    backend = SimpleNamespace(name="hf", runner=None, capabilities=SimpleNamespace(max_model_len=4096))
+    backend = SimpleNamespace(name="hf", load_decisions={}, capabilities=SimpleNamespace(max_model_len=4096))
     tokenizer = None
 
     def prepare(self, requests, **kwargs):  # the engine's checks: nothing to refuse here

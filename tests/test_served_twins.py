@@ -22,7 +22,7 @@ class Engine:
 
     def __init__(self, config, guard=None):
         self.config = SimpleNamespace(repeat_terminate=RepeatTerminateConfig(**(guard or {})))
-        self.backend = SimpleNamespace(runner=None, name=config["backend"] if config else "hf")
+        self.backend = SimpleNamespace(load_decisions={}, name=config["backend"] if config else "hf")
 
     def derive(self, **sections):
         return Engine(None, sections.get("repeat_terminate"))

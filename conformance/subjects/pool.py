@@ -334,7 +334,7 @@ class EnginePool:
         self._count_user(key)
         with self.bill.timed("engine", key):
             self._engines[key] = GenerationEngine(self.config(backend, model, **sections))
-        runner = self._engines[key].backend.runner
+        runner = self._engines[key].backend.load_decisions.get("runner")
         if runner is not None:
             self.runners.add(runner)
         return self._engines[key]

@@ -7,8 +7,9 @@ truncation or decoding: the engine renders prompts once, hands every backend the
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
 from engine.config.generation import GenerationOptions, StopPolicy
@@ -197,7 +198,7 @@ class Backend(Protocol):
 
 class BackendBase:
     """What every backend class shares: its name and declared hooks from its registry spec (``backend=`` in the
-    class statement), and the protocol's defaults (no per-token hook, no backend-level seed, no vLLM runner).
+    class statement), and the protocol's defaults (no per-token hook, no backend-level seed, nothing decided at load).
 
     >>> class Echo(BackendBase, backend="llamacpp"):
     ...     pass
@@ -209,7 +210,9 @@ class BackendBase:
     declared_hooks: frozenset[str]
     streams_tokens: bool = False
     default_seed: int | None = None
-    runner: str | None = None
+    load_decisions: Mapping[str, str] = MappingProxyType({})
+    """What the backend decided for itself at load that /health and the suite's header name (vLLM: its model
+    ``runner``, "v1" or "v2"); empty where it decides nothing."""
 
     def __init_subclass__(cls, *, backend: str, **kwargs: Any) -> None:
         from engine.backends.registry import spec

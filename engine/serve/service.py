@@ -143,7 +143,7 @@ class ServedEngine:
             "model": self.model_name,
             "dtype": cfg.model.dtype,
             "logprobs_mode": cfg.model.logprobs_mode,
-            "runner": backend.runner,
+            **backend.load_decisions,
             "engine_core": "child process" if self.spec.engine_core_in_child(self.settings) else "in-process",
             "repeat_terminate_active": self.guard_active,
             "repeat_terminate": cfg.repeat_terminate.as_dict(),

@@ -80,7 +80,7 @@ class AsyncVllmBackend(BackendBase, backend="vllm"):
             self._stop_loop()
             raise
         self.version = vllm.__version__
-        self.runner = checked_runner(self, self.llm.vllm_config, plan)
+        self.load_decisions = {"runner": checked_runner(self, self.llm.vllm_config, plan)}
         self.rules_problem = plan.problem
         self.capabilities = capabilities(self.llm.model_config, settings, plan, self.lora)
 

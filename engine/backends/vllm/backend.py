@@ -302,7 +302,7 @@ class VllmBackend(BackendBase, backend="vllm"):
         kwargs, plan = start_arguments(model, settings, processor, repeat_terminate, self.lora)
         self.llm = vllm.LLM(**kwargs)
         self.version = vllm.__version__
-        self.runner = checked_runner(self, self.llm.llm_engine.vllm_config, plan)
+        self.load_decisions = {"runner": checked_runner(self, self.llm.llm_engine.vllm_config, plan)}
         self.rules_problem = plan.problem
         self.capabilities = capabilities(self.llm.llm_engine.model_config, settings, plan, self.lora)
 
