@@ -148,21 +148,20 @@ def completion_body(results: Sequence[GenerationResult], call: CompletionCall, *
     completion = sum(len(r.token_ids) for r in results)
     choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
                 "logprobs": _logprobs(r, call, tokenizer), "finish_reason": r.finish_reason,
-                **({"token_ids": list(r.token_ids)} if call.return_token_ids else {})} for i, r in enumerate(results)]
+                **call.token_id_fields(r.token_ids)} for i, r in enumerate(results)]
     body = {
         "id": completion_id(), "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": choices,
         "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
         "system_fingerprint": None,
     }
-    if call.return_token_ids:
-        body["prompt_token_ids"] = list(results[0].prompt_token_ids)  # the rendered conversation, as the engine ran it
+    body.update(call.token_id_fields(prompt=results[0].prompt_token_ids))  # the rendered conversation, as run
     return body
 
 
 def chunk(cid: str, created: int, model: str, call: CompletionCall, *, delta: dict[str, Any] | None = None,
           result: GenerationResult | None = None, tokenizer: Any = None, usage_only: bool = False,
-          prompt_ids: list[int] | None = None) -> dict[str, Any]:
+          prompt_ids: Sequence[int] | None = None) -> dict[str, Any]:
     """One ``chat.completion.chunk``: a delta; with ``result`` the closing one (finish reason, logprobs); with
     ``usage_only`` the trailing usage chunk (``stream_options.include_usage``), whose ``choices`` are empty. With
     ``return_token_ids`` each choice carries ``token_ids`` (all of them in the closing chunk, as its logprobs) and
@@ -176,10 +175,8 @@ def chunk(cid: str, created: int, model: str, call: CompletionCall, *, delta: di
     if result is not None:
         choice["finish_reason"] = result.finish_reason
         choice["logprobs"] = _logprobs(result, call, tokenizer)
-    if call.return_token_ids:
-        choice["token_ids"] = list(result.token_ids) if result is not None else []
-        if prompt_ids is not None:
-            body["prompt_token_ids"] = prompt_ids
+    choice.update(call.token_id_fields(result.token_ids if result is not None else ()))
+    body.update(call.token_id_fields(prompt=prompt_ids))
     body["choices"] = [choice]
     if call.include_usage:
         body["usage"] = None
@@ -199,8 +196,8 @@ async def answer(call: Any, served: Any) -> Any:
     cid, created = completion_id(), int(time.time())
 
     async def open_stream() -> tuple[Any, list[Any]]:  # validation raises here, before any generation
-        prompt_ids = list(call.prepared[0][0].token_ids) if c.return_token_ids else None
-        role = chunk(cid, created, answering, c, delta={"role": "assistant", "content": ""}, prompt_ids=prompt_ids)
+        role = chunk(cid, created, answering, c, delta={"role": "assistant", "content": ""},
+                     prompt_ids=call.prepared[0][0].token_ids)
         return engine.astream(c.request, **c.kwargs, prepared=call.prepared), [role]
 
     def events(part: Any) -> list[Any]:

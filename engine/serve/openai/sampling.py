@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +71,23 @@ class OpenAICall:
     """vLLM's ``return_token_ids``: the ids sampled (and the prompt's) beside the text, never re-tokenized."""
     tokens_as_ids: bool
     """vLLM's ``return_tokens_as_token_ids``: logprobs name each token ``"token_id:<id>"``."""
+
+    def token_id_fields(self, token_ids: Sequence[int] | None = None, *,
+                        prompt: Sequence[int] | None = None) -> dict[str, list[int]]:
+        """vLLM's ``return_token_ids`` fields, the one place both surfaces build them: ``token_ids`` (the ids
+        sampled) and ``prompt_token_ids`` (the prompt's, as the engine ran it), each where given; nothing when the
+        client did not ask. Chat puts the prompt's on the body, text completions on each choice.
+
+        >>> call = OpenAICall("m", {}, None, None, None, False, False, None, 1, True, False)
+        >>> call.token_id_fields((5, 6), prompt=[1]), call.token_id_fields(prompt=None)
+        ({'token_ids': [5, 6], 'prompt_token_ids': [1]}, {})
+        >>> dataclasses.replace(call, return_token_ids=False).token_id_fields([5], prompt=[1])
+        {}
+        """
+        if not self.return_token_ids:
+            return {}
+        given = {"token_ids": token_ids, "prompt_token_ids": prompt}
+        return {name: list(ids) for name, ids in given.items() if ids is not None}
 
     def shared(self) -> dict[str, Any]:
         """These fields by name: what a route's call is built from."""

@@ -279,9 +279,7 @@ def completion_body(call: TextCompletionCall, results: Sequence[GenerationResult
         choice = {"index": k, "text": (shown_prompt(call, i) if call.echo else "") + answer,
                   "logprobs": choice_logprobs(call, i, result, scores[i], tokenizer),
                   "finish_reason": result.finish_reason if result is not None else "length"}
-        if call.return_token_ids:
-            choice.update(prompt_token_ids=call.prompts[i],
-                          token_ids=list(result.token_ids) if result is not None else [])
+        choice.update(call.token_id_fields(result.token_ids if result is not None else (), prompt=call.prompts[i]))
         choices.append(choice)
         completion_tokens += len(result.token_ids) if result is not None else 0
     return {"id": completion_id(), "object": "text_completion", "created": int(time.time()), "model": model,
@@ -335,14 +333,12 @@ async def answer(call: Any, served: Any) -> Any:
 async def _streamed(call: Any, engine: Any, answering: str) -> Any:
     c = call.parsed
     cid, created = completion_id(), int(time.time())
-    unsent = [c.prompts[0]] if c.return_token_ids else []  # the prompt's ids, until a chunk carries them
+    unsent = [c.prompts[0]]  # the prompt's ids, until a chunk carries them
 
-    def ids(token_ids: list[int]) -> dict[str, list[int]] | None:
+    def ids(token_ids: Sequence[int]) -> dict[str, list[int]]:
         """``return_token_ids``: the chunk's token ids (all of them in the closing chunk), and the prompt's in the
         first chunk."""
-        if not c.return_token_ids:
-            return None
-        return {"token_ids": token_ids, **({"prompt_token_ids": unsent.pop()} if unsent else {})}
+        return c.token_id_fields(token_ids, prompt=unsent.pop() if unsent else None)
 
     async def open_stream() -> tuple[Any, list[Any]]:
         stream = engine.astream_complete(c.prompts[0], **c.kwargs, prepared=call.prepared)
@@ -356,7 +352,7 @@ async def _streamed(call: Any, engine: Any, answering: str) -> Any:
         if part.result is not None:
             logprobs = choice_logprobs(c, 0, part.result, None, engine.tokenizer, prompt=False)
             out.append(chunk(cid, created, answering, logprobs=logprobs, finish_reason=part.result.finish_reason,
-                             ids=ids(list(part.result.token_ids))))
+                             ids=ids(part.result.token_ids)))
             if c.include_usage:
                 out.append(chunk(cid, created, answering, usage=usage(part.result)))
         return out
