@@ -14,8 +14,8 @@ Recorded (``engine.trainer.mismatch``, ``engine.trainer.correction``): ``dlogpro
 ``importance_ratio_min`` / ``_max`` (per sequence), ms-swift's ``k3_kl``, ``chi2_token``, ``is_weight_mean`` and
 ``ess`` of the matched pairing, and what ms-swift's trainer (temperature only, full vocabulary) would weight the same
 tokens by (``temp_only_weight_mean``, ``temp_only_outside_frac``). The float32 cases carry ``trainer_agreement``, the
-worst token weight folded below 1, which the release gate holds at 0.99 or more (``engine.report.gate``); the quick
-tier (CI) runs the float32 processed cases for it.
+worst token weight folded below 1, which the release gate holds at 0.99 or more (``engine.report.gate``): the full
+tier's run (``gated_full``); CI's conformance quick tier asserts the same band in its rollout checks.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     installed = [name for name, spec in SPECS.items() if name not in bench.backends and spec.model_format == "gguf"
                  and all(importlib.util.find_spec(m) for m in spec.modules)]
     backends = (*bench.backends, *installed)
-    # The release band reads the float32 processed cases (the mode to serve a trainer): the quick tier runs them.
-    params = [pytest.param(c, id="-".join(c), marks=[pytest.mark.gated] if c[1:] == ("float32", MODES[1]) else [])
+    # The release band reads the float32 processed cases (the mode to serve a trainer): the full tier's gate.
+    params = [pytest.param(c, id="-".join(c), marks=[pytest.mark.gated_full] if c[1:] == ("float32", MODES[1]) else [])
               for c in cases(backends)]
     metafunc.parametrize("rollout_case", params)
 

@@ -228,4 +228,12 @@ def test_the_full_tier_gate_needs_its_own_groups_and_the_quick_tier_leaves_them_
     assert "FAIL  adapter_ours_over_stock" in capsys.readouterr().out
     frame.assign(ours_over_stock=0.98, plugin_idle_over_without=0.995, portable_over_native=0.6,
                  adapter_ours_over_stock=0.99).to_parquet(path)
+    assert cli.main(["gate", str(path), "--tier", "full"]) == cli.EXIT_REGRESSED  # trainer_agreement missing
+    assert "FAIL  trainer_agreement: no case" in capsys.readouterr().out
+    frame.assign(ours_over_stock=0.98, plugin_idle_over_without=0.995, portable_over_native=0.6,
+                 adapter_ours_over_stock=0.99, trainer_agreement=0.98).to_parquet(path)
+    assert cli.main(["gate", str(path), "--tier", "full"]) == cli.EXIT_REGRESSED  # below 0.99
+    assert "FAIL  trainer_agreement" in capsys.readouterr().out
+    frame.assign(ours_over_stock=0.98, plugin_idle_over_without=0.995, portable_over_native=0.6,
+                 adapter_ours_over_stock=0.99, trainer_agreement=1.0).to_parquet(path)
     assert cli.main(["gate", str(path), "--tier", "full"]) == cli.EXIT_OK

@@ -83,8 +83,8 @@ twins: the pool starts them in the background when the first check sets up (``Se
 started."""
 LATER_BACKENDS = pytest.StashKey[frozenset[str]]()
 """Per per-backend check: the backends its other variants run on after it (the same function and parameters, another
-backend), whose servers the server pool may start ahead while it runs; a cross-backend check has none (all it
-compares start at once)."""
+backend; for an ``on_servers`` check, its module's later ``on_servers`` checks), whose servers the server pool may
+start ahead while it runs; a cross-backend check has none (all it compares start at once)."""
 MARKERS = {
     "quick": "the conformance quick tier (-m quick): every check function at least once on each backend, served "
              "twins where marked (conformance/kit/tiers.py picks it; a parametrization may be marked to represent its "
@@ -356,7 +356,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     items.sort(key=rank)
     ordered = [item for item in items if is_check(item)]
-    runs = [((*variant(item), str(params(item).get("reach", IN_PROCESS))),
+    # A check that reaches its module's pool servers itself (on_servers) shares them with the module's other such
+    # checks: its later backends are theirs too, so the server one backend's check starts is started ahead on the
+    # backends the next checks reach (the adapters' vLLM LoRA server, 28 s to start, while HF's and llama.cpp's
+    # model-field checks run).
+    runs = [((module_file(item), "on_servers") if item.get_closest_marker("on_servers") is not None else
+             (*variant(item), str(params(item).get("reach", IN_PROCESS))),
              params(item).get("backend", params(item).get("target"))) for item in ordered]
     for item, backends in zip(ordered, later_backends(runs), strict=True):
         if backends is not None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conformance.compare import LOW_PRECISION_TOPK
-from conformance.subjects.bill import STARTS, Bill
+from conformance.subjects.bill import STARTS, Bill, named
 from conformance.subjects.plan import TEXT, TINY, sections_key
 from conformance.subjects.served import Reach
 from conformance.subjects.servers import ServerPool
@@ -432,12 +432,20 @@ class EnginePool:
                         f"memory of this process {peak:.1f} GiB"]
 
     def close(self) -> None:
+        """Stop everything the pool holds, at the session's end; the bill notes what the servers' and the engines'
+        close took ("closed", not a start): it is the last check's teardown in a report."""
+        import time
+
         self.reach.close()  # replayed requests still in flight end before their servers stop
+        began = time.monotonic()
         self.servers.close()
+        self.bill.starts.append(("closed", "every server", time.monotonic() - began))
         self._twins.clear()
         self._references.clear()
-        for eng in self._engines.values():
+        for key, eng in self._engines.items():
+            began = time.monotonic()
             eng.close()
+            self.bill.starts.append(("closed", named(key), time.monotonic() - began))
         self._engines.clear()
         self._raw.clear()
 

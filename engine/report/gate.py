@@ -21,13 +21,11 @@ from typing import Any
 from engine.report.schema import RATIO_COLUMNS
 
 # engine >= 0.9 of raw backend throughput (the issue's bar); a guard may cost at most a fifth.
-# A float32 rollout re-scored as it reports its logprobs: no token's weight may be 1 % off (measured: 2e-5).
 # llama.cpp's batch of 8 as parallel sequences keeps at least 1.5x the speed of its rows one call each: both sides
 # evaluate their prompts (every group starts from an empty KV pool), which at smoke size (16 new tokens on about 37
 # prompt tokens a row) is half of the batch's time, so the honest ratio is 1.96-2.46 here (2.7-2.9 was measured while
 # the batch kept its prompts' cells between rounds); rows decoded one after another measure about 1.0.
-DEFAULT_MINIMUMS: dict[str, float] = {"engine_over_raw": 0.90, "guard_on_over_off": 0.80, "trainer_agreement": 0.99,
-                                       "batch_over_single": 1.5}
+DEFAULT_MINIMUMS: dict[str, float] = {"engine_over_raw": 0.90, "guard_on_over_off": 0.80, "batch_over_single": 1.5}
 # Checked by the whole release gate's benchmark run (``ENGINE_TIER=full``), whose groups CI's quick tier leaves out
 # for time: our served vLLM keeps 0.97 of stock ``vllm serve``'s throughput, with the model and with a LoRA adapter
 # (two more vLLM servers each: 5-7 minutes on a 2-core CPU).
@@ -35,8 +33,14 @@ DEFAULT_MINIMUMS: dict[str, float] = {"engine_over_raw": 0.90, "guard_on_over_of
 # 2-core CPU whose rounds spread 8-36 % is for the full tier's confirmed medians, not CI's three rounds.
 # The portable sampler (generation.sampler: portable) costs a CPU host a numpy pass over the vocabulary per row and
 # step (about 0.7 ms on SmolLM2's 49152 ids): its speed against the native samplers is held at 0.5 or better.
+# A float32 rollout re-scored as it reports its logprobs: no token's weight may be 1 % off (measured: 2e-5). An
+# agreement, not a speed: CI's conformance quick tier asserts the same band on every backend
+# (test_adapters.py::test_rollout_logprobs_with_an_adapter_equal_the_peft_trainers_rescoring, three backends;
+# test_logprobs_mode.py's importance-weight and TRL-client checks), so the benchmark's three rollouts at 8 x 32
+# tokens (about 55 s of CI) are the full tier's.
 FULL_TIER_MINIMUMS: dict[str, float] = {"ours_over_stock": 0.97, "adapter_ours_over_stock": 0.97,
-                                        "plugin_idle_over_without": 0.99, "portable_over_native": 0.5}
+                                        "plugin_idle_over_without": 0.99, "portable_over_native": 0.5,
+                                        "trainer_agreement": 0.99}
 TIERS = ("quick", "full")
 
 
