@@ -118,6 +118,11 @@ def test_the_collected_quick_tier_runs_every_check_function_and_meets_every_back
     assert not {f for f, _ in quick} & set(gate_only), "a gate-only function runs in the quick tier"
     assert len(gate_only) <= 10, f"{len(gate_only)} check functions left to the full gate: CI would miss too much"
     assert len(quick) < len(full), f"the quick tier holds all {len(full)} checks: it leaves nothing to the full gate"
+    # A parametrization marked quick (each hostile kind, on every backend's item) runs once, on one backend.
+    from conformance.test_hostile import KINDS
+
+    refused = "test_hostile.py::test_a_hostile_request_is_refused_by_name_and_the_next_one_answered"
+    assert len([f for f, _ in quick if f.endswith(refused)]) == len(KINDS)
 
 
 class Marked:
