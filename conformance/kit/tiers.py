@@ -232,7 +232,7 @@ class QuickTier:
                 item.add_marker(MARK)
             elif id(check) not in chosen and check.marked:
                 # A parametrization marked ``quick`` carries the mark on every backend's item; the rule runs it on
-                # one (the module's next in turn), so ``-m quick`` must not select the others (until a3ce31c it did:
+                # one (the module's next in turn), so ``-m quick`` must not select the others (before 6dd62a4 it did:
                 # each hostile kind ran on all three backends, 28 checks more than the rule's).
                 item.own_markers[:] = [m for m in item.own_markers if m.name != MARK]
 
