@@ -195,6 +195,21 @@ def test_the_summary_names_the_module_each_process_started_in_and_each_subjects_
     assert "## Subjects" in text and plan[1] in text
 
 
+def test_the_memory_line_names_the_modules_that_raised_the_peak(tmp_path, monkeypatch):
+    """Each phase's rise of the process's peak goes to the module whose check ran it; the summary carries the line."""
+    peaks = iter([1.0, 1.0, 3.5, 3.5, 4.0])  # GiB: at the start, then after each phase below
+    monkeypatch.setattr(collector_module, "peak_gib", lambda: next(peaks))
+    collector = SummaryCollector(tmp_path)
+    for nodeid, when in [("test_stop.py::test_a", "setup"), ("test_adapters.py::test_b", "setup"),
+                         ("test_adapters.py::test_b", "call"), ("test_chat.py::test_c", "call")]:
+        collector.pytest_runtest_logreport(pytest.TestReport(nodeid, (nodeid.split("::")[0], 1, nodeid), {},
+                                                             "passed", None, when, duration=0.1))
+    [line] = collector.memory_lines()
+    assert line == "peak resident memory 4.0 GiB (1.0 GiB before the first check); it rose in: adapters +2.5, chat +0.5"
+    collector.write()
+    assert line in (tmp_path / "conformance-summary.md").read_text()
+
+
 def test_reports_readme_documents_every_field():
     readme = (ROOT / "reports" / "README.md").read_text()
     assert f"Conformance report schema version: {record.SCHEMA_VERSION}" in readme

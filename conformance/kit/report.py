@@ -46,6 +46,11 @@ class SummaryCollector:
         self.seconds: Counter[str] = Counter()
         """Wall seconds per check module, setup (the engines and servers it first needed) and teardown included."""
         self.ran: Counter[str] = Counter()
+        self.memory_start = peak_gib()
+        """This process's peak resident memory when the run's checks began (imports and collection)."""
+        self.memory_rise: Counter[str] = Counter()
+        """GiB the process's peak resident memory rose by while each check module ran: which modules set the peak
+        the 12 GB budget is measured against (docs/conformance.md)."""
         self.windows: list[tuple[float, str]] = []
         """(seconds since boot, module file) as each check starts: which module a process the census noted started
         in (``census.by_module``)."""
@@ -66,6 +71,8 @@ class SummaryCollector:
             return
         key = result_id(report.location)
         self.seconds[check_of(key)] += report.duration
+        peak = peak_gib()
+        self.memory_rise[check_of(key)] += peak - self.memory_start - sum(self.memory_rise.values())
         self.ran[check_of(key)] += report.when == "call"
         entry = self.results.setdefault(key, {"verdict": "", "seconds": 0.0, "message": "", "failure": ""})
         entry["seconds"] += report.duration
@@ -114,6 +121,8 @@ class SummaryCollector:
             writer.line(f"note ({check}): {text}")
         for line in self.time_table():
             writer.line(line)
+        for line in self.memory_lines():
+            writer.line(line)
         for line in self.census_lines():
             writer.line(line)
         for line in self.describe().get("plan", []):
@@ -156,6 +165,24 @@ class SummaryCollector:
             lines.append(f"{seconds:7.1f} s {100 * seconds / total:3.0f}% {self.ran[module]:4d} checks  {module}")
         return lines
 
+    def memory_lines(self) -> list[str]:
+        """The process's peak resident memory and the modules that raised it, most first (rises under 0.05 GiB left
+        out): what to look at when the run nears its memory budget.
+
+        >>> c = SummaryCollector(Path("."))
+        >>> c.memory_start = 0.5
+        >>> c.memory_rise.update({"stop": 0.02, "adapters": 2.5, "chat": 1.0})
+        >>> print("\\n".join(c.memory_lines()))
+        peak resident memory 4.0 GiB (0.5 GiB before the first check); it rose in: adapters +2.5, chat +1.0
+        """
+        rises = [(m, gib) for m, gib in self.memory_rise.most_common() if gib >= 0.05]
+        if not self.memory_rise:
+            return []
+        peak = self.memory_start + sum(self.memory_rise.values())
+        listed = ", ".join(f"{m} +{gib:.1f}" for m, gib in rises) or "no module by 0.05 GiB or more"
+        return [f"peak resident memory {peak:.1f} GiB ({self.memory_start:.1f} GiB before the first check); "
+                f"it rose in: {listed}"]
+
     def write(self) -> list[Path]:
         """The report (``<report>.json``), the HTML matrix and the Markdown summary (with the notes and the time by
         module); the stem's suffix (``-bfloat16``) is kept on each."""
@@ -171,7 +198,7 @@ class SummaryCollector:
         if self.notes:
             lines += ["## Notes", ""] + [f"- `{check}`: {text}" for check, text in self.notes] + [""]
         if self.time_table():
-            lines += ["## Time by module", "", "```", *self.time_table(), "```", ""]
+            lines += ["## Time by module", "", "```", *self.time_table(), *self.memory_lines(), "```", ""]
         processes, plan = self.census_lines(), self.describe().get("plan", [])
         if processes:
             lines += ["## Processes", "", "```", *processes, "```", ""]
@@ -183,6 +210,13 @@ class SummaryCollector:
 
 
 FAILURE_CHARS = 20_000
+
+
+def peak_gib() -> float:
+    """This process's peak resident memory so far, in GiB (``ru_maxrss``: KiB on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def verdict_of(report: pytest.TestReport) -> str | None:

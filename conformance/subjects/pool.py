@@ -15,7 +15,6 @@ expectations from (``pool.reference``) stay in-process. The servers are the serv
 from __future__ import annotations
 
 import json
-import resource
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -427,7 +426,9 @@ class EnginePool:
             by_kind.setdefault(kind, []).append(seconds)
         totals = ", ".join(f"{len(v)} {k} starts {sum(v):.0f}s" if k in STARTS else f"{len(v)} {k} (not a start)"
                            for k, v in by_kind.items()) or "nothing started"
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+        from conformance.kit.report import peak_gib
+
+        peak = peak_gib()
         return [*lines, f"engine pool: {totals}; {self.derived} more engines derived from loaded ones; peak resident "
                         f"memory of this process {peak:.1f} GiB"]
 
