@@ -197,9 +197,10 @@ def test_the_summary_names_the_module_each_process_started_in_and_each_subjects_
 
 def test_the_memory_line_names_the_modules_that_raised_the_peak(tmp_path, monkeypatch):
     """Each phase's rise of the process's peak goes to the module whose check ran it; the summary carries the line."""
-    peaks = iter([1.0, 1.0, 3.5, 3.5, 4.0])  # GiB: at the start, then after each phase below
+    peaks = iter([0.1, 1.0, 1.0, 3.5, 3.5, 4.0])  # GiB: made, collected (imports), then after each phase below
     monkeypatch.setattr(collector_module, "peak_gib", lambda: next(peaks))
     collector = SummaryCollector(tmp_path)
+    collector.pytest_collection_finish(None)
     for nodeid, when in [("test_stop.py::test_a", "setup"), ("test_adapters.py::test_b", "setup"),
                          ("test_adapters.py::test_b", "call"), ("test_chat.py::test_c", "call")]:
         collector.pytest_runtest_logreport(pytest.TestReport(nodeid, (nodeid.split("::")[0], 1, nodeid), {},
