@@ -447,6 +447,8 @@ GUARD_XARGS = {"repeat_terminate.enabled": True, "repeat_terminate.max_consecuti
 """The guard of test_stops_min_length_and_the_repeat_guard_hold_with_an_adapter, as the plugin's per-request keys."""
 
 
+@pytest.mark.on_servers  # among the module's served checks: an in-process check ran first and started (and stopped)
+# the LoRA servers an extra time (the gate at bd5bd4e started each backend's twice, and vLLM's text server once more)
 @pytest.mark.gate_only(reason="test_the_model_field_picks_an_adapter_as_vllm_serve_does carries the served adapter "
                               "path; a stock vllm serve with LoRA beside ours is a second vLLM server (about 35 s)")
 def test_stock_vllm_serve_with_lora_modules_and_the_guard_plugin_answers_as_ours(pool, backend_names, text_model,

@@ -211,6 +211,24 @@ def test_the_memory_line_names_the_modules_that_raised_the_peak(tmp_path, monkey
     assert line in (tmp_path / "conformance-summary.md").read_text()
 
 
+def test_the_slowest_checks_sum_each_checks_phases_and_reach_the_summary(tmp_path):
+    """A check's setup, call and teardown add up to its one line (a first user's engine starts are its setup); the
+    summary carries the lines under the time by module."""
+    collector = SummaryCollector(tmp_path)
+    phases = [("test_stop.py::test_a[hf]", "setup", 20.0), ("test_stop.py::test_a[hf]", "call", 5.0),
+              ("test_stop.py::test_b[hf]", "call", 1.0), ("test_chat.py::test_c", "call", 9.0),
+              ("test_stop.py::test_a[hf]", "teardown", 0.5)]
+    for nodeid, when, seconds in phases:
+        collector.pytest_runtest_logreport(pytest.TestReport(nodeid, (nodeid.split("::")[0], 1, nodeid.split("::")[1]),
+                                                             {}, "passed", None, when, duration=seconds))
+    head, first, second, third = collector.slowest_lines()
+    assert head.startswith("slowest checks")
+    assert first.split() == ["25.5", "s", "96%", "of", "stop", "test_stop.py::test_a[hf]"]
+    assert second.split()[0] == "9.0" and third.split()[-1] == "test_stop.py::test_b[hf]"
+    collector.write()
+    assert first in (tmp_path / "conformance-summary.md").read_text()
+
+
 def test_reports_readme_documents_every_field():
     readme = (ROOT / "reports" / "README.md").read_text()
     assert f"Conformance report schema version: {record.SCHEMA_VERSION}" in readme

@@ -123,7 +123,7 @@ class SummaryCollector:
         writer.line("run context: " + ", ".join(f"{k}={v}" for k, v in self.describe().get("context", {}).items()))
         for check, text in self.notes:
             writer.line(f"note ({check}): {text}")
-        for line in self.time_table():
+        for line in (*self.time_table(), *self.slowest_lines()):
             writer.line(line)
         for line in self.memory_lines():
             writer.line(line)
@@ -169,6 +169,29 @@ class SummaryCollector:
             lines.append(f"{seconds:7.1f} s {100 * seconds / total:3.0f}% {self.ran[module]:4d} checks  {module}")
         return lines
 
+    def slowest_lines(self, count: int = 12) -> list[str]:
+        """The ``count`` slowest check runs (setup and teardown included: a first user pays its engines' and servers'
+        starts), each with its module's share: what the time table's rows are made of.
+
+        >>> c = SummaryCollector(Path("."))
+        >>> c.results.update({"test_stop.py::a[hf]": {"seconds": 12.0}, "test_stop.py::b[vllm]": {"seconds": 3.0},
+        ...                   "test_repeat.py::c": {"seconds": 40.0}})
+        >>> c.seconds.update({"stop": 15.0, "repeat": 40.0})
+        >>> print("\\n".join(c.slowest_lines(2)))
+        slowest checks (setup and teardown included):
+           40.0 s  100% of repeat  test_repeat.py::c
+           12.0 s   80% of stop  test_stop.py::a[hf]
+        """
+        ranked = sorted(self.results.items(), key=lambda kv: kv[1]["seconds"], reverse=True)[:count]
+        if not ranked or not ranked[0][1]["seconds"]:
+            return []
+        lines = ["slowest checks (setup and teardown included):"]
+        for nodeid, entry in ranked:
+            module = check_of(nodeid)
+            share = 100 * entry["seconds"] / self.seconds[module] if self.seconds[module] else 0
+            lines.append(f"{entry['seconds']:7.1f} s {share:4.0f}% of {module}  {nodeid}")
+        return lines
+
     def memory_lines(self) -> list[str]:
         """The process's peak resident memory and the modules that raised it, most first (rises under 0.05 GiB left
         out): what to look at when the run nears its memory budget.
@@ -202,7 +225,8 @@ class SummaryCollector:
         if self.notes:
             lines += ["## Notes", ""] + [f"- `{check}`: {text}" for check, text in self.notes] + [""]
         if self.time_table():
-            lines += ["## Time by module", "", "```", *self.time_table(), *self.memory_lines(), "```", ""]
+            lines += ["## Time by module", "", "```", *self.time_table(), *self.slowest_lines(), *self.memory_lines(),
+                      "```", ""]
         processes, plan = self.census_lines(), self.describe().get("plan", [])
         if processes:
             lines += ["## Processes", "", "```", *processes, "```", ""]
