@@ -191,3 +191,38 @@ def test_a_positional_model_and_several_served_names_as_vllm_serve_takes_them():
     assert (config.model.path, config.serve.model_name, config.serve.model_aliases) == ("/models/m", "a", ("b",))
     with pytest.raises(ConfigError, match="differs from the positional model"):
         served_config(parser().parse_args(["/models/m", "--model", "/models/n", "--backend", "hf"]), environ={})
+
+
+def test_a_stopped_server_leaves_no_files_and_keeps_its_log(tmp_path):
+    """``ServerProcess.stop()`` removes the server's folder (config, ready file, log, vLLM's IPC sockets) and keeps
+    the log's text for ``log()``: the gate left one folder per server start in the temp folder before."""
+    from engine.client import ServerProcess
+
+    work = tmp_path / "engine-serve-x"
+    work.mkdir()
+    (work / "socket-like").write_text("")
+    log_path = work / "server.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen([sys.executable, "-c", "import time; print('serving', flush=True); time.sleep(60)"],
+                                   stdout=log, stderr=subprocess.STDOUT)
+    server = ServerProcess(process, "http://127.0.0.1:1", log_path, work)
+    deadline = time.monotonic() + 30
+    while "serving" not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.stop(timeout=10) != 0 and not work.exists()
+    assert server.log() == "serving\n" and server.stop() == process.returncode  # a second stop: nothing left to do
+
+
+def test_a_server_that_exits_before_serving_leaves_no_folder(tmp_path, monkeypatch):
+    """``launch_server`` of a config the server refuses at once: the error carries the server's message, and its
+    folder (with vLLM's socket path pointed into it) is gone."""
+    import tempfile
+
+    from engine.client import launch_server
+    from engine.serve.rollout.client import RolloutServerError
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv(ENV_JSON, raising=False)
+    with pytest.raises(RolloutServerError, match=r"repeat_terminate[.]enabled has no threshold set"):
+        launch_server({**BASE, "repeat_terminate": {"enabled": True}}, timeout=60)
+    assert not list(tmp_path.glob("engine-serve-*"))

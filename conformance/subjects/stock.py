@@ -93,13 +93,16 @@ def started(what: str, cmd: list[str], port: int, *, env: dict[str, str], ready:
     """Run ``cmd`` (a server on ``port``) with its output in a log file, and wait until ``ready`` answers 200."""
     import httpx
 
-    log_path = Path(tempfile.mkstemp(prefix="stock-server-", suffix=".log")[1])
+    work = Path(tempfile.mkdtemp(prefix="stock-server-"))  # its log and vLLM's IPC sockets: gone at stop()
+    log_path = work / "server.log"
+    env = {"VLLM_RPC_BASE_PATH": str(work), **env}
     with log_path.open("wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = ServerProcess(process, f"http://127.0.0.1:{port}", log_path)
+    server = ServerProcess(process, f"http://127.0.0.1:{port}", log_path, work)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
+            server.stop()  # its folder goes; the log stays with the error
             error = RuntimeError(f"{what} exited with {process.returncode}:\n{server.log()[-3000:]}")
             error.log = server.log()  # type: ignore[attr-defined]  # the whole log, for a check that reads why
             raise error

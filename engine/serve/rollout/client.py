@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -249,11 +250,17 @@ class AsyncRolloutClient(_Base):
 
 @dataclass
 class ServerProcess:
-    """A ``python -m engine.serve`` child process; ``stop()`` (or leaving the ``with``) shuts it down gracefully."""
+    """A ``python -m engine.serve`` child process; ``stop()`` (or leaving the ``with``) shuts it down gracefully and
+    removes ``work``, the folder of its files (config, ready file, log, vLLM's IPC sockets), keeping the log's text for
+    ``log()``: a learner that starts a server per run leaves nothing in the temp folder (the conformance gate left
+    one folder per server start, and vLLM's sockets beside them, before)."""
 
     process: subprocess.Popen[bytes]
     url: str
     log_path: Path
+    work: Path | None = None
+    """Removed once the process has stopped (None: nothing to remove)."""
+    _log_text: str | None = field(default=None, repr=False)
 
     def __enter__(self) -> ServerProcess:
         return self
@@ -269,9 +276,16 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self.work is not None:
+            self._log_text = self.log()
+            shutil.rmtree(self.work, ignore_errors=True)
+            self.work = None
         return int(self.process.returncode)
 
     def log(self) -> str:
+        """The server's output so far (after ``stop()``, all of it)."""
+        if self._log_text is not None:
+            return self._log_text
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
@@ -295,6 +309,7 @@ def launch_server(config: str | Path | Mapping[str, Any], *,
         (work / "served.yaml").write_text(yaml.safe_dump(dict(config)))
         config = work / "served.yaml"
     child_env = {**os.environ, **(env or {})}
+    child_env.setdefault("VLLM_RPC_BASE_PATH", str(work))  # vLLM's IPC sockets go with the folder at stop()
     if repeat_terminate is not None:
         subtree = repeat_terminate.as_dict() if isinstance(repeat_terminate, RepeatTerminateConfig) else \
             dict(repeat_terminate)
@@ -307,12 +322,13 @@ def launch_server(config: str | Path | Mapping[str, Any], *,
         cmd += ["--port", "0"] if "port" not in (yaml.safe_load(Path(config).read_text()).get("serve") or {}) else []
     with open(log_path, "wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env)
-    handle = ServerProcess(process, "", log_path)
+    handle = ServerProcess(process, "", log_path, work)
     if on_start is not None:
         on_start(handle)
     deadline = time.monotonic() + timeout
     while not ready.exists():
         if process.poll() is not None:
+            handle.stop()  # its folder goes; its log stays in the message
             raise RolloutServerError(f"the server exited with code {process.returncode} before serving:\n"
                                      f"{handle.log()[-3000:]}")
         if time.monotonic() > deadline:
