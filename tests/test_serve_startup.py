@@ -222,7 +222,8 @@ def test_a_server_that_exits_before_serving_leaves_no_folder(tmp_path, monkeypat
     from engine.serve.rollout.client import RolloutServerError
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.delenv(ENV_JSON, raising=False)
+    for name in (ENV_JSON, ENV_FILE, SEED_ENABLE, SEED_JSON, SEED_FILE):
+        monkeypatch.delenv(name, raising=False)
     with pytest.raises(RolloutServerError, match=r"repeat_terminate[.]enabled has no threshold set"):
         launch_server({**BASE, "repeat_terminate": {"enabled": True}}, timeout=60)
     assert not list(tmp_path.glob("engine-serve-*"))

@@ -19,6 +19,7 @@ from typing import Any
 
 import engine
 from engine.client import ServerProcess
+from engine.serve.rollout.client import vllm_sockets_in
 
 
 def free_port() -> int:
@@ -95,7 +96,7 @@ def started(what: str, cmd: list[str], port: int, *, env: dict[str, str], ready:
 
     work = Path(tempfile.mkdtemp(prefix="stock-server-"))  # its log and vLLM's IPC sockets: gone at stop()
     log_path = work / "server.log"
-    env = {"VLLM_RPC_BASE_PATH": str(work), **env}
+    env = {**vllm_sockets_in(work), **env}
     with log_path.open("wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = ServerProcess(process, f"http://127.0.0.1:{port}", log_path, work)

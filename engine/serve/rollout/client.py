@@ -260,7 +260,7 @@ class ServerProcess:
     log_path: Path
     work: Path | None = None
     """Removed once the process has stopped (None: nothing to remove)."""
-    _log_text: str | None = field(default=None, repr=False)
+    _log_text: str | None = field(default=None, init=False, repr=False)
 
     def __enter__(self) -> ServerProcess:
         return self
@@ -289,6 +289,21 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
+IPC_PATH_ROOM = 107 - len("/") - 36
+"""Longest folder vLLM's IPC sockets may go in: a Unix socket's path holds 107 bytes, and vLLM names each
+``<VLLM_RPC_BASE_PATH>/<uuid4>`` (36 characters)."""
+
+
+def vllm_sockets_in(work: Path) -> dict[str, str]:
+    """The variable that puts a server's vLLM IPC sockets into ``work`` (removed at ``stop()``), where their paths
+    fit; else nothing, and vLLM keeps its default (the temp folder).
+
+    >>> vllm_sockets_in(Path("/tmp/engine-serve-abc")), vllm_sockets_in(Path("/" + "x" * 80))
+    ({'VLLM_RPC_BASE_PATH': '/tmp/engine-serve-abc'}, {})
+    """
+    return {"VLLM_RPC_BASE_PATH": str(work)} if len(str(work).encode()) <= IPC_PATH_ROOM else {}
+
+
 def launch_server(config: str | Path | Mapping[str, Any], *,
                   repeat_terminate: Mapping[str, Any] | RepeatTerminateConfig | None = None,
                   args: Sequence[str] = (), env: Mapping[str, str] | None = None,
@@ -308,8 +323,7 @@ def launch_server(config: str | Path | Mapping[str, Any], *,
     if not isinstance(config, (str, Path)):
         (work / "served.yaml").write_text(yaml.safe_dump(dict(config)))
         config = work / "served.yaml"
-    child_env = {**os.environ, **(env or {})}
-    child_env.setdefault("VLLM_RPC_BASE_PATH", str(work))  # vLLM's IPC sockets go with the folder at stop()
+    child_env = {**vllm_sockets_in(work), **os.environ, **(env or {})}  # vLLM's sockets go with the folder
     if repeat_terminate is not None:
         subtree = repeat_terminate.as_dict() if isinstance(repeat_terminate, RepeatTerminateConfig) else \
             dict(repeat_terminate)
