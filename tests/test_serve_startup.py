@@ -1,5 +1,9 @@
 """Startup of ``python -m engine.serve``: the guard's subtree from config, environment or the learner's YAML,
-validated before torch or vLLM is imported; bad input exits non-zero within seconds, before any model load."""
+validated before torch or vLLM is imported; bad input exits non-zero before any heavy import or model load.
+
+No check here times the subprocess: what makes a bad start cheap is what it does not import or load, and that is
+asserted directly (``HEAVY=`` empty, no load attempted). A wall-clock bound failed CI once under load (14.2 s beside
+the quick tier) while the start itself was right."""
 
 from __future__ import annotations
 
@@ -21,16 +25,15 @@ PROBE = ("import sys; from engine.serve.launch import main; code = main(sys.argv
          "print('HEAVY=' + ','.join(heavy)); sys.exit(code)")
 
 
-def serve(tmp_path, config: dict, *args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+def serve(tmp_path, config: dict, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     import os
 
     path = tmp_path / "served.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
-    start = time.perf_counter()
     clean = {k: v for k, v in os.environ.items() if k not in (ENV_JSON, ENV_FILE, SEED_ENABLE, SEED_JSON, SEED_FILE)}
     proc = subprocess.run([sys.executable, "-c", PROBE, "--config", str(path), *args], capture_output=True,
                           text=True, env={**clean, **(env or {})}, timeout=60)
-    return proc, time.perf_counter() - start
+    return proc
 
 
 @pytest.mark.parametrize(("subtree", "message"), [
@@ -40,7 +43,7 @@ def serve(tmp_path, config: dict, *args: str, env: dict | None = None) -> tuple[
     ({"enabled": True, "max_consecutive_token_repeat": 4}, "did you mean 'max_consecutive_token_repeats'"),
 ])
 @pytest.mark.parametrize("source", ["config", "env-json", "env-file", "learner-yaml"])
-def test_bad_subtree_exits_2_fast_before_heavy_imports(tmp_path, subtree, message, source):
+def test_bad_subtree_exits_2_before_heavy_imports(tmp_path, subtree, message, source):
     config, args, env = dict(BASE), [], {}
     if source == "config":
         config["repeat_terminate"] = subtree
@@ -52,11 +55,10 @@ def test_bad_subtree_exits_2_fast_before_heavy_imports(tmp_path, subtree, messag
     else:
         (tmp_path / "train.yaml").write_text(json.dumps({"custom": {"extra": {"rollout": {"rt": subtree}}}}))
         args = ["--repeat-terminate-from", f"{tmp_path / 'train.yaml'}:custom.extra.rollout.rt"]
-    proc, seconds = serve(tmp_path, config, *args, env=env)
+    proc = serve(tmp_path, config, *args, env=env)
     assert proc.returncode == 2, proc.stderr
     assert "engine.serve: config error:" in proc.stderr and message in proc.stderr
     assert "HEAVY=\n" in proc.stdout, f"imported before validating: {proc.stdout}"
-    assert seconds < 5, f"took {seconds:.1f}s"
 
 
 def test_check_reports_the_source_and_hash_without_loading(tmp_path):
@@ -64,7 +66,7 @@ def test_check_reports_the_source_and_hash_without_loading(tmp_path):
 
     (tmp_path / "train.yaml").write_text("custom:\n  extra:\n    rt: {enabled: true, ngram_size: 3, ngram_repeats: 3}")
     spec = f"{tmp_path / 'train.yaml'}:custom.extra.rt"
-    proc, _ = serve(tmp_path, BASE, "--check", "--repeat-terminate-from", spec)
+    proc = serve(tmp_path, BASE, "--check", "--repeat-terminate-from", spec)
     assert proc.returncode == 0, proc.stderr
     assert "source=--repeat-terminate-from" in proc.stdout
     assert RepeatTerminateConfig(**GUARD).fingerprint()[:12] in proc.stdout
@@ -72,7 +74,7 @@ def test_check_reports_the_source_and_hash_without_loading(tmp_path):
 
 def test_missing_dotted_path_names_the_key_and_what_is_there(tmp_path):
     (tmp_path / "train.yaml").write_text("custom:\n  extra: {rollout_matching: {}}\n")
-    proc, _ = serve(tmp_path, BASE, "--check", "--repeat-terminate-from",
+    proc = serve(tmp_path, BASE, "--check", "--repeat-terminate-from",
                     f"{tmp_path / 'train.yaml'}:custom.extra.rollout.repeat_terminate")
     assert proc.returncode == 2
     assert "has no key 'rollout' under custom.extra" in proc.stderr and "rollout_matching" in proc.stderr
@@ -129,15 +131,15 @@ def test_the_seeds_variables_refuse_what_is_ambiguous(environ, flag, message):
 
 
 def test_the_launcher_takes_the_seeds_variables(tmp_path):
-    proc, _ = serve(tmp_path, BASE, "--check", env={SEED_ENABLE: "1", SEED_JSON: json.dumps(GUARD)})
+    proc = serve(tmp_path, BASE, "--check", env={SEED_ENABLE: "1", SEED_JSON: json.dumps(GUARD)})
     assert proc.returncode == 0, proc.stderr
     assert f"source=env:{SEED_JSON}" in proc.stdout and "enabled=True" in proc.stdout
-    proc, _ = serve(tmp_path, BASE, "--check", env={SEED_ENABLE: "1", SEED_JSON: "{}", ENV_JSON: "{}"})
+    proc = serve(tmp_path, BASE, "--check", env={SEED_ENABLE: "1", SEED_JSON: "{}", ENV_JSON: "{}"})
     assert proc.returncode == 2 and "two ways to give one subtree" in proc.stderr
 
 
 def test_namespace_must_not_shadow_the_response(tmp_path):
-    proc, _ = serve(tmp_path, {**BASE, "serve": {"namespace": "response"}}, "--check")
+    proc = serve(tmp_path, {**BASE, "serve": {"namespace": "response"}}, "--check")
     assert proc.returncode == 2 and "serve.namespace must not be 'response'" in proc.stderr
 
 
@@ -165,10 +167,10 @@ def test_a_port_in_use_exits_2_before_the_model_loads(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc, seconds = serve(tmp_path, BASE, "--port", str(port))
+        proc = serve(tmp_path, BASE, "--port", str(port))
     assert proc.returncode == 2, proc.stderr
     assert f"serve.port cannot be bound (Address already in use), got '127.0.0.1:{port}'" in proc.stderr
-    assert "cannot start" not in proc.stderr and seconds < 10
+    assert "cannot start" not in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("seconds", [0, 0.5, 30])
