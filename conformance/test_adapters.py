@@ -53,14 +53,29 @@ def adapter_folders() -> dict[str, str]:
     return {name: str(root / name) for name in NAMES}
 
 
-def lora(**sections):
-    """The sections of this module's engines: both adapters at load; their servers (the served twins', and the
-    served checks') with vLLM's LoRA routes on too (``serve`` is per request in process: no second engine)."""
-    return {"model": {"adapters": adapter_folders()}, "serve": {"adapter_loading": True}, **sections}
+VLLM_LORA = {"multiprocessing": True}
+"""Where vLLM's LoRA engine runs in the full gate: its engine core in a child process. In the test process it held
+1.9 GiB (weights, KV cache, LoRA buffers), which the gate kept to its end beside every other engine (its peak was
+11.6 GiB at 10bba47, above the CI's 12 GB per process); in a child the test process keeps 0.4 GiB of it. The quick
+tier, whose process peaks lower, keeps it in process: the child's start took 51 s here, the in-process one 19 s."""
 
 
 @pytest.fixture(scope="module")
-def lora_engines(pool, backend_names, text_model):
+def lora(pool, workload):
+    """The sections of this module's engines: both adapters at load; their servers (the served twins', and the
+    served checks') with vLLM's LoRA routes on too (``serve`` is per request in process: no second engine); vLLM's
+    engine core placed by :data:`VLLM_LORA` (its servers are the same either way: a served vLLM engine always runs
+    its core in a child process)."""
+    placed = workload.pick(full={"vllm": {**pool.config("vllm", pool.options.model)["vllm"], **VLLM_LORA}}, quick={})
+
+    def sections(**more):
+        return {"model": {"adapters": adapter_folders()}, "serve": {"adapter_loading": True}, **placed, **more}
+
+    return sections
+
+
+@pytest.fixture(scope="module")
+def lora_engines(pool, backend_names, text_model, lora):
     """Every runnable backend's engine on the text fixture with both adapters loaded."""
     return {b: pool.engine(b, text_model, **lora()) for b in backend_names}
 
@@ -151,20 +166,25 @@ def test_a_mixed_batch_equals_each_row_run_alone(lora_engines, rows, pool):
 
 @pytest.mark.gate_only(reason="hf.merge_adapters is one backend's option; test_greedy_parity_with_each_adapter "
                               "carries the unmerged path every backend shares")
-def test_hf_merged_adapters_answer_the_unmerged_rows_and_restore_the_base_exactly(rows, pool, text_model,
+def test_hf_merged_adapters_answer_the_unmerged_rows_and_restore_the_base_exactly(rows, pool, text_model, lora,
                                                                                   summary_note):
     """``hf.merge_adapters``: each adapter's rows equal the unmerged ones (token for token where float rounding does
     not part them, else by vLLM's rule at the divergence), and the base rows after merged calls are the unmerged
     engine's base rows exactly (every merged weight restored from its original, not subtracted back)."""
     if "hf" not in rows:
         pytest.skip("hf is not among this session's backends")
-    merged = pool.engine("hf", text_model, **lora(hf={"merge_adapters": True}))
-    for name in NAMES:
-        got = merged.generate(messages(), options=OPTIONS, adapter=name)
-        steps = divergence_steps(rows["hf"][name], got)
-        summary_note(f"hf merged vs unmerged, adapter {name}: {steps.count(None)}/{len(steps)} token-identical")
-        check_logprobs_close(outputs_0=rows["hf"][name], outputs_1=got, name_0="unmerged", name_1="merged")
-    base = merged.generate(messages(), options=OPTIONS)
+    sections = lora(hf={"merge_adapters": True})
+    merged = pool.engine("hf", text_model, **sections)
+    try:
+        for name in NAMES:
+            got = merged.generate(messages(), options=OPTIONS, adapter=name)
+            steps = divergence_steps(rows["hf"][name], got)
+            summary_note(f"hf merged vs unmerged, adapter {name}: {steps.count(None)}/{len(steps)} token-identical")
+            check_logprobs_close(outputs_0=rows["hf"][name], outputs_1=got, name_0="unmerged", name_1="merged")
+        base = merged.generate(messages(), options=OPTIONS)
+    finally:  # its only user: closed now, not at the session's end (the test process rose 0.95 GiB with it)
+        del merged
+        pool.drop("hf", text_model, **sections)
     assert [r.token_ids for r in base] == [r.token_ids for r in rows["hf"][None]]
     assert [r.logprobs for r in base] == [r.logprobs for r in rows["hf"][None]], "a merged weight was not restored"
 
@@ -172,7 +192,8 @@ def test_hf_merged_adapters_answer_the_unmerged_rows_and_restore_the_base_exactl
 @pytest.mark.servable
 @pytest.mark.gate_only(reason="test_greedy_parity_with_each_adapter carries the adapter path on every backend; the "
                               "rules' own checks (test_stop, test_repeat, test_rule_ends) carry stops and guards")
-def test_stops_min_length_and_the_repeat_guard_hold_with_an_adapter(lora_engines, pool, text_model, summary_note):
+def test_stops_min_length_and_the_repeat_guard_hold_with_an_adapter(lora_engines, pool, text_model, lora,
+                                                                    summary_note):
     """The engine's rules run beside the adapter: a stop string ends rows, min-length holds EOS back, the repeat
     guard ends a looping row; every backend alike."""
     prompts = messages()
@@ -322,7 +343,7 @@ def test_an_adapter_of_another_base_model_is_refused_at_load(pool, backend_names
 
 
 @pytest.fixture
-def lora_server(pool, backend, text_model):
+def lora_server(pool, backend, text_model, lora):
     """The pool's server of ``backend`` with both adapters loaded at start and vLLM's LoRA routes on."""
     from conformance.kit.availability import unavailable_reason
 
@@ -452,7 +473,7 @@ GUARD_XARGS = {"repeat_terminate.enabled": True, "repeat_terminate.max_consecuti
 @pytest.mark.gate_only(reason="test_the_model_field_picks_an_adapter_as_vllm_serve_does carries the served adapter "
                               "path; a stock vllm serve with LoRA beside ours is a second vLLM server (about 35 s)")
 def test_stock_vllm_serve_with_lora_modules_and_the_guard_plugin_answers_as_ours(pool, backend_names, text_model,
-                                                                                 lora_engines, summary_note):
+                                                                                 lora, lora_engines, summary_note):
     """Stock ``vllm serve --enable-lora --lora-modules r8=... r16=...`` with the guard's plugin
     (``--logits-processors``), beside the suite's vLLM server with the same adapters: the same chat requests naming
     r8, r16 and the base model answer the same token ids on both (and the in-process engine's); the guard plugin with

@@ -370,6 +370,36 @@ class EnginePool:
                 self._references.pop(k, None)
             self.released += 1
 
+    def drop(self, backend: str, model: str, /, **sections: Any) -> bool:
+        """Close the engine ``engine(backend, model, **sections)`` loaded (and every engine derived from it) now, not
+        at the session's end: for an engine only one check uses (its memory is the test process's until then). Only
+        where closing it leaves the others intact: HF and llama.cpp engines, and vLLM engines whose engine core runs in
+        a child process; an in-process vLLM engine is refused (closing it breaks every other live one, see
+        :meth:`keep`). False when no such engine is loaded. A later ask loads it again.
+
+        >>> pool = EnginePool(PoolOptions(("vllm",), "/m/smol", "/m/vl", "float32", "cpu"))
+        >>> pool.drop("hf", "/m/smol")
+        False
+        """
+        import time
+
+        key = self._key(backend, model, True, sections)
+        loaded = self._loaded.get(key, key)
+        if loaded not in self._engines:
+            return False
+        engine = self._engines[loaded]
+        if SPECS[backend].shares_card and not engine.config.vllm.multiprocessing:
+            raise RuntimeError(f"{named(loaded)}: an in-process vLLM engine stays until the session's end (closing it "
+                               "breaks every other live one); fix: load it with vllm.multiprocessing true to drop it")
+        began = time.monotonic()
+        engine.close()
+        for k in [k for k in self._engines if k == loaded or self._loaded.get(k) == loaded]:
+            for table in (self._engines, self._loaded, self._twins, self._references, self._sections):
+                table.pop(k, None)
+        self.bill.starts.append(("closed", named(loaded), time.monotonic() - began))
+        self.bill.released.append((named(loaded), self.bill.user))
+        return True
+
     def keep(self, key: tuple[str, ...], factory: Any) -> Any:
         """A session-lived object (e.g. a raw ``vllm.LLM``) built once by ``factory``.
 
