@@ -183,8 +183,10 @@ def test_guarded_batch_larger_than_the_engine_queues_alike(pool, backend_names, 
     assert_same_results(got, what="guarded batch queued over small slots", dtype=pool.options.dtype)
 
 
-# SmolLM2's checks last: served twins run in the module's order (conformance/kit/plugin.py), so vLLM, one server
-# at a time, starts the looper's servers and then the text server once each.
+# SmolLM2's checks reach the text server only (text_server): their twins run among that server's users, before the
+# check that ends it (plan.served_rank); the looper's checks run with the other modules' servers after it, so vLLM,
+# one server at a time, starts the text server and the looper's once each.
+@pytest.mark.text_server
 @pytest.mark.servable
 def test_healthy_smollm2_prompts_never_trigger(pool, backend, engine, workload):
     healthy = [p["messages"] for p in load_prompts("chat") + load_prompts("lists")]
@@ -197,6 +199,7 @@ def test_healthy_smollm2_prompts_never_trigger(pool, backend, engine, workload):
 
 
 @pytest.mark.slow
+@pytest.mark.text_server
 @pytest.mark.servable
 @pytest.mark.parametrize(
     ("guard", "reason"),

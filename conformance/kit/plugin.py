@@ -99,9 +99,12 @@ MARKERS = {
     "served": "the served twin of a servable check (-m 'not served' skips them)",
     "on_servers": "an in-process conformance check that reaches its module's pool servers itself (a foreign client "
                   "against them): it runs among its module's served twins, which start those servers anyway",
-    "ends_servers": "a conformance check that stops the pool server it is handed (a signal mid-stream): it runs at the "
-                    "session's end, after every served twin, the server's last user, and takes the server from the "
+    "ends_servers": "a conformance check that stops the pool server it is handed (a signal mid-stream): it runs after "
+                    "the text servers' other users (plan.ENDS_GROUP), their last user, and takes the server from the "
                     "pool (ServerPool.hand_over), so no server is started for it alone",
+    "text_server": "a servable conformance check in a module that also reaches other servers, whose served twin "
+                   "reaches the text model's server only: its twin runs among the text server's users "
+                   "(plan.served_rank), before the check that ends that server",
     "model_tier": "model_tier('tiny'), at module level: a conformance check module where the model is only a payload; "
                   "its engine, engines and text_model fixtures give the tiny tier's model (--engine-tiny-model) "
                   "instead of --engine-model (docs/conformance.md, 'Model tiers')",
@@ -346,13 +349,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         own_server = "target" in params(item) and not config.stash[TARGET_KEY].url
         on_servers = item.get_closest_marker("on_servers") is not None
         ends = item.get_closest_marker("ends_servers") is not None
+        text_only = item.get_closest_marker("text_server") is not None
         if params(item).get("reach", IN_PROCESS) != SERVED and not own_server and not on_servers and not ends:
             return (0, order[item])
         module = module_file(item)
         backend = params(item).get("backend", params(item).get("target", ""))
         stated = item.location[1] or 0  # the check's line in its module: pytest's own order groups by parameter
-        return (1, *served_rank(module_subjects(item.module), module, stated, ends=ends), first[variant(item)],
-                backend, order[item])
+        return (1, *served_rank(module_subjects(item.module), module, stated, ends=ends, text_only=text_only),
+                first[variant(item)], backend, order[item])
 
     items.sort(key=rank)
     ordered = [item for item in items if is_check(item)]

@@ -261,27 +261,33 @@ def served_group(subjects: Sequence[Subject] | None) -> int:
     return 0 if any(s.config != "[]" for s in declared) else 1
 
 
-ENDS_GROUP = 3
-"""Where checks marked ``ends_servers`` run: after every group :func:`served_group` gives, so each is its server's
-last user. HF's and llama.cpp's text servers stay up to the end (``KEPT_TEXT_SERVERS``) and are handed over; vLLM's,
-one server at a time, is handed over where it still runs and otherwise started once more, as the check's own server
-was before."""
+ENDS_GROUP = 1.5
+"""Where checks marked ``ends_servers`` run: after the text servers' users (groups 0 and 1, and the checks marked
+``text_server``), before group 2, whose servers are other models' or other configurations': each is then its text
+server's last user and is handed it (``ServerPool.hand_over``) while it still runs. At the session's end instead, vLLM's
+text server (one vLLM server at a time) had been stopped by group 2's and was started once more for it (about 20 s
+and one ``engine.serve`` of the gate at 10bba47); a check of group 2 that still reached a text server would start it
+again, which costs a start, never a verdict."""
 
 
 def served_rank(subjects: Sequence[Subject] | None, module: str, line: int, *, ends: bool = False,
-                ) -> tuple[int, str, int]:
+                text_only: bool = False) -> tuple[float, str, int]:
     """Where a served twin (or a check that reaches the pool's servers itself) runs among the others: by its module's
-    :func:`served_group`, then module, then its line in the file (a module orders its checks by the servers they
-    reach); a check that ends the server it is handed (``ends_servers``) after all of them (:data:`ENDS_GROUP`).
+    :func:`served_group` (1 for a check marked ``text_server``: its twin reaches the text server only, in a module of
+    group 2), then module, then its line in the file (a module orders its checks by the servers they reach); a check
+    that ends the server it is handed (``ends_servers``) after the text servers' other users (:data:`ENDS_GROUP`).
 
-    >>> text, looper = uses(servers("text")), uses(servers("tiny-looper"))
+    >>> text, looper = uses(servers("text")), uses(servers("tiny-looper"), servers("text"))
     >>> ranks = {"sigterm": served_rank(text, "test_hostile.py", 535, ends=True),
-    ...          "looper": served_rank(looper, "test_weight_sync.py", 90),
+    ...          "looper": served_rank(looper, "test_repeat.py", 90),
+    ...          "healthy": served_rank(looper, "test_repeat.py", 189, text_only=True),
     ...          "hostile": served_rank(text, "test_hostile.py", 120), "chat": served_rank(text, "test_chat.py", 700)}
     >>> sorted(ranks, key=ranks.get)
-    ['chat', 'hostile', 'looper', 'sigterm']
+    ['chat', 'hostile', 'healthy', 'sigterm', 'looper']
     """
-    return (ENDS_GROUP if ends else served_group(subjects), module, line)
+    if ends:
+        return (ENDS_GROUP, module, line)
+    return (1 if text_only else served_group(subjects), module, line)
 
 
 RELEASED = ("server", "kept")
