@@ -1,7 +1,7 @@
 """``EnginePool.drop``: an engine only one check uses is closed after it, with the engines derived from it, where
 closing it cannot break the others (HF, llama.cpp, a vLLM engine whose core runs in a child process); an in-process
 vLLM engine is refused. A stand-in for ``GenerationEngine`` records closes; the real engines run in the suite
-(``conformance/test_adapters.py`` drops its merged HF engine and, in the full gate, its child-process vLLM one)."""
+(``conformance/test_adapters.py`` drops its merged HF engine after its one check)."""
 
 from __future__ import annotations
 

@@ -361,14 +361,15 @@ class EnginePool:
                                "breaks the others; fix: --engine-vllm-multiprocessing (the default on CUDA hosts) "
                                "or a larger --engine-gpu-vllm-engines")
         for old in released:
-            doomed = [k for k in self._engines if k == old or self._loaded.get(k) == old]
-            self._engines[old].close()
-            for k in doomed:
-                self._engines.pop(k)
-                self._loaded.pop(k, None)
-                self._twins.pop(k, None)
-                self._references.pop(k, None)
+            self._close_loaded(old)
             self.released += 1
+
+    def _close_loaded(self, loaded: tuple[str, ...]) -> None:
+        """Close the engine loaded under ``loaded`` and forget it with every engine derived from it."""
+        self._engines[loaded].close()
+        for k in [k for k in self._engines if k == loaded or self._loaded.get(k) == loaded]:
+            for table in (self._engines, self._loaded, self._twins, self._references, self._sections):
+                table.pop(k, None)
 
     def drop(self, backend: str, model: str, /, **sections: Any) -> bool:
         """Close the engine ``engine(backend, model, **sections)`` loaded (and every engine derived from it) now, not
@@ -387,15 +388,11 @@ class EnginePool:
         loaded = self._loaded.get(key, key)
         if loaded not in self._engines:
             return False
-        engine = self._engines[loaded]
-        if SPECS[backend].shares_card and not engine.config.vllm.multiprocessing:
+        if SPECS[backend].shares_card and not self._engines[loaded].config.vllm.multiprocessing:
             raise RuntimeError(f"{named(loaded)}: an in-process vLLM engine stays until the session's end (closing it "
                                "breaks every other live one); fix: load it with vllm.multiprocessing true to drop it")
         began = time.monotonic()
-        engine.close()
-        for k in [k for k in self._engines if k == loaded or self._loaded.get(k) == loaded]:
-            for table in (self._engines, self._loaded, self._twins, self._references, self._sections):
-                table.pop(k, None)
+        self._close_loaded(loaded)
         self.bill.starts.append(("closed", named(loaded), time.monotonic() - began))
         self.bill.released.append((named(loaded), self.bill.user))
         return True
