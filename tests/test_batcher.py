@@ -218,15 +218,15 @@ def test_without_requests_on_their_way_a_quiet_wait_starts_the_batch():
 
 def test_a_request_that_never_arrives_holds_a_batch_no_longer_than_max_wait():
     """The batch waits for the announced request up to ``max_wait_s``, then runs without it. Without the bound it
-    would wait forever, so the upper bound here is only the test's guard (wide: CI runs the unit tests at
-    SCHED_IDLE beside the quick tier, where a wake-up has come 1.9 s late)."""
+    would wait forever; a hold past 10 s (100 times the bound) fails too. The line is that wide because CI runs the
+    unit tests at SCHED_IDLE beside the quick tier, where a wake-up that should come at once has come 3.5 s late."""
     backend = Recorder()
     batcher = AsyncBatcher(backend, max_batch_size=32, wait_s=0.005, max_wait_s=0.1)
 
     async def main():
         with batcher.arriving():  # announced, never submitted (e.g. refused after its check)
             began = time.perf_counter()
-            await asyncio.wait_for(batcher.submit([prompt(1)], plan()), timeout=30)
+            await asyncio.wait_for(batcher.submit([prompt(1)], plan()), timeout=10)
             return time.perf_counter() - began
 
     waited = run(main())
